@@ -1,0 +1,33 @@
+# Set-up and the two jobs of the README. Everything goes into .venv; nothing global is touched.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# Without an NVIDIA GPU, take the CPU build of torch first, so that pip does not pull a CUDA build.
+TORCH_CPU := torch==2.13.0
+
+.PHONY: demo test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "NVIDIA GPU found: torch comes from the project's requirements"; \
+	else \
+		$(PIP) install -q $(TORCH_CPU); \
+	fi
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/ftc compile model_specs/qwen3-moe-tiny.yaml --target auto --random-weights
+	$(VENV)/bin/ftc inspect build/qwen3-moe-tiny
+	$(VENV)/bin/ftc run build/qwen3-moe-tiny --prompt "The quick brown fox" --max-new-tokens 32 --ignore-eos
+
+test: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check ftc runtime tests bench
+
+clean:
+	rm -rf build $(VENV)

@@ -1,0 +1,1 @@
+"""The `ftc` command line: parses arguments, calls the compiler and runtime, prints results."""

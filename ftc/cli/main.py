@@ -1,0 +1,163 @@
+"""`ftc compile | inspect | run | bench`. Only argument parsing and printing live here."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="ftc, the FreeToken compiler: MoE models compiled into engines for one machine.")
+err = Console(stderr=True)
+
+
+def _fail(e: Exception) -> None:
+    err.print(f"[bold red]error:[/] {e}", highlight=False)
+    raise typer.Exit(1)
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from ftc_runtime.artifact import ArtifactError
+    from ftc_runtime.ftw import FtwError
+    from ftc_runtime.kernels import KernelError
+    from ftc_runtime.settings import SettingsError
+    from ftc_runtime.spec import SpecError
+
+    from ..build import BuildError
+    from ..checkpoint import CheckpointError
+    from ..codegen import CodegenError
+    from ..kernel_check import KernelCheckError
+    from ..targets import TargetError
+
+    return (ArtifactError, FtwError, KernelError, SettingsError, SpecError, BuildError, CheckpointError,
+            CodegenError, KernelCheckError, TargetError, ValueError, OSError)
+
+
+@app.command()
+def compile(
+    source: Annotated[Path, typer.Argument(help="Model spec YAML, or an HF checkpoint directory.")],
+    target: Annotated[str, typer.Option(help="Hardware target: 'auto' (this machine) or a preset name.")] = "auto",
+    checkpoint: Annotated[Path | None, typer.Option(help="HF safetensors checkpoint directory.")] = None,
+    random_weights: Annotated[bool, typer.Option("--random-weights", help="Deterministic random weights.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed for --random-weights.")] = 0,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Engine directory (build/<name>).")] = None,
+    override: Annotated[list[str] | None, typer.Option(help="Edit a spec field: FIELD=VALUE, repeatable.")] = None,
+) -> None:
+    """Compile a model into an engine directory."""
+    from ..pipeline import CompileOptions, compile_engine
+
+    if random_weights and checkpoint:
+        _fail(ValueError("give either --checkpoint or --random-weights, not both"))
+    try:
+        compile_engine(CompileOptions(source, target, output, checkpoint, random_weights, seed,
+                                      tuple(override or ())), err)
+    except _user_errors() as e:
+        _fail(e)
+
+
+@app.command()
+def inspect(
+    engine: Annotated[Path, typer.Argument(help="Engine directory.")],
+    verify: Annotated[bool, typer.Option("--verify", help="Also check every file's sha256.")] = False,
+) -> None:
+    """Show an engine's model, memory split, plan and files."""
+    from ..inspect_engine import inspect_engine
+
+    try:
+        tables = inspect_engine(engine, verify)
+    except _user_errors() as e:
+        _fail(e)
+    out = Console()
+    for t in tables:
+        out.print(t)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+
+
+@app.command()
+def run(
+    engine: Annotated[Path, typer.Argument(help="Engine directory.")],
+    prompt: Annotated[str | None, typer.Option(help="Prompt text.")] = None,
+    prompt_ids: Annotated[str | None, typer.Option(help="Prompt as token ids: 1,2,3.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (tokens, text, timings).")] = False,
+) -> None:
+    """Generate from a prompt, streaming the text (or one JSON object with --json)."""
+    from ftc_runtime import Engine, SamplingParams
+    from ftc_runtime.tokenizer import StreamDecoder
+
+    if (prompt is None) == (prompt_ids is None):
+        _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
+    try:
+        t0 = time.perf_counter()
+        eng = Engine.load(engine, show_progress=not as_json)
+        load_s = time.perf_counter() - t0
+        ids = _parse_ids(prompt_ids) if prompt_ids is not None else eng.tokenizer.encode(prompt)
+        gen = eng.generate(ids, max_new_tokens, SamplingParams(temperature, top_p, seed), not ignore_eos)
+        decoder = StreamDecoder(eng.tokenizer)
+        tokens = []
+        for token in gen:
+            tokens.append(token)
+            delta = decoder.push(token)
+            if not as_json:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+    except _user_errors() as e:
+        _fail(e)
+    s = gen.stats
+    timings = {"load_s": round(load_s, 4), "prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4),
+               "prefill_tok_s": round(s.prefill_tok_s, 2), "decode_tok_s": round(s.decode_tok_s, 2)}
+    if as_json:
+        print(json.dumps({"tokens": tokens, "text": eng.tokenizer.decode(tokens), "prompt_tokens": len(ids),
+                          "timings": timings}))
+    else:
+        sys.stdout.write("\n")
+        err.print(f"[dim]{len(ids)} prompt tokens, {len(tokens)} generated; prefill {s.prefill_tok_s:.1f} tok/s, "
+                  f"decode {s.decode_tok_s:.2f} tok/s[/]")
+
+
+class BenchKind(str, Enum):
+    experts = "experts"
+
+
+@app.command()
+def bench(
+    engine: Annotated[Path, typer.Argument(help="Engine directory.")],
+    kind: Annotated[BenchKind, typer.Argument(help="What to measure.")],
+    tokens: Annotated[int, typer.Option(help="Tokens per call (experts).")] = 1,
+    threads: Annotated[int | None, typer.Option(help="CPU workers (default: the plan's).")] = None,
+    seconds: Annotated[float, typer.Option(help="Seconds per measurement.")] = 3.0,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Also write the JSON here.")] = None,
+) -> None:
+    """Measure an engine; prints JSON."""
+    from ..bench_experts import bench_experts
+
+    if tokens < 1:
+        _fail(ValueError(f"--tokens {tokens}: expected at least 1"))
+    try:
+        result = bench_experts(engine, tokens, threads, seconds)
+    except _user_errors() as e:
+        _fail(e)
+    text = json.dumps(result, indent=1)
+    if output:
+        output.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,55 @@
+"""Renders the engine's kernel sources from the Jinja templates, with the spec's exact shapes."""
+
+from __future__ import annotations
+
+import shutil
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from ftc_runtime.artifact import Plan
+from ftc_runtime.spec import ModelSpec
+
+TEMPLATE_DIR = Path(str(files("ftc_templates")))
+CSRC_DIR = Path(str(files("ftc_runtime") / "csrc"))
+RUNTIME_SOURCES = ("worker_pool.h", "worker_pool.cpp")
+
+CPU_KERNELS = {
+    "avx512_bf16": ("cpu/expert_ffn_avx512.cpp.j2", 32,
+                    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]),
+    "avx2": ("cpu/expert_ffn_avx2.cpp.j2", 8, ["-mavx2", "-mfma"]),
+}
+
+
+class CodegenError(ValueError):
+    """The spec's shapes do not fit the chosen kernel; the message names the field."""
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True)
+
+
+def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[dict[str, Any]]:
+    """Writes the expert kernel, the runtime's fixed C++ core and a CMakeLists.txt into
+    `kernels_dir`; returns the kernel table for engine.json."""
+    template, step, flags = CPU_KERNELS[plan.isa]
+    h, i = spec.hidden_size, spec.moe.expert_intermediate_size
+    for field, value in (("hidden_size", h), ("moe.expert_intermediate_size", i)):
+        if value % step:
+            raise CodegenError(f"spec field '{field}' = {value}: the {plan.isa} kernel needs a multiple of {step}")
+    kernels_dir.mkdir(parents=True, exist_ok=True)
+    env = _env()
+    source = f"expert_ffn_{plan.isa}.cpp"
+    (kernels_dir / source).write_text(env.get_template(template).render(
+        template=Path(template).name, model=spec.name, isa=plan.isa, hidden=h, intermediate=i,
+        buckets=list(plan.batch_buckets), gate_up_chunk=plan.gate_up_chunk, down_chunk=plan.down_chunk,
+        prefetch_rows=plan.prefetch_rows))
+    for name in RUNTIME_SOURCES:
+        shutil.copyfile(CSRC_DIR / name, kernels_dir / name)
+    (kernels_dir / "CMakeLists.txt").write_text(env.get_template("CMakeLists.txt.j2").render(
+        model=spec.name, isa=plan.isa, sources=[source, "worker_pool.cpp"], isa_flags=flags))
+    return [{"name": "expert_ffn", "symbol": "ftc_expert_ffn", "source": f"kernels/{source}",
+             "isa": plan.isa, "shapes": {"hidden": h, "intermediate": i},
+             "batch_buckets": list(plan.batch_buckets)}]

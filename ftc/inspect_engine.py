@@ -1,0 +1,63 @@
+"""`ftc inspect`: what an engine holds and how it will run (from engine.json alone)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ftc_runtime.artifact import EngineManifest
+from ftc_runtime.models import family
+from rich.table import Table
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+
+
+def inspect_engine(engine: Path, verify: bool = False) -> list:
+    m = EngineManifest.read(engine)
+    if verify:
+        m.verify(skip_hash=())
+    spec, plan = m.spec, m.plan
+    dense_params = sum(_numel(s) for s in family(spec.family).dense_tensor_shapes(spec).values())
+    pool = len(spec.moe_layers) * spec.moe.num_experts * spec.expert_bytes
+    per_token = len(spec.moe_layers) * spec.moe.top_k * spec.expert_bytes
+    model = Table(title=f"{spec.name} ({spec.family})", show_header=False)
+    for k, v in (
+        ("layers", f"{spec.num_layers} ({len(spec.moe_layers)} with experts)"),
+        ("hidden / heads / kv heads / head dim", f"{spec.hidden_size} / {spec.attention.num_heads} / "
+         f"{spec.attention.num_kv_heads} / {spec.attention.head_dim}"),
+        ("experts", f"{spec.moe.num_experts} routed, top-{spec.moe.top_k}, intermediate "
+         f"{spec.moe.expert_intermediate_size}, {spec.moe.router}"),
+        ("vocabulary", str(spec.vocab_size)),
+        ("weights", m.weights_source),
+    ):
+        model.add_row(k, v)
+    memory = Table(title="memory", show_header=False)
+    for k, v in (
+        ("non-expert weights", f"{_gib(dense_params * 2)} bf16 ({dense_params / 1e9:.3f} B params)"),
+        ("routed-expert pool (host)", f"{_gib(pool)} ({spec.expert_bytes / 2**20:.2f} MiB per expert)"),
+        ("expert bytes read per token", _gib(per_token)),
+    ):
+        memory.add_row(k, v)
+    run = Table(title="plan", show_header=False)
+    for k, v in (
+        ("target", f"{m.target['name']} ({plan.isa})"),
+        ("CPU expert workers", str(plan.cpu_threads or "all physical cores")),
+        ("kernel token buckets", ", ".join(map(str, plan.batch_buckets))),
+        ("kernel work items", f"gate/up {plan.gate_up_chunk} rows, down {plan.down_chunk} rows, "
+         f"prefetch {plan.prefetch_rows} rows ahead"),
+        ("kernel check (rel. error)", ", ".join(f"{c['tokens']} tok: {c['rel_error']:.1e}"
+                                                for c in m.raw.get("kernel_check", []))),
+    ):
+        run.add_row(k, v)
+    files = Table("file", "bytes", "sha256", title="files" + (" (verified)" if verify else ""))
+    for rel, meta in m.files.items():
+        files.add_row(rel, f"{meta['bytes']:,}", meta["sha256"][:16] + "…")
+    return [model, memory, run, files]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

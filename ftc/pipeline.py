@@ -1,0 +1,174 @@
+"""`ftc compile`: spec + target + weights → an engine directory.
+
+Stages: dense weights → experts.ftw (streamed, one expert at a time) → tokenizer → kernel sources
+→ kernel build → kernel check against torch on the engine's own experts → engine.json. The engine is
+assembled in a staging directory and moved into place only when every stage has passed, so a failed
+compile never damages an engine that was there before.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from ftc_runtime.artifact import (
+    DENSE_FILE,
+    EXPERTS_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    LIBRARY_FILE,
+    MANIFEST,
+    TOKENIZER_FILE,
+    Plan,
+    describe_files,
+    plan_dict,
+)
+from ftc_runtime.cpu_info import physical_cpus
+from ftc_runtime.ftw import ExpertPool, FtwHeader, read_header
+from ftc_runtime.kernels import CpuExpertKernel
+from ftc_runtime.settings import settings
+from ftc_runtime.spec import ModelSpec, SpecError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from safetensors.torch import save_file
+
+from . import __version__
+from .build import build_kernels
+from .codegen import render_cpu_kernels
+from .kernel_check import check_expert_kernel
+from .spec_loader import load_spec
+from .targets import BATCH_BUCKETS, Target, resolve_target
+from .tokenizer_builder import build_byte_tokenizer
+from .weights import CheckpointWeights, RandomWeights, WeightSource
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    source: Path
+    target: str = "auto"
+    output: Path | None = None
+    checkpoint: Path | None = None
+    random_weights: bool = False
+    seed: int = 0
+    overrides: tuple[str, ...] = ()
+
+
+def make_plan(target: Target) -> Plan:
+    # 16-row work items: 128 KiB of gate/up rows at hidden 2048, many items per thread per layer
+    # for dynamic balance, few enough that the shared counter is not contended.
+    return Plan(isa=target.isa, cpu_threads=target.cpu_threads, batch_buckets=BATCH_BUCKETS[target.isa],
+                gate_up_chunk=16, down_chunk=16, prefetch_rows=2)
+
+
+def _weights(spec: ModelSpec, opts: CompileOptions, checkpoint: Path | None) -> WeightSource:
+    if opts.random_weights:
+        return RandomWeights(spec, opts.seed)
+    checkpoint = opts.checkpoint or checkpoint
+    if checkpoint is None:
+        raise SpecError(f"{opts.source}: no weights: give --checkpoint DIR or --random-weights "
+                        "(the spec names no checkpoint)")
+    return CheckpointWeights(spec, checkpoint)
+
+
+def compile_engine(opts: CompileOptions, console: Console | None = None) -> Path:
+    console = console or Console(stderr=True)
+    spec, checkpoint = load_spec(opts.source, list(opts.overrides))
+    target = resolve_target(opts.target)
+    plan = make_plan(target)
+    weights = _weights(spec, opts, checkpoint)
+    out = opts.output or Path("build") / spec.name
+    staging = out.parent / f".{out.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    console.print(f"[bold]ftc compile[/] {spec.name} ({spec.family}) from {weights.description} "
+                  f"for target {target.name} ({plan.isa}) → {out}")
+    columns = (SpinnerColumn(), TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        _write_dense(weights, staging, progress, spec)
+        ftw_sha = _write_experts(weights, spec, staging, progress)
+        task = progress.add_task("tokenizer", total=1)
+        _write_tokenizer(spec, checkpoint if not opts.random_weights else None, staging)
+        progress.advance(task)
+        task = progress.add_task("kernel sources", total=1)
+        kernels = render_cpu_kernels(spec, plan, staging / "kernels")
+        progress.advance(task)
+        task = progress.add_task("kernel build", total=1)
+        _, cached = build_kernels(staging / "kernels", staging / "lib", settings().cache_dir)
+        progress.update(task, advance=1, description="kernel build (cached)" if cached else "kernel build")
+        task = progress.add_task("kernel check", total=len(plan.batch_buckets))
+        checks = _check_kernels(spec, plan, staging, lambda: progress.advance(task))
+    files = [EXPERTS_FILE, DENSE_FILE, TOKENIZER_FILE, LIBRARY_FILE] + [k["source"] for k in kernels]
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "ftc_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "name": spec.name, "spec": spec.to_dict(), "target": target.to_dict(), "plan": plan_dict(plan),
+        "weights_source": weights.description, "kernels": kernels, "kernel_check": checks,
+        "files": describe_files(staging, files, {EXPERTS_FILE: ftw_sha}),
+    }
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    _replace(staging, out)
+    console.print(f"[green]engine ready:[/] {out}")
+    return out
+
+
+def _write_dense(weights: WeightSource, staging: Path, progress: Progress, spec: ModelSpec) -> None:
+    from ftc_runtime.models import family
+
+    task = progress.add_task("dense weights", total=len(family(spec.family).dense_tensor_shapes(spec)))
+    tensors = {}
+    for name, t in weights.dense():
+        tensors[name] = t.contiguous()
+        progress.advance(task)
+    save_file(tensors, str(staging / DENSE_FILE), metadata={"format": "pt", "producer": f"ftc {__version__}"})
+
+
+def _write_experts(weights: WeightSource, spec: ModelSpec, staging: Path, progress: Progress) -> str:
+    from .ftw_writer import FtwWriter
+
+    h, i, e = spec.hidden_size, spec.moe.expert_intermediate_size, spec.moe.num_experts
+    header = FtwHeader.create(len(spec.moe_layers), e, [("gate_up", "bf16", (2 * i, h)), ("down", "bf16", (h, i))])
+    task = progress.add_task("experts → FTW", total=header.num_rows)
+    writer = FtwWriter(staging / EXPERTS_FILE, header)
+    for layer in spec.moe_layers:
+        for expert in range(e):
+            writer.append(weights.expert(layer, expert))
+            progress.advance(task)
+    return writer.close()
+
+
+def _write_tokenizer(spec: ModelSpec, checkpoint: Path | None, staging: Path) -> None:
+    if checkpoint is not None and (checkpoint / TOKENIZER_FILE).is_file():
+        shutil.copyfile(checkpoint / TOKENIZER_FILE, staging / TOKENIZER_FILE)
+    else:
+        build_byte_tokenizer(spec, staging / TOKENIZER_FILE)
+
+
+def _check_kernels(spec: ModelSpec, plan: Plan, staging: Path, tick) -> list[dict]:
+    """Runs the built kernel on experts of the written file for every bucket and compares with torch."""
+    header, _ = read_header(staging / EXPERTS_FILE)
+    data = np.memmap(staging / EXPERTS_FILE, dtype=np.uint8, mode="c", offset=header.data_offset,
+                     shape=(header.data_bytes,))
+    pool = ExpertPool(header, torch.from_numpy(data))
+    cpus = physical_cpus()[: plan.cpu_threads or None]
+    kernel = CpuExpertKernel(staging / LIBRARY_FILE, plan.isa, spec.hidden_size,
+                             spec.moe.expert_intermediate_size, cpus)
+    results = []
+    for n_tokens in plan.batch_buckets:
+        results.append(check_expert_kernel(kernel, pool, spec.moe.top_k, n_tokens, seed=n_tokens))
+        tick()
+    return results
+
+
+def _replace(staging: Path, out: Path) -> None:
+    old = out.parent / f".{out.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,83 @@
+#include "worker_pool.h"
+
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+
+namespace ftc {
+
+namespace {
+// About 100-300 µs of pause instructions before a worker goes to sleep.
+constexpr int kSpinsBeforeSleep = 4096;
+
+void pin_to_cpu(pthread_t thread, int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(thread, sizeof(set), &set);  // best effort: a failed pin only costs speed
+}
+}  // namespace
+
+WorkerPool::WorkerPool(int n_threads, const int* cpus) : n_(n_threads < 1 ? 1 : n_threads) {
+  threads_.reserve(n_ - 1);
+  for (int tid = 1; tid < n_; ++tid) {
+    threads_.emplace_back(&WorkerPool::worker_loop, this, tid, cpus ? cpus[tid] : -1);
+  }
+}
+
+WorkerPool::~WorkerPool() {
+  stop_ = true;
+  generation_.fetch_add(1, std::memory_order_release);
+  generation_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void WorkerPool::worker_loop(int tid, int cpu) {
+  pin_to_cpu(pthread_self(), cpu);
+  uint64_t seen = 0;
+  for (;;) {
+    uint64_t g;
+    int spins = 0;
+    while ((g = generation_.load(std::memory_order_acquire)) == seen) {
+      if (++spins < kSpinsBeforeSleep) {
+        _mm_pause();
+      } else {
+        generation_.wait(seen, std::memory_order_acquire);
+      }
+    }
+    seen = g;
+    if (stop_) return;
+    fn_(tid, n_, ctx_);
+    pending_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+void WorkerPool::run(JobFn fn, void* ctx) {
+  fn_ = fn;
+  ctx_ = ctx;
+  pending_.store(n_ - 1, std::memory_order_relaxed);
+  generation_.fetch_add(1, std::memory_order_release);
+  generation_.notify_all();
+  fn(0, n_, ctx);
+  while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+}
+
+void WorkerPool::barrier() {
+  // Sense-reversing barrier: the phase cannot advance before this thread has arrived.
+  const uint32_t phase = barrier_phase_.load(std::memory_order_acquire);
+  if (barrier_count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+    barrier_count_.store(0, std::memory_order_relaxed);
+    barrier_phase_.fetch_add(1, std::memory_order_release);
+  } else {
+    while (barrier_phase_.load(std::memory_order_acquire) == phase) _mm_pause();
+  }
+}
+
+}  // namespace ftc
+
+extern "C" {
+void* ftc_pool_create(int n_threads, const int* cpus) { return new ftc::WorkerPool(n_threads, cpus); }
+void ftc_pool_destroy(void* pool) { delete static_cast<ftc::WorkerPool*>(pool); }
+int ftc_pool_size(void* pool) { return static_cast<ftc::WorkerPool*>(pool)->size(); }
+}

@@ -1,0 +1,125 @@
+"""`Engine`: a compiled engine directory loaded for inference (CPU path)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from safetensors.torch import load_file
+
+from . import ftw
+from .artifact import DENSE_FILE, EXPERTS_FILE, LIBRARY_FILE, TOKENIZER_FILE, ArtifactError, EngineManifest
+from .cpu_info import physical_cpus
+from .experts import CpuExperts
+from .kernels import CpuExpertKernel
+from .models import family
+from .sampling import Sampler, SamplingParams
+from .settings import settings
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+
+@dataclass
+class Generation:
+    """Iterate to receive token ids as they are produced; `stats` is complete afterwards."""
+
+    _tokens: Iterator[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __iter__(self) -> Iterator[int]:
+        return self._tokens
+
+
+def _worker_cpus(plan_threads: int | None) -> list[int]:
+    cpus = physical_cpus()
+    wanted = settings().num_threads or plan_threads or len(cpus)
+    return cpus[: max(1, min(wanted, len(cpus)))]
+
+
+class Engine:
+    def __init__(self, manifest: EngineManifest, tokenizer: Tokenizer, model, pool: ftw.ExpertPool):
+        self.manifest, self.spec, self.tokenizer, self.model, self.pool = (
+            manifest, manifest.spec, tokenizer, model, pool)
+
+    @classmethod
+    def load(cls, path: str | Path, show_progress: bool = False) -> Engine:
+        root = Path(path)
+        manifest = EngineManifest.read(root)
+        manifest.verify()
+        spec, plan = manifest.spec, manifest.plan
+        kernel = CpuExpertKernel(root / LIBRARY_FILE, plan.isa, spec.hidden_size,
+                                 spec.moe.expert_intermediate_size, _worker_cpus(plan.cpu_threads))
+        with Progress(TextColumn("loading experts"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      disable=not show_progress, transient=True) as bar:
+            task = bar.add_task("experts", total=manifest.files[EXPERTS_FILE]["bytes"])
+            pool = ftw.load(root / EXPERTS_FILE, on_bytes=lambda n: bar.advance(task, n))
+        if (pool.header.num_moe_layers, pool.header.num_experts) != (len(spec.moe_layers), spec.moe.num_experts):
+            raise ftw.FtwError(f"{root / EXPERTS_FILE}: holds {pool.header.num_moe_layers} MoE layers × "
+                               f"{pool.header.num_experts} experts, the spec needs {len(spec.moe_layers)} × "
+                               f"{spec.moe.num_experts}")
+        dense = load_file(str(root / DENSE_FILE))
+        fam = family(spec.family)
+        expected = fam.dense_tensor_shapes(spec)
+        for name, shape in expected.items():
+            if name not in dense or tuple(dense[name].shape) != shape:
+                got = tuple(dense[name].shape) if name in dense else "missing"
+                raise ArtifactError(f"{root / DENSE_FILE}: tensor {name}: {got}, expected {shape}")
+        model = fam.model(spec, dense, CpuExperts(pool, kernel))
+        return cls(manifest, Tokenizer(root / TOKENIZER_FILE), model, pool)
+
+    def _check_ids(self, ids: list[int]) -> torch.Tensor:
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [i for i in ids if not 0 <= i < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+        return torch.tensor(ids, dtype=torch.long)
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits of every position of `ids` in one fresh sequence: [len(ids), vocab] fp32."""
+        return self.model.forward(self._check_ids(ids), self.model.new_cache(), all_logits=True)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 sampling: SamplingParams = SamplingParams(), stop_at_eos: bool = True) -> Generation:
+        ids = self._check_ids(prompt_ids)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens = {max_new_tokens}: expected a number >= 0")
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        eos = set(self.spec.eos_token_ids) if stop_at_eos else set()
+
+        def tokens() -> Iterator[int]:
+            if max_new_tokens == 0:
+                return
+            cache, sample = self.model.new_cache(), Sampler(sampling)
+            t0 = time.perf_counter()
+            token = sample(self.model.forward(ids, cache)[-1])
+            stats.prefill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for n in range(1, max_new_tokens + 1):
+                stats.new_tokens = n
+                stats.decode_s = time.perf_counter() - t0
+                yield token
+                if token in eos or n == max_new_tokens:
+                    return
+                token = sample(self.model.forward(torch.tensor([token]), cache)[-1])
+
+        return Generation(tokens(), stats)

@@ -1,0 +1,37 @@
+"""Next-token choice: greedy at temperature 0, else temperature and nucleus (top-p) sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature = {self.temperature}: expected a number >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p}: expected a number in (0, 1]")
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator().manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] fp32."""
+        if self.params.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / self.params.temperature, dim=-1)
+        if self.params.top_p < 1:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < self.params.top_p  # always keeps the top one
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=self.generator))

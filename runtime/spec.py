@@ -1,0 +1,251 @@
+"""The model spec: the shapes and rules of one MoE model, as frozen dataclasses.
+
+The compiler reads a spec from YAML or from an HF `config.json`; the runtime reads it back from
+`engine.json`. Both go through `ModelSpec.from_dict`, which checks every field and names the field,
+the value and what was expected when something is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union, get_args, get_origin
+
+# Families whose runtime model exists. Later families (qwen3_5_moe, qwen3_next, deepseek_v4, ...)
+# add their name here and their model class to `ftc_runtime.models`.
+FAMILIES = ("qwen3_moe",)
+ROUTERS = ("softmax_topk",)
+ATTENTION_KINDS = ("gqa",)
+LAYER_KINDS = ("full_attention",)
+DTYPES = ("bf16",)
+
+
+class SpecError(ValueError):
+    """A spec field has a wrong or missing value; the message names the field and the value."""
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    kind: Literal["rms"] = "rms"  # later: "rms_one_plus" ((1 + w) · x̂, the Qwen3.5 norm)
+    eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kind: str = "gqa"
+    qk_norm: bool = True
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float = 1_000_000.0
+    partial_rotary_factor: float = 1.0
+    scaling: Literal["none"] = "none"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0
+    # Layers that use a dense MLP instead of experts (HF `mlp_only_layers` / `decoder_sparse_step`).
+    dense_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
+
+
+@dataclass(frozen=True)
+class TokenSpec:
+    """Special tokens by text → id; `eos` and `boundaries` name some of them."""
+
+    special: dict[str, int] = field(default_factory=dict)
+    eos: tuple[str, ...] = ()
+    bos: str | None = None
+    # Agent-edit boundaries (end of reasoning, tool call, tool output, turn) used by later issues.
+    boundaries: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    attention: AttentionSpec
+    moe: MoESpec
+    norm: NormSpec = NormSpec()
+    rope: RopeSpec = RopeSpec()
+    tokens: TokenSpec = TokenSpec()
+    # One entry per layer; empty means every layer is "full_attention". Hybrid families list
+    # their linear-attention layers here.
+    layer_kinds: tuple[str, ...] = ()
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    dtype: str = "bf16"
+    checkpoint: str | None = None
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Decoder layer indices that have routed experts, in order (FTW layer l is the l-th)."""
+        dense = set(self.moe.dense_layers)
+        return tuple(i for i in range(self.num_layers) if i not in dense)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one bf16 routed expert (gate, up and down)."""
+        return 3 * self.hidden_size * self.moe.expert_intermediate_size * 2
+
+    def token_id(self, text: str) -> int:
+        return self.tokens.special[text]
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.tokens.special[t] for t in self.tokens.eos)
+
+    # -- (de)serialization -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "spec") -> ModelSpec:
+        spec = _build(cls, data, source, "")
+        _check(spec, source)
+        return spec
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def _fail(source: str, path: str, value: Any, expected: str) -> SpecError:
+    return SpecError(f"{source}: field '{path}' = {value!r}: expected {expected}")
+
+
+def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "(top level)"
+    if not isinstance(data, dict):
+        raise _fail(source, where, data, f"a mapping of {cls.__name__} fields")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise SpecError(f"{source}: unknown field '{prefix}{unknown[0]}'; "
+                        f"{where} takes: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        path = prefix + name
+        if name not in data:
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required:
+                raise SpecError(f"{source}: missing required field '{path}'")
+            continue
+        kwargs[name] = _convert(hints[name], data[name], source, path)
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, source, path + ".")
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, source, path)
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise _fail(source, path, value, "one of " + ", ".join(map(repr, get_args(tp))))
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _fail(source, path, value, "a list")
+        return tuple(_convert(get_args(tp)[0], v, source, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _fail(source, path, value, "a mapping")
+        kt, vt = get_args(tp)
+        return {_convert(kt, k, source, path): _convert(vt, v, source, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _fail(source, path, value, "true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(source, path, value, "an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(source, path, value, "a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _fail(source, path, value, "a string")
+        return value
+    raise TypeError(f"spec field {path} has unsupported type {tp}")
+
+
+def _check(s: ModelSpec, source: str) -> None:
+    """Cross-field rules; each names the field that breaks it."""
+
+    def need(ok: bool, path: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise _fail(source, path, value, expected)
+
+    a, m = s.attention, s.moe
+    need(s.family in FAMILIES, "family", s.family, "one of " + ", ".join(FAMILIES))
+    need(s.dtype in DTYPES, "dtype", s.dtype, "one of " + ", ".join(DTYPES))
+    for path, v in (("num_layers", s.num_layers), ("hidden_size", s.hidden_size),
+                    ("vocab_size", s.vocab_size), ("attention.num_heads", a.num_heads),
+                    ("attention.num_kv_heads", a.num_kv_heads), ("attention.head_dim", a.head_dim),
+                    ("moe.num_experts", m.num_experts), ("moe.top_k", m.top_k),
+                    ("moe.expert_intermediate_size", m.expert_intermediate_size),
+                    ("max_position_embeddings", s.max_position_embeddings)):
+        need(v > 0, path, v, "a positive integer")
+    need(a.kind in ATTENTION_KINDS, "attention.kind", a.kind, "one of " + ", ".join(ATTENTION_KINDS))
+    need(a.num_heads % a.num_kv_heads == 0, "attention.num_kv_heads", a.num_kv_heads,
+         f"a divisor of attention.num_heads ({a.num_heads})")
+    need(a.head_dim % 2 == 0, "attention.head_dim", a.head_dim, "an even number (RoPE pairs)")
+    need(m.router in ROUTERS, "moe.router", m.router, "one of " + ", ".join(ROUTERS))
+    need(m.top_k <= m.num_experts, "moe.top_k", m.top_k, f"at most moe.num_experts ({m.num_experts})")
+    need(m.num_shared_experts == 0, "moe.num_shared_experts", m.num_shared_experts,
+         f"0 for family {s.family} (shared experts arrive with the qwen3_5_moe family)")
+    need(s.norm.eps > 0, "norm.eps", s.norm.eps, "a positive number")
+    need(s.rope.theta > 0, "rope.theta", s.rope.theta, "a positive number")
+    need(0 < s.rope.partial_rotary_factor <= 1, "rope.partial_rotary_factor",
+         s.rope.partial_rotary_factor, "a number in (0, 1]")
+    for i, layer in enumerate(m.dense_layers):
+        need(0 <= layer < s.num_layers, f"moe.dense_layers[{i}]", layer, f"a layer in [0, {s.num_layers})")
+    if m.dense_layers:
+        need(m.dense_intermediate_size > 0, "moe.dense_intermediate_size", m.dense_intermediate_size,
+             "a positive integer when moe.dense_layers is not empty")
+    need(len(s.moe_layers) > 0, "moe.dense_layers", list(m.dense_layers), "at least one layer with experts")
+    if s.layer_kinds:
+        need(len(s.layer_kinds) == s.num_layers, "layer_kinds", len(s.layer_kinds),
+             f"one entry per layer ({s.num_layers})")
+        for i, k in enumerate(s.layer_kinds):
+            need(k in LAYER_KINDS, f"layer_kinds[{i}]", k, "one of " + ", ".join(LAYER_KINDS))
+    for text, tid in s.tokens.special.items():
+        need(0 <= tid < s.vocab_size, f"tokens.special.{text}", tid, f"an id in [0, vocab_size={s.vocab_size})")
+    for i, text in enumerate(s.tokens.eos):
+        need(text in s.tokens.special, f"tokens.eos[{i}]", text, "a token listed in tokens.special")
+    for i, text in enumerate(s.tokens.boundaries):
+        need(text in s.tokens.special, f"tokens.boundaries[{i}]", text, "a token listed in tokens.special")
+    if s.tokens.bos is not None:
+        need(s.tokens.bos in s.tokens.special, "tokens.bos", s.tokens.bos, "a token listed in tokens.special")
