@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
-# Issue 2's device run: the CPU expert kernel at qwen3-30b-a3b shapes (4 of its 48 layers, so the
-# pool is 4.8 GB, far beyond the L3, without a 58 GB file), against torch bf16 and a plain read.
-# Usage on the device machine: bash bench/device_cpu_experts.sh OUT_DIR
+# Issue 2's device run: the CPU test suite, then the CPU expert kernel at qwen3-30b-a3b shapes
+# (4 of its 48 layers: a 4.8 GB pool, far beyond the L3, without a 58 GB file) against torch bf16
+# and a plain read, three times at batch 1 to show the spread; --tune adds the tiling sweep.
+# Usage on the device machine: bash bench/device_cpu_experts.sh OUT_DIR [--tune]
 set -euo pipefail
 out=${1:?output directory}
 mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|L3|Flags" | cut -c1-200 > "$out/lscpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -3 | tee "$out/pytest.txt"
 engine=/tmp/ftc-q30-4l
-ftc compile model_specs/qwen3-30b-a3b.yaml --random-weights --override num_layers=4 -o $engine 2>&1 | tail -3
-for t in 1 4; do
-  ftc bench $engine experts --tokens $t --seconds 3 -o "$out/bench_experts_t$t.json"
+ftc compile model_specs/qwen3-30b-a3b.yaml --random-weights --override num_layers=4 -o $engine 2>&1 | tail -1
+for run in 1 2 3; do
+  ftc bench $engine experts --tokens 1 --seconds 3 -o "$out/bench_experts_t1_run$run.json" > /dev/null
 done
-python3 bench/tune_cpu_kernel.py $engine --threads 8,12,16 --prefetch 0,1,2,4 --chunk 8,16,32 --seconds 1.5 \
-  | tee "$out/tune.jsonl"
+ftc bench $engine experts --tokens 8 --seconds 3 -o "$out/bench_experts_t8.json" > /dev/null
+python3 - "$out" <<'PY'
+import json, pathlib, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob("bench_experts_*.json")):
+    r = json.loads(p.read_text())
+    print(f"{p.stem:28s} tokens={r['tokens']} threads={r['threads']} kernel={r['kernel_gbps']} GB/s "
+          f"({r['kernel_ms_per_layer']} ms/layer) torch_bf16={r['torch_bf16_gbps']} read={r['torch_read_gbps']}")
+PY
+if [ "${2:-}" = "--tune" ]; then
+  python3 bench/tune_cpu_kernel.py $engine --threads 8,12,16 --prefetch 0,1,2,4 --chunk 8,16,32 --seconds 1.5 \
+    | tee "$out/tune.jsonl"
+fi

@@ -14,15 +14,14 @@ import json
 import tempfile
 from pathlib import Path
 
+from ftc.bench_experts import measure
+from ftc.build import build_kernels
+from ftc.codegen import render_cpu_kernels
 from ftc_runtime import ftw
 from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest
 from ftc_runtime.cpu_info import physical_cpus
 from ftc_runtime.kernels import CpuExpertKernel
 from ftc_runtime.settings import settings
-
-from ftc.bench_experts import measure
-from ftc.build import build_kernels
-from ftc.codegen import render_cpu_kernels
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from ftc_runtime import ftw
 from ftc_runtime.artifact import EXPERTS_FILE, LIBRARY_FILE, EngineManifest
 from ftc_runtime.cpu_info import physical_cpus

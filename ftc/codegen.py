@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+
 from ftc_runtime.artifact import Plan
 from ftc_runtime.spec import ModelSpec
 

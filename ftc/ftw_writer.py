@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 import torch
+
 from ftc_runtime.ftw import FtwHeader, encode_trailer, round_up, row_checksum
 
 

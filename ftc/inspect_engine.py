@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich.table import Table
+
 from ftc_runtime.artifact import EngineManifest
 from ftc_runtime.models import family
-from rich.table import Table
 
 
 def _gib(n: float) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from ftc_runtime.experts import group_by_expert
 from ftc_runtime.ftw import ExpertPool
 from ftc_runtime.kernels import CpuExpertKernel

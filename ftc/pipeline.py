@@ -16,6 +16,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from safetensors.torch import save_file
+
 from ftc_runtime.artifact import (
     DENSE_FILE,
     EXPERTS_FILE,
@@ -29,13 +40,10 @@ from ftc_runtime.artifact import (
     plan_dict,
 )
 from ftc_runtime.cpu_info import physical_cpus
-from ftc_runtime.ftw import ExpertPool, FtwHeader, read_header
+from ftc_runtime.ftw import ExpertPool, FtwHeader, bf16_expert_banks, read_header
 from ftc_runtime.kernels import CpuExpertKernel
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec, SpecError
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from safetensors.torch import save_file
 
 from . import __version__
 from .build import build_kernels
@@ -132,7 +140,7 @@ def _write_experts(weights: WeightSource, spec: ModelSpec, staging: Path, progre
     from .ftw_writer import FtwWriter
 
     h, i, e = spec.hidden_size, spec.moe.expert_intermediate_size, spec.moe.num_experts
-    header = FtwHeader.create(len(spec.moe_layers), e, [("gate_up", "bf16", (2 * i, h)), ("down", "bf16", (h, i))])
+    header = FtwHeader.create(len(spec.moe_layers), e, bf16_expert_banks(h, i))
     task = progress.add_task("experts → FTW", total=header.num_rows)
     writer = FtwWriter(staging / EXPERTS_FILE, header)
     for layer in spec.moe_layers:

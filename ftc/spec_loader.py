@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from ftc_runtime.spec import ModelSpec, SpecError
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ftc_runtime.spec import ModelSpec, SpecError
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from ftc_runtime.spec import ModelSpec, SpecError
 
 BYTE_TOKENS = 256
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+
 from ftc_runtime.models import family
 from ftc_runtime.spec import ModelSpec
 

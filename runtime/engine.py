@@ -99,8 +99,9 @@ class Engine:
         return self.model.forward(self._check_ids(ids), self.model.new_cache(), all_logits=True)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
-                 sampling: SamplingParams = SamplingParams(), stop_at_eos: bool = True) -> Generation:
+                 sampling: SamplingParams | None = None, stop_at_eos: bool = True) -> Generation:
         ids = self._check_ids(prompt_ids)
+        sampling = sampling or SamplingParams()
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens = {max_new_tokens}: expected a number >= 0")
         stats = GenerationStats(prompt_tokens=len(prompt_ids))

@@ -115,6 +115,11 @@ class FtwHeader:
         return PREFIX.pack(MAGIC, room) + body + b" " * (room - len(body))
 
 
+def bf16_expert_banks(hidden: int, intermediate: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The banks of a bf16 SwiGLU expert: gate_up [2I, H] (gate rows first), down [H, I]."""
+    return [("gate_up", "bf16", (2 * intermediate, hidden)), ("down", "bf16", (hidden, intermediate))]
+
+
 def encode_trailer(checksums: dict[str, list[int]]) -> bytes:
     return json.dumps({k: [f"{c:08x}" for c in v] for k, v in checksums.items()}).encode()
 
@@ -137,8 +142,10 @@ def read_header(path: Path) -> tuple[FtwHeader, dict[str, tuple[int, ...]]]:
             if len(raw) < length:
                 raise FtwError(f"{name}: truncated inside its header ({size} bytes)")
             h = json.loads(raw)
-            if h.get("version") != VERSION:
-                raise FtwError(f"{name}: FTW version {h.get('version')} is not supported "
+            if not isinstance(h, dict) or "version" not in h:
+                raise FtwError(f"{name}: corrupted header (no 'version' field)")
+            if h["version"] != VERSION:
+                raise FtwError(f"{name}: FTW version {h['version']} is not supported "
                                f"(this runtime reads version {VERSION})")
             header = FtwHeader.create(h["num_moe_layers"], h["num_experts"],
                                       [(b["name"], b["dtype"], tuple(b["row_shape"])) for b in h["banks"]])
@@ -226,7 +233,7 @@ def verify_rows(pool: ExpertPool, checksums: dict[str, tuple[int, ...]], name: s
         return row_checksum(pool.bank(job[0])[job[1]])
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
-        for (bank, r), got in zip(jobs, ex.map(crc, jobs, chunksize=16)):
+        for (bank, r), got in zip(jobs, ex.map(crc, jobs, chunksize=16), strict=True):
             if got != checksums[bank][r]:
                 layer, expert = divmod(r, h.num_experts)
                 raise FtwError(f"{name}: corrupted: bank '{bank}' row {r} (MoE layer {layer}, expert "

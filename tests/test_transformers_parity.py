@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+
 from ftc.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine, SamplingParams
 
@@ -29,7 +30,12 @@ ENGINES = [(0, "auto"), (1, "auto"), (2, "auto"), (3, "auto"), (0, "cpu"), (3, "
 MIN_GREEDY_MARGIN = 0.1
 
 
-@pytest.fixture(scope="module", params=ENGINES, ids=lambda p: f"case{p[0]}-{CASES[p[0]][1]}-{CASES[p[0]][2]}shard-{p[1]}")
+def _engine_id(p: tuple[int, str]) -> str:
+    _, layout, shards, dtype = CASES[p[0]]
+    return f"case{p[0]}-{layout}-{shards}shard-{str(dtype)[6:]}-{p[1]}"
+
+
+@pytest.fixture(scope="module", params=ENGINES, ids=_engine_id)
 def engine_and_model(request, tmp_path_factory):
     case, target = request.param
     shape, layout, shards, dtype = CASES[case]
