@@ -8,13 +8,20 @@ TORCH_CPU := torch==2.13.0
 
 .PHONY: demo test lint clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "NVIDIA GPU found: torch comes from the project's requirements"; \
 	else \
 		$(PIP) install -q $(TORCH_CPU); \
 	fi
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
@@ -23,10 +30,10 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/ftc inspect build/qwen3-moe-tiny
 	$(VENV)/bin/ftc run build/qwen3-moe-tiny --prompt "The quick brown fox" --max-new-tokens 32 --ignore-eos
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed-dev
 	$(VENV)/bin/python -m pytest -q
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check ftc runtime tests bench
 
 clean:

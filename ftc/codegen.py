@@ -44,13 +44,13 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
     env = _env()
     source = f"expert_ffn_{plan.isa}.cpp"
     (kernels_dir / source).write_text(env.get_template(template).render(
-        template=Path(template).name, model=spec.name, isa=plan.isa, hidden=h, intermediate=i,
+        template=Path(template).name, isa=plan.isa, hidden=h, intermediate=i,
         buckets=list(plan.batch_buckets), gate_up_chunk=plan.gate_up_chunk, down_chunk=plan.down_chunk,
         prefetch_rows=plan.prefetch_rows))
     for name in RUNTIME_SOURCES:
         shutil.copyfile(CSRC_DIR / name, kernels_dir / name)
     (kernels_dir / "CMakeLists.txt").write_text(env.get_template("CMakeLists.txt.j2").render(
-        model=spec.name, isa=plan.isa, sources=[source, "worker_pool.cpp"], isa_flags=flags))
+        isa=plan.isa, sources=[source, "worker_pool.cpp"], isa_flags=flags))
     return [{"name": "expert_ffn", "symbol": "ftc_expert_ffn", "source": f"kernels/{source}",
              "isa": plan.isa, "shapes": {"hidden": h, "intermediate": i},
              "batch_buckets": list(plan.batch_buckets)}]

@@ -37,17 +37,18 @@ from ftc_runtime.artifact import (
     TOKENIZER_FILE,
     Plan,
     describe_files,
-    plan_dict,
 )
 from ftc_runtime.cpu_info import physical_cpus
 from ftc_runtime.ftw import ExpertPool, FtwHeader, bf16_expert_banks, read_header
 from ftc_runtime.kernels import CpuExpertKernel
+from ftc_runtime.models import family
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec, SpecError
 
 from . import __version__
 from .build import build_kernels
 from .codegen import render_cpu_kernels
+from .ftw_writer import FtwWriter
 from .kernel_check import check_expert_kernel
 from .spec_loader import load_spec
 from .targets import BATCH_BUCKETS, Target, resolve_target
@@ -76,7 +77,6 @@ def make_plan(target: Target) -> Plan:
 def _weights(spec: ModelSpec, opts: CompileOptions, checkpoint: Path | None) -> WeightSource:
     if opts.random_weights:
         return RandomWeights(spec, opts.seed)
-    checkpoint = opts.checkpoint or checkpoint
     if checkpoint is None:
         raise SpecError(f"{opts.source}: no weights: give --checkpoint DIR or --random-weights "
                         "(the spec names no checkpoint)")
@@ -85,7 +85,8 @@ def _weights(spec: ModelSpec, opts: CompileOptions, checkpoint: Path | None) -> 
 
 def compile_engine(opts: CompileOptions, console: Console | None = None) -> Path:
     console = console or Console(stderr=True)
-    spec, checkpoint = load_spec(opts.source, list(opts.overrides))
+    spec, spec_checkpoint = load_spec(opts.source, list(opts.overrides))
+    checkpoint = None if opts.random_weights else opts.checkpoint or spec_checkpoint
     target = resolve_target(opts.target)
     plan = make_plan(target)
     weights = _weights(spec, opts, checkpoint)
@@ -95,13 +96,26 @@ def compile_engine(opts: CompileOptions, console: Console | None = None) -> Path
     staging.mkdir(parents=True)
     console.print(f"[bold]ftc compile[/] {spec.name} ({spec.family}) from {weights.description} "
                   f"for target {target.name} ({plan.isa}) → {out}")
+    try:
+        _build_engine(spec, target, plan, weights, checkpoint, staging, console)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _replace(staging, out)
+    console.print(f"[green]engine ready:[/] {out}")
+    return out
+
+
+def _build_engine(spec: ModelSpec, target: Target, plan: Plan, weights: WeightSource, checkpoint: Path | None,
+                  staging: Path, console: Console) -> None:
+    """Every stage, into the staging directory; engine.json is written last."""
     columns = (SpinnerColumn(), TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         _write_dense(weights, staging, progress, spec)
         ftw_sha = _write_experts(weights, spec, staging, progress)
         task = progress.add_task("tokenizer", total=1)
-        _write_tokenizer(spec, checkpoint if not opts.random_weights else None, staging)
+        _write_tokenizer(spec, checkpoint, staging)
         progress.advance(task)
         task = progress.add_task("kernel sources", total=1)
         kernels = render_cpu_kernels(spec, plan, staging / "kernels")
@@ -115,30 +129,23 @@ def compile_engine(opts: CompileOptions, console: Console | None = None) -> Path
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "ftc_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "name": spec.name, "spec": spec.to_dict(), "target": target.to_dict(), "plan": plan_dict(plan),
+        "name": spec.name, "spec": spec.to_dict(), "target": target.to_dict(), "plan": plan.to_dict(),
         "weights_source": weights.description, "kernels": kernels, "kernel_check": checks,
         "files": describe_files(staging, files, {EXPERTS_FILE: ftw_sha}),
     }
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    _replace(staging, out)
-    console.print(f"[green]engine ready:[/] {out}")
-    return out
 
 
 def _write_dense(weights: WeightSource, staging: Path, progress: Progress, spec: ModelSpec) -> None:
-    from ftc_runtime.models import family
-
     task = progress.add_task("dense weights", total=len(family(spec.family).dense_tensor_shapes(spec)))
     tensors = {}
     for name, t in weights.dense():
         tensors[name] = t.contiguous()
         progress.advance(task)
-    save_file(tensors, str(staging / DENSE_FILE), metadata={"format": "pt", "producer": f"ftc {__version__}"})
+    save_file(tensors, str(staging / DENSE_FILE), metadata={"format": "pt"})
 
 
 def _write_experts(weights: WeightSource, spec: ModelSpec, staging: Path, progress: Progress) -> str:
-    from .ftw_writer import FtwWriter
-
     h, i, e = spec.hidden_size, spec.moe.expert_intermediate_size, spec.moe.num_experts
     header = FtwHeader.create(len(spec.moe_layers), e, bf16_expert_banks(h, i))
     task = progress.add_task("experts → FTW", total=header.num_rows)

@@ -45,15 +45,20 @@ def _apply_override(data: Any, item: str, origin: str) -> None:
         raise SpecError(f"--override {item!r}: expected FIELD=VALUE (e.g. num_layers=4)")
     parts = key.split(".")
     node = data
-    for p in parts[:-1]:
+    for depth, p in enumerate(parts):
         if not isinstance(node, dict):
-            raise SpecError(f"--override {item!r}: {p} is not a mapping in {origin}")
-        node = node.setdefault(p, {})
-    node[parts[-1]] = yaml.safe_load(raw)
+            raise SpecError(f"--override {item!r}: '{'.'.join(parts[:depth])}' is not a mapping in {origin}")
+        if depth < len(parts) - 1:
+            node = node.setdefault(p, {})
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise SpecError(f"--override {item!r}: the value is not valid YAML ({e})") from None
 
 
 def spec_dict_from_hf(config: dict[str, Any], directory: Path) -> dict[str, Any]:
-    """Derives spec fields from an HF `config.json` (family qwen3_moe)."""
+    """Derives spec fields from an HF `config.json` (family qwen3_moe). Absent fields take
+    transformers' `Qwen3MoeConfig` defaults, so that the engine computes what transformers does."""
     model_type = config.get("model_type")
     if model_type != "qwen3_moe":
         raise SpecError(f"{directory / 'config.json'}: field 'model_type' = {model_type!r}: expected "
@@ -66,6 +71,9 @@ def spec_dict_from_hf(config: dict[str, Any], directory: Path) -> dict[str, Any]
             raise SpecError(f"{directory / 'config.json'}: missing required field '{key}'")
         return default
 
+    if config.get("use_sliding_window"):
+        raise SpecError(f"{directory / 'config.json'}: field 'use_sliding_window' = true: sliding-window "
+                        "attention is not supported yet")
     n_layers = get("num_hidden_layers")
     step = get("decoder_sparse_step", 1)
     mlp_only = set(get("mlp_only_layers", []))
@@ -101,13 +109,13 @@ def spec_dict_from_hf(config: dict[str, Any], directory: Path) -> dict[str, Any]
         "max_position_embeddings": get("max_position_embeddings", 32768),
         "tie_word_embeddings": get("tie_word_embeddings", False),
         "norm": {"kind": "rms", "eps": float(get("rms_norm_eps", 1e-6))},
-        "attention": {"kind": "gqa", "num_heads": heads, "num_kv_heads": get("num_key_value_heads", heads),
+        "attention": {"kind": "gqa", "num_heads": heads, "num_kv_heads": get("num_key_value_heads", 4),
                       "head_dim": get("head_dim", get("hidden_size") // heads), "qk_norm": True,
                       "bias": get("attention_bias", False)},
         "rope": {"theta": float(theta)},
         "moe": {"num_experts": n_experts, "top_k": get("num_experts_per_tok"),
                 "expert_intermediate_size": get("moe_intermediate_size"),
-                "norm_topk_prob": get("norm_topk_prob", True), "router": "softmax_topk",
+                "norm_topk_prob": get("norm_topk_prob", False), "router": "softmax_topk",
                 "dense_layers": dense,
                 "dense_intermediate_size": get("intermediate_size", 0) if dense else 0},
         "tokens": {"special": special, "eos": eos_names},

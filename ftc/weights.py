@@ -58,8 +58,8 @@ class CheckpointWeights:
         h, i, e = self.spec.hidden_size, self.spec.moe.expert_intermediate_size, self.spec.moe.num_experts
         p = f"model.layers.{layer}.mlp.experts."
         if self.fused:
-            gate_up = self._fused(p + "gate_up_proj", (e, 2 * i, h), expert)
-            down = self._fused(p + "down_proj", (e, h, i), expert)
+            down, transposed = self._fused(p + "down_proj", (e, h, i), expert, None)
+            gate_up, _ = self._fused(p + "gate_up_proj", (e, 2 * i, h), expert, transposed)
         else:
             gate = self._checked(f"{p}{expert}.gate_proj.weight", (i, h))
             up = self._checked(f"{p}{expert}.up_proj.weight", (i, h))
@@ -73,13 +73,18 @@ class CheckpointWeights:
             raise CheckpointError(f"{self.ckpt.directory}: tensor {name} has shape {got}, expected {shape}")
         return self.ckpt.get(name)
 
-    def _fused(self, name: str, shape: tuple[int, int, int], expert: int) -> torch.Tensor:
+    def _fused(self, name: str, shape: tuple[int, int, int], expert: int,
+               transposed: bool | None) -> tuple[torch.Tensor, bool]:
+        """One expert of a fused tensor as [out, in], and whether the file stores it as [in, out].
+        A square tensor cannot tell by its shape; it follows `transposed` (the down projection's
+        orientation), else the transformers layout."""
         got = self.ckpt.shape(name)
-        if got == shape:  # the transformers layout: [E, out, in]
-            return self.ckpt.get(name, expert)
-        if got == (shape[0], shape[2], shape[1]):  # [E, in, out], as some exporters write it
-            return self.ckpt.get(name, expert).t().contiguous()
-        raise CheckpointError(f"{self.ckpt.directory}: tensor {name} has shape {got}, expected {shape}")
+        flipped = (shape[0], shape[2], shape[1])
+        if got not in (shape, flipped):
+            raise CheckpointError(f"{self.ckpt.directory}: tensor {name} has shape {got}, expected {shape}")
+        is_t = (transposed or False) if shape == flipped else got == flipped
+        t = self.ckpt.get(name, expert)
+        return (t.t().contiguous() if is_t else t), is_t
 
 
 class RandomWeights:

@@ -35,6 +35,9 @@ class Plan:
     down_chunk: int  # hidden rows per down work item
     prefetch_rows: int  # rows prefetched ahead inside a work item
 
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
         return cls(d["isa"], d["cpu_threads"], tuple(d["batch_buckets"]), d["gate_up_chunk"],
@@ -105,7 +108,3 @@ def describe_files(root: Path, rels: list[str], known_sha: dict[str, str] | None
     known_sha = known_sha or {}
     return {rel: {"bytes": (root / rel).stat().st_size,
                   "sha256": known_sha.get(rel) or file_sha256(root / rel)} for rel in rels}
-
-
-def plan_dict(plan: Plan) -> dict[str, Any]:
-    return asdict(plan)

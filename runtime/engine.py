@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from safetensors.torch import load_file
 
@@ -68,8 +69,9 @@ class Engine:
         spec, plan = manifest.spec, manifest.plan
         kernel = CpuExpertKernel(root / LIBRARY_FILE, plan.isa, spec.hidden_size,
                                  spec.moe.expert_intermediate_size, _worker_cpus(plan.cpu_threads))
+        console = Console(stderr=True)
         with Progress(TextColumn("loading experts"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      disable=not show_progress, transient=True) as bar:
+                      console=console, disable=not (show_progress and console.is_terminal), transient=True) as bar:
             task = bar.add_task("experts", total=manifest.files[EXPERTS_FILE]["bytes"])
             pool = ftw.load(root / EXPERTS_FILE, on_bytes=lambda n: bar.advance(task, n))
         if (pool.header.num_moe_layers, pool.header.num_experts) != (len(spec.moe_layers), spec.moe.num_experts):

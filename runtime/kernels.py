@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ class CpuExpertKernel:
     """Routed-expert FFN over FTW rows in host memory, run on a pinned worker pool.
 
     `run` accumulates  out[t] += Σ w · down(silu(gate x_t) · up x_t)  for pairs grouped by expert.
+    Calls are serialized: the pool runs one job at a time.
     """
 
     def __init__(self, lib_path: Path, isa: str, hidden: int, intermediate: int, cpus: list[int]):
@@ -49,6 +51,7 @@ class CpuExpertKernel:
         self.n_threads = len(cpus)
         self._pool = self.lib.ftc_pool_create(len(cpus), (ctypes.c_int * len(cpus))(*cpus))
         self._workspace = torch.empty(0, dtype=torch.uint8)
+        self._lock = threading.Lock()
 
     def __del__(self) -> None:
         pool = getattr(self, "_pool", None)
@@ -69,9 +72,10 @@ class CpuExpertKernel:
         if x.shape[1] != self.hidden or out.shape != x.shape:
             raise ValueError(f"CpuExpertKernel.run: x/out must be [T, {self.hidden}], got {tuple(x.shape)}")
         need = self.lib.ftc_expert_ffn_workspace_bytes(n_tokens, n_pairs)
-        if self._workspace.numel() < need:
-            self._workspace = torch.empty(need, dtype=torch.uint8)
-        self.lib.ftc_expert_ffn(
-            self._pool, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0),
-            n_tokens, x.data_ptr(), out.data_ptr(), expert_ids.numel(), expert_ids.data_ptr(),
-            offsets.data_ptr(), tok_idx.data_ptr(), tok_w.data_ptr(), self._workspace.data_ptr())
+        with self._lock:
+            if self._workspace.numel() < need:
+                self._workspace = torch.empty(need, dtype=torch.uint8)
+            self.lib.ftc_expert_ffn(
+                self._pool, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0),
+                n_tokens, x.data_ptr(), out.data_ptr(), expert_ids.numel(), expert_ids.data_ptr(),
+                offsets.data_ptr(), tok_idx.data_ptr(), tok_w.data_ptr(), self._workspace.data_ptr())

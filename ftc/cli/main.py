@@ -18,7 +18,8 @@ err = Console(stderr=True)
 
 
 def _fail(e: Exception) -> None:
-    err.print(f"[bold red]error:[/] {e}", highlight=False)
+    # Plain text: messages carry paths and user input, which must be neither wrapped nor read as markup.
+    typer.echo(f"error: {e}", err=True)
     raise typer.Exit(1)
 
 
@@ -104,10 +105,11 @@ def run(
     if (prompt is None) == (prompt_ids is None):
         _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
     try:
+        given_ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
         t0 = time.perf_counter()
         eng = Engine.load(engine, show_progress=not as_json)
         load_s = time.perf_counter() - t0
-        ids = _parse_ids(prompt_ids) if prompt_ids is not None else eng.tokenizer.encode(prompt)
+        ids = given_ids if given_ids is not None else eng.tokenizer.encode(prompt)
         gen = eng.generate(ids, max_new_tokens, SamplingParams(temperature, top_p, seed), not ignore_eos)
         decoder = StreamDecoder(eng.tokenizer)
         tokens = []

@@ -13,8 +13,8 @@ using JobFn = void (*)(int tid, int n_threads, void* ctx);
 
 // A fixed set of threads, each pinned to one core, running one job at a time.
 // The calling thread takes part as thread 0, so a job on n threads wakes n - 1 workers.
-// Idle workers spin briefly (a decode step calls in every MoE layer, well inside the spin
-// window) and then sleep on a futex, so an idle engine does not burn its cores.
+// Idle workers spin briefly (a decode step calls in every MoE layer) and then sleep on a futex,
+// so an idle engine does not burn its cores.
 class WorkerPool {
  public:
   WorkerPool(int n_threads, const int* cpus);

@@ -1,0 +1,204 @@
+"""Broken checkpoints are refused with a CheckpointError that names the file or tensor at fault; both
+fused expert layouts compile to the same bytes; a failed compile leaves the engine already in place."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ftc.checkpoint import CheckpointError
+from ftc.pipeline import CompileOptions, compile_engine
+from ftc.spec_loader import load_spec
+from ftc_runtime import Engine
+from ftc_runtime.models import family
+
+from hf_models import TinyShape, build_model, save_checkpoint
+
+# hidden != 2 * intermediate and != intermediate, so a transposed fused tensor has another shape; both
+# are multiples of 32, as the kernels need.
+SHAPE = TinyShape(hidden=64, intermediate=96, layers=2, experts=6, top_k=2)
+Tensors = dict[str, torch.Tensor]
+
+
+def _checkpoint(root: Path, layout: str = "fused", shards: int = 1) -> Path:
+    """Always a directory named 'ckpt' (the model name), so that every engine shares one kernel build."""
+    return save_checkpoint(build_model(SHAPE, seed=random.randrange(10**6)), root / "ckpt", layout, shards)
+
+
+def _compile(ckpt: Path, out: Path) -> Path:
+    return compile_engine(CompileOptions(source=ckpt, target="auto", output=out))
+
+
+def _shard_of(ckpt: Path, tensor: str) -> Path:
+    index = ckpt / "model.safetensors.index.json"
+    if not index.is_file():
+        return ckpt / "model.safetensors"
+    return ckpt / json.loads(index.read_text())["weight_map"][tensor]
+
+
+def _rewrite(path: Path, edit: Callable[[Tensors], None]) -> None:
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _dense_names(ckpt: Path) -> list[str]:
+    spec, _ = load_spec(ckpt)
+    return list(family(spec.family).dense_tensor_shapes(spec))
+
+
+def _compile_error(ckpt: Path, out: Path) -> str:
+    with pytest.raises(CheckpointError) as info:
+        _compile(ckpt, out)
+    assert not out.exists()
+    return str(info.value)
+
+
+def test_missing_shard_is_named(tmp_path):
+    ckpt = _checkpoint(tmp_path, shards=3)
+    shard = random.choice(sorted(ckpt.glob("model-*.safetensors")))
+    shard.unlink()
+    msg = _compile_error(ckpt, tmp_path / "engine")
+    assert shard.name in msg and "missing" in msg
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_missing_dense_tensor_is_named(tmp_path, shards):
+    ckpt = _checkpoint(tmp_path, shards=shards)
+    name = random.choice(_dense_names(ckpt))
+    _rewrite(_shard_of(ckpt, name), lambda t: t.pop(name))
+    msg = _compile_error(ckpt, tmp_path / "engine")
+    assert f"tensor {name} " in msg
+
+
+def test_dense_tensor_of_wrong_shape_is_named_with_both_shapes(tmp_path):
+    ckpt = _checkpoint(tmp_path)
+    name = random.choice([n for n in _dense_names(ckpt) if n.endswith("proj.weight")])
+    shapes = {}
+
+    def truncate(t: Tensors) -> None:
+        shapes["good"] = tuple(t[name].shape)
+        t[name] = t[name][:-1].contiguous()
+        shapes["bad"] = tuple(t[name].shape)
+
+    _rewrite(_shard_of(ckpt, name), truncate)
+    msg = _compile_error(ckpt, tmp_path / "engine")
+    assert f"tensor {name} " in msg
+    assert str(shapes["bad"]) in msg and str(shapes["good"]) in msg
+
+
+@pytest.mark.parametrize("which", ["gate_up_proj", "down_proj"])
+def test_fused_expert_tensor_of_wrong_shape_is_named_with_both_shapes(tmp_path, which):
+    ckpt = _checkpoint(tmp_path)
+    name = f"model.layers.{random.randrange(SHAPE.layers)}.mlp.experts.{which}"
+    shapes = {}
+
+    def truncate(t: Tensors) -> None:
+        shapes["good"] = tuple(t[name].shape)
+        t[name] = t[name][:, :-1].contiguous()
+        shapes["bad"] = tuple(t[name].shape)
+
+    _rewrite(ckpt / "model.safetensors", truncate)
+    msg = _compile_error(ckpt, tmp_path / "engine")
+    assert f"tensor {name} " in msg
+    assert str(shapes["bad"]) in msg and str(shapes["good"]) in msg
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8])
+def test_dense_tensor_with_integer_dtype_is_named(tmp_path, dtype):
+    ckpt = _checkpoint(tmp_path)
+    name = random.choice(_dense_names(ckpt))
+    _rewrite(_shard_of(ckpt, name), lambda t: t.update({name: t[name].to(dtype)}))
+    msg = _compile_error(ckpt, tmp_path / "engine")
+    assert f"tensor {name} " in msg and str(dtype) in msg
+
+
+def test_expert_tensor_with_integer_dtype_is_named(tmp_path):
+    ckpt = _checkpoint(tmp_path, layout="per_expert")
+    name = (f"model.layers.{random.randrange(SHAPE.layers)}.mlp.experts.{random.randrange(SHAPE.experts)}."
+            f"{random.choice(['gate_proj', 'up_proj', 'down_proj'])}.weight")
+    _rewrite(ckpt / "model.safetensors", lambda t: t.update({name: t[name].to(torch.int32)}))
+    msg = _compile_error(ckpt, tmp_path / "engine")
+    assert f"tensor {name} " in msg and "torch.int32" in msg
+
+
+@pytest.mark.parametrize("keep_index", [False, True])
+def test_directory_without_safetensors_is_refused(tmp_path, keep_index):
+    ckpt = _checkpoint(tmp_path, shards=2)
+    for path in ckpt.glob("*.safetensors"):
+        path.unlink()
+    if not keep_index:
+        (ckpt / "model.safetensors.index.json").unlink()
+    msg = _compile_error(ckpt, tmp_path / "engine")
+    assert str(ckpt) in msg
+    assert ("model.safetensors" in msg) if not keep_index else ("missing" in msg)
+
+
+def _experts_sha(engine: Path) -> str:
+    return json.loads((engine / "engine.json").read_text())["files"]["experts.ftw"]["sha256"]
+
+
+def _transpose_experts(t: Tensors) -> None:
+    for name in [n for n in t if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        t[name] = t[name].transpose(1, 2).contiguous()
+
+
+def test_transposed_fused_layout_compiles_to_the_same_experts(tmp_path):
+    ckpt = _checkpoint(tmp_path)
+    base = _compile(ckpt, tmp_path / "base")
+    _rewrite(ckpt / "model.safetensors", _transpose_experts)
+    gate_up = load_file(str(ckpt / "model.safetensors"))["model.layers.0.mlp.experts.gate_up_proj"]
+    assert tuple(gate_up.shape) == (SHAPE.experts, SHAPE.hidden, 2 * SHAPE.intermediate)
+    transposed = _compile(ckpt, tmp_path / "transposed")
+    assert _experts_sha(transposed) == _experts_sha(base)
+
+
+def test_per_expert_layout_compiles_to_the_same_experts_as_fused(tmp_path):
+    model = build_model(SHAPE, seed=random.randrange(10**6))
+    fused = _compile(save_checkpoint(model, tmp_path / "fused" / "ckpt", "fused", 1), tmp_path / "e1")
+    split = _compile(save_checkpoint(model, tmp_path / "split" / "ckpt", "per_expert", 2), tmp_path / "e2")
+    assert _experts_sha(split) == _experts_sha(fused)
+    other = _compile(_checkpoint(tmp_path / "other"), tmp_path / "e3")
+    assert _experts_sha(other) != _experts_sha(fused)
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _late_failure(tmp_path: Path) -> Path:
+    """A checkpoint that passes every up-front check and fails while its dense tensors are written."""
+    ckpt = _checkpoint(tmp_path / "broken")
+    name = random.choice(_dense_names(ckpt))
+    _rewrite(ckpt / "model.safetensors", lambda t: t.update({name: t[name].to(torch.int32)}))
+    return ckpt
+
+
+@pytest.fixture
+def good_engine_then_failed_compile(tmp_path) -> tuple[Path, dict[str, str], torch.Tensor, list[int]]:
+    out = _compile(_checkpoint(tmp_path), tmp_path / "engine")
+    ids = [random.randrange(SHAPE.vocab) for _ in range(6)]
+    before, logits = _tree_digest(out), Engine.load(out).logits(ids)
+    with pytest.raises(CheckpointError):
+        _compile(_late_failure(tmp_path), out)
+    return out, before, logits, ids
+
+
+def test_failed_compile_leaves_the_previous_engine_intact(good_engine_then_failed_compile):
+    out, before, logits, ids = good_engine_then_failed_compile
+    assert _tree_digest(out) == before
+    assert torch.equal(Engine.load(out).logits(ids), logits)
+    assert not (out.parent / f".{out.name}.old").exists()
+
+
+def test_failed_compile_leaves_no_partial_directory(good_engine_then_failed_compile):
+    out = good_engine_then_failed_compile[0]
+    assert not (out.parent / f".{out.name}.partial").exists()

@@ -1,0 +1,245 @@
+"""The `ftc` console script end to end, in subprocesses: compile, inspect, run, bench, and the error
+paths, which must end in one 'error:' line and exit status 1, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from rich.progress import Progress
+
+from ftc.pipeline import _write_dense
+from ftc.spec_loader import load_spec
+from ftc.weights import RandomWeights
+from ftc_runtime import Engine, SamplingParams
+from ftc_runtime.artifact import file_sha256
+from ftc_runtime.tokenizer import StreamDecoder
+
+FTC = Path(sys.executable).parent / "ftc"
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "model_specs" / "qwen3-moe-tiny.yaml"
+VOCAB = 512
+
+
+def ftc(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FTC), *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def check_ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert r.returncode == 0, f"{r.args}: rc {r.returncode}\n{r.stderr}"
+    assert "Traceback" not in r.stderr
+    return r
+
+
+def ok(*args) -> subprocess.CompletedProcess:
+    return check_ok(ftc(*args))
+
+
+def compile_args(out: Path, seed: int) -> list:
+    return ["compile", TINY, "--random-weights", "--seed", seed, "-o", out]
+
+
+def manifest_sha(engine: Path, rel: str) -> str:
+    return json.loads((engine / "engine.json").read_text())["files"][rel]["sha256"]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory, kernel_cache) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("cli") / "e"
+    return out, ok(*compile_args(out, 3))
+
+
+@pytest.fixture(scope="module")
+def engine(compiled) -> Path:
+    return compiled[0]
+
+
+@pytest.fixture(scope="module")
+def loaded(engine) -> Engine:
+    return Engine.load(engine)
+
+
+def random_ids(n: int) -> list[int]:
+    return [random.randrange(VOCAB) for _ in range(n)]
+
+
+def run_json_args(engine: Path, ids: list[int], n: int, *extra) -> list:
+    return ["run", engine, "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", n, "--json", *extra]
+
+
+def parse_json(r: subprocess.CompletedProcess) -> dict:
+    check_ok(r)
+    assert len(r.stdout.strip().splitlines()) == 1, r.stdout
+    return json.loads(r.stdout)
+
+
+# -- compile / inspect -----------------------------------------------------------------------------------
+
+
+def test_compile_writes_an_engine_and_reports_progress_on_stderr(compiled):
+    engine, r = compiled
+    assert (engine / "engine.json").is_file() and (engine / "experts.ftw").is_file()
+    assert "dense weights" in r.stderr and "experts → FTW" in r.stderr and "kernel check" in r.stderr
+    assert "engine ready" in r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_inspect_names_the_model(engine, verify):
+    r = ok("inspect", engine, *(["--verify"] if verify else []))
+    assert "qwen3-moe-tiny" in r.stdout
+    assert "random weights (seed 3)" in r.stdout
+    assert ("(verified)" in r.stdout) == verify
+
+
+def test_inspect_verify_catches_a_corrupted_file(engine, tmp_path):
+    damaged = shutil.copytree(engine, tmp_path / "e")
+    data = bytearray((damaged / "experts.ftw").read_bytes())
+    data[random.randrange(len(data) // 2, len(data))] ^= 0xFF
+    (damaged / "experts.ftw").write_bytes(bytes(data))
+    r = ftc("inspect", damaged, "--verify")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "corrupted" in " ".join(r.stderr.split())
+
+
+@pytest.fixture(scope="module")
+def recompiled(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny engine compiled again with --seed 3, and with --seed 4."""
+    root = tmp_path_factory.mktemp("reseeded")
+    ok(*compile_args(root / "same", 3))
+    ok(*compile_args(root / "other", 4))
+    return root / "same", root / "other"
+
+
+def test_random_weights_are_deterministic_by_seed(engine, recompiled):
+    same, other = recompiled
+    for rel in ("experts.ftw", "dense.safetensors"):
+        assert manifest_sha(same, rel) == manifest_sha(engine, rel), rel
+        assert manifest_sha(other, rel) != manifest_sha(engine, rel), rel
+
+
+def test_dense_file_bytes_are_deterministic(tmp_path):
+    """dense.safetensors as `ftc compile --seed 3` writes it, 24 times: the bytes never vary. (Its
+    `__metadata__` map is written in a random order per call when it has two keys or more; all 24
+    would agree by chance with probability 2**-23.)"""
+    spec, _ = load_spec(TINY)
+    digests = set()
+    for i in range(24):
+        (tmp_path / str(i)).mkdir()
+        _write_dense(RandomWeights(spec, seed=3), tmp_path / str(i), Progress(disable=True), spec)
+        digests.add(file_sha256(tmp_path / str(i) / "dense.safetensors"))
+    assert len(digests) == 1
+
+
+# -- run ----------------------------------------------------------------------------------------------------
+
+
+def test_run_json_greedy_matches_the_engine_in_process(engine, loaded):
+    ids = random_ids(random.randint(1, 6))
+    out = parse_json(ftc(*run_json_args(engine, ids, 8, "--temperature", "0", "--ignore-eos")))
+    assert out["tokens"] == list(loaded.generate(ids, 8, SamplingParams(0.0), stop_at_eos=False))
+    assert len(out["tokens"]) == 8 and all(isinstance(t, int) for t in out["tokens"])
+    assert out["prompt_tokens"] == len(ids)
+    assert out["text"] == loaded.tokenizer.decode(out["tokens"])
+    assert {"load_s", "prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s"} <= set(out["timings"])
+
+
+def test_run_prompt_streams_the_decoded_text(engine, loaded):
+    r = ok("run", engine, "--prompt", "hello world", "--max-new-tokens", 4, "--ignore-eos")
+    ids = loaded.tokenizer.encode("hello world")
+    decoder = StreamDecoder(loaded.tokenizer)
+    expected = "".join(decoder.push(t) for t in loaded.generate(ids, 4, stop_at_eos=False))
+    # Engine.load's transient progress bar leaves a blank line on stdout when it is not a terminal.
+    assert r.stdout.lstrip("\n") == expected + "\n"
+    assert f"{len(ids)} prompt tokens, 4 generated" in r.stderr
+
+
+def test_sampling_is_reproducible_by_seed_and_varies_across_seeds(engine, loaded):
+    ids = random_ids(4)
+    sample = ["--temperature", "0.8", "--ignore-eos"]
+    seeds = random.sample(range(1000), 4)
+    *outs, again = [parse_json(ftc(*run_json_args(engine, ids, 16, *sample, "--seed", s)))["tokens"]
+                    for s in seeds + seeds[:1]]
+    assert again == outs[0]
+    assert outs[1] == list(loaded.generate(ids, 16, SamplingParams(0.8, 1.0, seeds[1]), stop_at_eos=False))
+    assert all(len(o) == 16 for o in outs)
+    assert len({tuple(o) for o in outs}) >= 2
+
+
+# -- bench ----------------------------------------------------------------------------------------------------
+
+
+def test_bench_experts_prints_positive_throughputs(engine):
+    r = ok("bench", engine, "experts", "--seconds", "0.2")
+    result = json.loads(r.stdout)
+    assert result["engine"] == "qwen3-moe-tiny"
+    for key in ("kernel_gbps", "torch_bf16_gbps", "torch_read_gbps"):
+        assert result[key] > 0, key
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+
+
+def bad_spec(tmp_path: Path) -> tuple[Path, str]:
+    data = yaml.safe_load(TINY.read_text())
+    data["moe"]["top_k"] = random.randint(17, 99)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path, f"'moe.top_k' = {data['moe']['top_k']}"
+
+
+def error_cases(engine: Path, tmp_path: Path) -> dict[str, tuple[list, list[str]]]:
+    """Per case: the arguments, and what the error message must say."""
+    spec, named = bad_spec(tmp_path)
+    big = random.randint(VOCAB, 10**6)
+    return {
+        "missing_spec": (["compile", tmp_path / "nope.yaml", "--random-weights", "-o", tmp_path / "o"],
+                         ["no such spec file"]),
+        "bad_field": (["compile", spec, "--random-weights", "-o", tmp_path / "o"], [named]),
+        "bad_target": (["compile", TINY, "--random-weights", "--target", "bogus", "-o", tmp_path / "o"],
+                       ["'bogus'", "unknown"]),
+        "not_an_engine": (["run", tmp_path, "--prompt-ids", "1"], ["not an ftc engine", "engine.json"]),
+        "both_prompts": (["run", engine, "--prompt", "hi", "--prompt-ids", "1,2"], ["exactly one of --prompt"]),
+        "bad_ids": (["run", engine, "--prompt-ids", "a,b"], ["--prompt-ids 'a,b'", "integers"]),
+        "id_too_large": (["run", engine, "--prompt-ids", f"1,{big}"], [f"token id {big}", f"[0, {VOCAB})"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing_spec", "bad_field", "bad_target", "not_an_engine", "both_prompts",
+                                  "bad_ids", "id_too_large"])
+def test_error_paths_exit_1_with_an_error_line(case, engine, tmp_path):
+    args, says = error_cases(engine, tmp_path)[case]
+    r = ftc(*args)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: "), r.stderr
+    flat = " ".join(r.stderr.split())
+    for text in says:
+        assert text in flat, r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_long_error_message_stays_on_one_line(tmp_path):
+    path = tmp_path / ("x" * 60 + ".yaml")
+    r = ftc("compile", path, "--random-weights", "-o", tmp_path / "o")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_bad_override_is_an_error_line(tmp_path):
+    r = ftc("compile", TINY, "--random-weights", "--override", "num_layers.x=1", "-o", tmp_path / "o")
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and r.stderr.startswith("error: ")
+
+
+def test_error_message_text_is_not_read_as_markup(engine):
+    ids = random.choice(["[b]1,2", "[/x]1,2"])
+    r = ftc("run", engine, "--prompt-ids", ids)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"'{ids}'" in r.stderr

@@ -1,0 +1,409 @@
+"""Model specs: the shipped YAML files load, every kind of bad field is refused with a SpecError that
+names the field and the value, `--override` edits apply, and HF `config.json` files map onto specs."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import Qwen3MoeConfig
+
+from ftc.spec_loader import load_spec
+from ftc_runtime.spec import ModelSpec, SpecError
+
+from hf_models import TinyShape, build_model, save_checkpoint
+
+SPECS = Path(__file__).resolve().parents[1] / "model_specs"
+TINY = SPECS / "qwen3-moe-tiny.yaml"
+BIG = SPECS / "qwen3-30b-a3b.yaml"
+DELETE = object()
+
+
+def _tiny_dict() -> dict:
+    return yaml.safe_load(TINY.read_text())
+
+
+def _write(tmp_path: Path, data, name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _set(data: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        data = data[p]
+    if value is DELETE:
+        del data[last]
+    else:
+        data[last] = value
+
+
+# -- the shipped specs --------------------------------------------------------------------------------
+
+
+def test_qwen3_30b_a3b_spec_loads_with_its_real_shapes():
+    spec, checkpoint = load_spec(BIG)
+    assert checkpoint is None
+    assert (spec.name, spec.family) == ("qwen3-30b-a3b", "qwen3_moe")
+    assert (spec.num_layers, spec.hidden_size, spec.vocab_size) == (48, 2048, 151936)
+    assert (spec.moe.num_experts, spec.moe.top_k, spec.moe.expert_intermediate_size) == (128, 8, 768)
+    assert (spec.attention.num_heads, spec.attention.num_kv_heads, spec.attention.head_dim) == (32, 4, 128)
+    assert spec.expert_bytes == 3 * 2048 * 768 * 2
+    assert spec.moe_layers == tuple(range(48))
+    assert spec.eos_token_ids == (151645, 151643)
+    assert spec.token_id("</think>") == 151668
+
+
+def test_tiny_spec_loads_and_round_trips_through_a_dict():
+    spec, _ = load_spec(TINY)
+    assert (spec.num_layers, spec.hidden_size, spec.vocab_size) == (4, 256, 512)
+    assert (spec.moe.num_experts, spec.moe.top_k, spec.moe.expert_intermediate_size) == (16, 4, 128)
+    assert spec.expert_bytes == 3 * 256 * 128 * 2
+    assert spec.tokens.boundaries == ("</think>", "</tool_call>", "</tool_response>", "<|im_end|>")
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+
+
+# -- invalid specs --------------------------------------------------------------------------------------
+# Each case edits the tiny spec and returns (the field path the message must name, the bad value it
+# must show, or None where there is no value to show).
+
+
+def _missing_top(d, rng):
+    _set(d, "hidden_size", DELETE)
+    return "hidden_size", None
+
+
+def _missing_nested(d, rng):
+    _set(d, "moe.top_k", DELETE)
+    return "moe.top_k", None
+
+
+def _unknown_top(d, rng):
+    d["hiden_size"] = rng.randint(1, 999)
+    return "hiden_size", None
+
+
+def _unknown_nested(d, rng):
+    d["attention"]["num_kv_head"] = rng.randint(1, 9)
+    return "attention.num_kv_head", None
+
+
+def _string_for_int(d, rng):
+    _set(d, "num_layers", str(rng.randint(1, 9)))
+    return "num_layers", d["num_layers"]
+
+
+def _float_for_int(d, rng):
+    _set(d, "moe.num_experts", rng.randint(2, 30) + 0.5)
+    return "moe.num_experts", d["moe"]["num_experts"]
+
+
+def _bool_for_int(d, rng):
+    _set(d, "vocab_size", True)
+    return "vocab_size", True
+
+
+def _int_for_bool(d, rng):
+    _set(d, "attention.qk_norm", rng.choice([0, 1]))
+    return "attention.qk_norm", d["attention"]["qk_norm"]
+
+
+def _list_for_mapping(d, rng):
+    _set(d, "moe", [rng.randint(1, 9), rng.randint(1, 9)])
+    return "moe", d["moe"]
+
+
+def _string_in_int_list(d, rng):
+    _set(d, "moe.dense_layers", ["first"])
+    _set(d, "moe.dense_intermediate_size", 64)
+    return "moe.dense_layers[0]", "first"
+
+
+def _top_k_over_experts(d, rng):
+    _set(d, "moe.top_k", rng.randint(17, 200))
+    return "moe.top_k", d["moe"]["top_k"]
+
+
+def _kv_heads_not_dividing(d, rng):
+    _set(d, "attention.num_heads", 12)
+    _set(d, "attention.num_kv_heads", rng.choice([5, 7, 8, 9, 10, 11]))
+    return "attention.num_kv_heads", d["attention"]["num_kv_heads"]
+
+
+def _unknown_family(d, rng):
+    _set(d, "family", rng.choice(["llama", "mixtral", "qwen2_moe"]))
+    return "family", d["family"]
+
+
+def _unknown_router(d, rng):
+    _set(d, "moe.router", rng.choice(["sigmoid_topk", "expert_choice"]))
+    return "moe.router", d["moe"]["router"]
+
+
+def _negative_hidden(d, rng):
+    _set(d, "hidden_size", -rng.randint(1, 4096))
+    return "hidden_size", d["hidden_size"]
+
+
+def _zero_experts(d, rng):
+    _set(d, "moe.num_experts", 0)
+    return "moe.num_experts", 0
+
+
+def _zero_head_dim(d, rng):
+    _set(d, "attention.head_dim", 0)
+    return "attention.head_dim", 0
+
+
+def _odd_head_dim(d, rng):
+    _set(d, "attention.head_dim", 2 * rng.randint(1, 64) + 1)
+    return "attention.head_dim", d["attention"]["head_dim"]
+
+
+def _eos_not_special(d, rng):
+    name = f"<|eos_{rng.randint(0, 999)}|>"
+    _set(d, "tokens.eos", ["<|im_end|>", name])
+    return "tokens.eos[1]", name
+
+
+def _bos_not_special(d, rng):
+    _set(d, "tokens.bos", "<s>")
+    return "tokens.bos", "<s>"
+
+
+def _special_id_too_large(d, rng):
+    _set(d, "tokens.special.<think>", rng.randint(512, 10**6))
+    return "tokens.special.<think>", d["tokens"]["special"]["<think>"]
+
+
+def _special_id_negative(d, rng):
+    _set(d, "tokens.special.<think>", -1)
+    return "tokens.special.<think>", -1
+
+
+def _dense_layer_out_of_range(d, rng):
+    bad = rng.randint(4, 50)
+    _set(d, "moe.dense_layers", [0, bad])
+    _set(d, "moe.dense_intermediate_size", 64)
+    return "moe.dense_layers[1]", bad
+
+
+def _dense_layers_without_size(d, rng):
+    _set(d, "moe.dense_layers", [rng.randint(0, 3)])
+    return "moe.dense_intermediate_size", 0
+
+
+def _every_layer_dense(d, rng):
+    _set(d, "moe.dense_layers", [0, 1, 2, 3])
+    _set(d, "moe.dense_intermediate_size", 64)
+    return "moe.dense_layers", [0, 1, 2, 3]
+
+
+def _bad_norm_kind(d, rng):
+    _set(d, "norm.kind", "layernorm")
+    return "norm.kind", "layernorm"
+
+
+def _rotary_factor_over_one(d, rng):
+    _set(d, "rope.partial_rotary_factor", 1.0 + rng.randint(1, 9) / 10)
+    return "rope.partial_rotary_factor", d["rope"]["partial_rotary_factor"]
+
+
+def _layer_kinds_wrong_length(d, rng):
+    _set(d, "layer_kinds", ["full_attention"] * 3)
+    return "layer_kinds", 3
+
+
+def _shared_experts(d, rng):
+    _set(d, "moe.num_shared_experts", rng.randint(1, 4))
+    return "moe.num_shared_experts", d["moe"]["num_shared_experts"]
+
+
+INVALID = [_missing_top, _missing_nested, _unknown_top, _unknown_nested, _string_for_int, _float_for_int,
+           _bool_for_int, _int_for_bool, _list_for_mapping, _string_in_int_list, _top_k_over_experts,
+           _kv_heads_not_dividing, _unknown_family, _unknown_router, _negative_hidden, _zero_experts,
+           _zero_head_dim, _odd_head_dim, _eos_not_special, _bos_not_special, _special_id_too_large,
+           _special_id_negative, _dense_layer_out_of_range, _dense_layers_without_size, _every_layer_dense,
+           _bad_norm_kind, _rotary_factor_over_one, _layer_kinds_wrong_length, _shared_experts]
+
+
+@pytest.mark.parametrize("case", INVALID, ids=lambda f: f.__name__.strip("_"))
+def test_invalid_spec_is_refused_naming_field_and_value(case, tmp_path):
+    data = _tiny_dict()
+    field, value = case(data, random.Random())
+    path = _write(tmp_path, data)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    msg = str(info.value)
+    assert f"'{field}'" in msg, msg
+    assert str(path) in msg, msg
+    if value is not None:
+        assert f"= {value!r}" in msg, msg
+
+
+def test_the_unedited_tiny_dict_is_valid(tmp_path):
+    """The invalid cases above fail because of their edit, not because of how the file is written."""
+    spec, _ = load_spec(_write(tmp_path, _tiny_dict()))
+    assert spec == load_spec(TINY)[0]
+
+
+def test_top_level_that_is_not_a_mapping_is_refused(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- name: qwen3-moe-tiny\n- family: qwen3_moe\n")
+    with pytest.raises(SpecError, match=r"'\(top level\)'"):
+        load_spec(path)
+
+
+def test_invalid_yaml_syntax_is_refused(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text(TINY.read_text().replace("num_layers: 4", "num_layers: [4"))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert "not valid YAML" in str(info.value) and str(path) in str(info.value)
+
+
+def test_nonexistent_path_is_refused(tmp_path):
+    path = tmp_path / f"missing-{random.randrange(10**6)}.yaml"
+    with pytest.raises(SpecError, match="no such spec file") as info:
+        load_spec(path)
+    assert str(path) in str(info.value)
+
+
+def test_directory_without_config_json_is_refused(tmp_path):
+    with pytest.raises(SpecError, match="config.json"):
+        load_spec(tmp_path)
+
+
+# -- overrides --------------------------------------------------------------------------------------------
+
+
+def test_overrides_edit_top_level_and_nested_fields():
+    rng = random.Random()
+    layers, top_k = rng.randint(1, 8), rng.randint(1, 16)
+    spec, _ = load_spec(TINY, [f"num_layers={layers}", f"moe.top_k={top_k}", "rope.theta=5000"])
+    assert (spec.num_layers, spec.moe.top_k, spec.rope.theta) == (layers, top_k, 5000.0)
+    assert spec.moe.num_experts == 16 and spec.hidden_size == 256
+
+
+def test_override_values_are_yaml_and_may_create_fields():
+    spec, _ = load_spec(TINY, ["moe.dense_layers=[0, 2]", "moe.dense_intermediate_size=96"])
+    assert spec.moe.dense_layers == (0, 2)
+    assert spec.moe_layers == (1, 3)
+
+
+def test_override_is_validated_like_the_file():
+    bad = random.randint(17, 99)
+    with pytest.raises(SpecError, match=rf"'moe\.top_k' = {bad}"):
+        load_spec(TINY, [f"moe.top_k={bad}"])
+    with pytest.raises(SpecError, match="unknown field 'moe.topk'"):
+        load_spec(TINY, ["moe.topk=2"])
+
+
+@pytest.mark.parametrize("item", ["nonsense", "=4"])
+def test_malformed_override_is_refused(item):
+    with pytest.raises(SpecError, match="FIELD=VALUE") as info:
+        load_spec(TINY, [item])
+    assert repr(item) in str(info.value)
+
+
+def test_override_through_a_scalar_field_is_a_spec_error():
+    with pytest.raises(SpecError, match="num_layers"):
+        load_spec(TINY, ["num_layers.x=1"])
+
+
+def test_override_with_malformed_yaml_value_is_a_spec_error():
+    with pytest.raises(SpecError, match="name"):
+        load_spec(TINY, ["name=[unclosed"])
+
+
+# -- HF config.json ---------------------------------------------------------------------------------------
+
+
+def _random_shape(rng: random.Random) -> TinyShape:
+    heads = rng.choice([2, 4, 6, 8])
+    layers = rng.randint(2, 4)
+    experts = rng.randint(4, 12)
+    return TinyShape(
+        hidden=rng.choice([32, 48, 64]), intermediate=8 * rng.randint(2, 6), layers=layers, heads=heads,
+        kv_heads=rng.choice([k for k in (1, 2, 3, 4) if heads % k == 0]), head_dim=rng.choice([8, 16, 24]),
+        experts=experts, top_k=rng.randint(1, experts), vocab=rng.randint(256, 400),
+        norm_topk_prob=rng.random() < 0.5, mlp_only_layers=tuple(sorted(rng.sample(range(layers), 1))),
+        dense_intermediate=8 * rng.randint(4, 12), tie_embeddings=rng.random() < 0.5)
+
+
+def _hf_checkpoint(tmp_path: Path, shape: TinyShape, theta: float) -> tuple[Path, Qwen3MoeConfig]:
+    model = build_model(shape, seed=random.randrange(10**6))
+    model.config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    ckpt = save_checkpoint(model, tmp_path / "ckpt", "fused", 1)
+    return ckpt, Qwen3MoeConfig.from_pretrained(ckpt)
+
+
+def test_spec_from_hf_config_matches_the_transformers_config(tmp_path):
+    rng = random.Random()
+    ckpt, cfg = _hf_checkpoint(tmp_path, _random_shape(rng), float(rng.randint(1000, 10**6)))
+    spec, checkpoint = load_spec(ckpt)
+    assert checkpoint == ckpt
+    assert spec.family == "qwen3_moe"
+    assert (spec.num_layers, spec.hidden_size, spec.vocab_size) == (
+        cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)
+    a = spec.attention
+    assert (a.num_heads, a.num_kv_heads, a.head_dim) == (
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    m = spec.moe
+    assert (m.num_experts, m.top_k, m.expert_intermediate_size) == (
+        cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size)
+    assert m.dense_layers == tuple(cfg.mlp_only_layers)
+    assert m.dense_intermediate_size == cfg.intermediate_size
+    assert spec.moe_layers == tuple(i for i in range(cfg.num_hidden_layers) if i not in cfg.mlp_only_layers)
+    assert m.norm_topk_prob == cfg.norm_topk_prob
+    assert spec.tie_word_embeddings == cfg.tie_word_embeddings
+    assert spec.rope.theta == cfg.rope_parameters["rope_theta"]
+    assert spec.norm.eps == cfg.rms_norm_eps
+    assert spec.max_position_embeddings == cfg.max_position_embeddings
+
+
+def _edit_config(ckpt: Path, **changes) -> None:
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is DELETE:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+def test_decoder_sparse_step_makes_the_other_layers_dense(tmp_path):
+    ckpt, _ = _hf_checkpoint(tmp_path, TinyShape(layers=4), 10000.0)
+    _edit_config(ckpt, decoder_sparse_step=2, mlp_only_layers=[])
+    cfg = Qwen3MoeConfig.from_pretrained(ckpt)
+    spec, _ = load_spec(ckpt)
+    assert spec.moe_layers == (1, 3)
+    assert spec.moe.dense_layers == (0, 2)
+    assert spec.moe.dense_intermediate_size == cfg.intermediate_size
+
+
+def test_non_qwen3_moe_config_is_refused_naming_model_type(tmp_path):
+    ckpt, _ = _hf_checkpoint(tmp_path, TinyShape(), 10000.0)
+    _edit_config(ckpt, model_type="llama")
+    with pytest.raises(SpecError, match=r"'model_type' = 'llama'"):
+        load_spec(ckpt)
+
+
+def test_hf_config_missing_a_required_field_is_refused(tmp_path):
+    ckpt, _ = _hf_checkpoint(tmp_path, TinyShape(), 10000.0)
+    _edit_config(ckpt, moe_intermediate_size=DELETE)
+    with pytest.raises(SpecError, match="'moe_intermediate_size'"):
+        load_spec(ckpt)
+
+
+def test_absent_norm_topk_prob_follows_the_transformers_default(tmp_path):
+    ckpt, _ = _hf_checkpoint(tmp_path, TinyShape(norm_topk_prob=True), 10000.0)
+    _edit_config(ckpt, norm_topk_prob=DELETE)
+    spec, _ = load_spec(ckpt)
+    assert spec.moe.norm_topk_prob == Qwen3MoeConfig.from_pretrained(ckpt).norm_topk_prob
+
