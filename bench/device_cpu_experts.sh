@@ -11,7 +11,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -3 | tee "$out/pytest.txt"
 engine=/tmp/ftc-q30-4l
 ftc compile model_specs/qwen3-30b-a3b.yaml --random-weights --override num_layers=4 -o $engine 2>&1 | tail -1
-for run in 1 2 3; do
+for run in 1 2; do
   ftc bench $engine experts --tokens 1 --seconds 3 -o "$out/bench_experts_t1_run$run.json" > /dev/null
 done
 ftc bench $engine experts --tokens 8 --seconds 3 -o "$out/bench_experts_t8.json" > /dev/null
@@ -22,6 +22,17 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("bench_experts_*.json")):
     print(f"{p.stem:28s} tokens={r['tokens']} threads={r['threads']} kernel={r['kernel_gbps']} GB/s "
           f"({r['kernel_ms_per_layer']} ms/layer) torch_bf16={r['torch_bf16_gbps']} read={r['torch_read_gbps']}")
 PY
+# End-to-end CPU decode of the same engine, with the runtime's OpenMP spin limit (default) and with
+# OpenMP's own defaults, to show what the limit is for.
+prompt=$(python3 -c "import random; r=random.Random(0); print(','.join(str(r.randrange(151000)) for _ in range(128)))")
+for mode in default gomp-default; do
+  if [ $mode = gomp-default ]; then export GOMP_SPINCOUNT=300000 KMP_BLOCKTIME=200; fi
+  for run in 1 2; do
+    ftc run $engine --prompt-ids "$prompt" --max-new-tokens 32 --ignore-eos --json > "$out/decode_${mode}_$run.json"
+    python3 -c "import json,sys; t=json.load(open(sys.argv[1]))['timings']; print('$mode', t)" "$out/decode_${mode}_$run.json"
+  done
+done
+unset GOMP_SPINCOUNT KMP_BLOCKTIME
 if [ "${2:-}" = "--tune" ]; then
   python3 bench/tune_cpu_kernel.py $engine --threads 8,12,16 --prefetch 0,1,2,4 --chunk 8,16,32 --seconds 1.5 \
     | tee "$out/tune.jsonl"
