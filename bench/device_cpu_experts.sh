@@ -8,7 +8,8 @@ out=${1:?output directory}
 mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tail -3 | tee "$out/pytest.txt"
+python3 -m pytest -q -p no:cacheprovider tests > "$out/pytest.txt" 2>&1 || true
+tail -3 "$out/pytest.txt"
 engine=/tmp/ftc-q30-4l
 ftc compile model_specs/qwen3-30b-a3b.yaml --random-weights --override num_layers=4 -o $engine 2>&1 | tail -1
 for run in 1 2; do

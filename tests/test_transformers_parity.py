@@ -75,11 +75,14 @@ def test_greedy_32_tokens_match_transformers(engine_and_model):
 
 
 def test_incremental_decode_equals_full_prefill(engine_and_model):
-    """The KV cache path (one token at a time) gives the logits of a full forward."""
+    """The KV cache path (one token at a time) gives the logits of a full forward. The AVX-512 kernel
+    rounds activations to bf16, and prefill and decode sum the dense layers in different orders, so a
+    rounding boundary can fall differently; a cache fault moves logits by far more than this bound."""
     engine, _, shape = engine_and_model
     ids = [random.randrange(shape.vocab) for _ in range(20)]
     full = engine.logits(ids)
     cache = engine.model.new_cache()
     engine.model.forward(torch.tensor(ids[:7]), cache)
     steps = [engine.model.forward(torch.tensor([t]), cache)[-1] for t in ids[7:]]
-    assert _rel(torch.stack(steps), full[7:]) < 1e-4
+    bound = 1e-4 if engine.manifest.plan.isa == "avx2" else 5e-3
+    assert _rel(torch.stack(steps), full[7:]) < bound
