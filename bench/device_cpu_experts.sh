@@ -21,6 +21,7 @@ import json, pathlib, sys
 for p in sorted(pathlib.Path(sys.argv[1]).glob("bench_experts_*.json")):
     r = json.loads(p.read_text())
     print(f"{p.stem:28s} tokens={r['tokens']} threads={r['threads']} kernel={r['kernel_gbps']} GB/s "
+          f"(median {r['kernel_gbps_median']}) "
           f"({r['kernel_ms_per_layer']} ms/layer) torch_bf16={r['torch_bf16_gbps']} read={r['torch_read_gbps']}")
 PY
 # End-to-end CPU decode of the same engine, with the runtime's OpenMP spin limit (default) and with

@@ -7,11 +7,12 @@
 namespace ftc {
 
 namespace {
-// How long an idle worker spins before it sleeps on a futex, in TSC cycles (about 40 µs at
-// 2.5 GHz): long enough to catch the next MoE layer of a decode step without a wake-up, short
-// enough not to take cores from torch's own threads for long. Counted in cycles, not pause
-// instructions, because a pause lasts 10 cycles on some cores and 140 on others.
-constexpr uint64_t kSpinCycles = 100000;
+// How long an idle worker spins before it sleeps on a futex, in TSC cycles (about 200 µs at
+// 2.5 GHz). A futex wake-up of 15 threads costs tens of µs, more in a VM whose idle vCPUs halt,
+// so back-to-back calls must find the workers awake; a longer spin would take cores from torch's
+// own threads between MoE layers. Counted in cycles, not pause instructions, because a pause
+// lasts 10 cycles on some cores and 140 on others.
+constexpr uint64_t kSpinCycles = 500000;
 
 void pin_to_cpu(pthread_t thread, int cpu) {
   if (cpu < 0) return;
