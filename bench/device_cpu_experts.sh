@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Issue 2's device run: the CPU test suite, then the CPU expert kernel at qwen3-30b-a3b shapes
 # (4 of its 48 layers: a 4.8 GB pool, far beyond the L3, without a 58 GB file) against torch bf16
-# and a plain read, three times at batch 1 to show the spread; --tune adds the tiling sweep.
+# and a plain read, twice at batch 1 to show the spread, then end-to-end CPU decode; --tune adds
+# the tiling sweep.
 # Usage on the device machine: bash bench/device_cpu_experts.sh OUT_DIR [--tune]
+# (FTC_DEVICE_TESTS=tests/FILE.py runs only that test file first.)
 set -euo pipefail
 out=${1:?output directory}
 mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -m pytest -q -p no:cacheprovider tests > "$out/pytest.txt" 2>&1 || true
+python3 -m pytest -q -p no:cacheprovider ${FTC_DEVICE_TESTS:-tests} > "$out/pytest.txt" 2>&1 || true
 tail -3 "$out/pytest.txt"
 engine=/tmp/ftc-q30-4l
 ftc compile model_specs/qwen3-30b-a3b.yaml --random-weights --override num_layers=4 -o $engine 2>&1 | tail -1
