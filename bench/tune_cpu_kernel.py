@@ -19,7 +19,7 @@ from ftc.build import build_kernels
 from ftc.codegen import render_cpu_kernels
 from ftc_runtime import ftw
 from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest
-from ftc_runtime.cpu_info import physical_cpus
+from ftc_runtime.cpu_info import worker_cpus
 from ftc_runtime.kernels import CpuExpertKernel
 from ftc_runtime.settings import settings
 
@@ -44,7 +44,7 @@ def main() -> None:
                 lib, _ = build_kernels(Path(tmp) / "kernels", Path(tmp) / "lib", settings().cache_dir)
                 for threads in ints(args.threads):
                     kernel = CpuExpertKernel(lib, plan.isa, m.spec.hidden_size,
-                                             m.spec.moe.expert_intermediate_size, physical_cpus()[:threads])
+                                             m.spec.moe.expert_intermediate_size, worker_cpus(threads))
                     for tokens in ints(args.tokens):
                         r = measure(m.spec, pool, kernel, tokens, args.seconds)
                         print(json.dumps({"chunk": chunk, "prefetch_rows": pf, "threads": threads,

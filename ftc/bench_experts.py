@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ftc_runtime import ftw
 from ftc_runtime.artifact import EXPERTS_FILE, LIBRARY_FILE, EngineManifest
-from ftc_runtime.cpu_info import physical_cpus
+from ftc_runtime.cpu_info import worker_cpus
 from ftc_runtime.experts import group_by_expert
 from ftc_runtime.kernels import CpuExpertKernel
 from ftc_runtime.spec import ModelSpec
@@ -99,10 +99,8 @@ def bench_experts(engine: Path, tokens: int = 1, threads: int | None = None, sec
     manifest.verify()
     spec, plan = manifest.spec, manifest.plan
     pool = ftw.load(engine / EXPERTS_FILE)
-    cpus = physical_cpus()
-    cpus = cpus[: threads or plan.cpu_threads or len(cpus)]
     kernel = CpuExpertKernel(engine / LIBRARY_FILE, plan.isa, spec.hidden_size,
-                             spec.moe.expert_intermediate_size, cpus)
+                             spec.moe.expert_intermediate_size, worker_cpus(threads or plan.cpu_threads))
     ours = measure(spec, pool, kernel, tokens, seconds, seed)
     ref = measure(spec, pool, None, tokens, seconds, seed)
     read = torch_read_gbps()

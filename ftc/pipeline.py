@@ -38,7 +38,7 @@ from ftc_runtime.artifact import (
     Plan,
     describe_files,
 )
-from ftc_runtime.cpu_info import physical_cpus
+from ftc_runtime.cpu_info import worker_cpus
 from ftc_runtime.ftw import ExpertPool, FtwHeader, bf16_expert_banks, read_header
 from ftc_runtime.kernels import CpuExpertKernel
 from ftc_runtime.models import family
@@ -170,9 +170,8 @@ def _check_kernels(spec: ModelSpec, plan: Plan, staging: Path, tick) -> list[dic
     data = np.memmap(staging / EXPERTS_FILE, dtype=np.uint8, mode="c", offset=header.data_offset,
                      shape=(header.data_bytes,))
     pool = ExpertPool(header, torch.from_numpy(data))
-    cpus = physical_cpus()[: plan.cpu_threads or None]
     kernel = CpuExpertKernel(staging / LIBRARY_FILE, plan.isa, spec.hidden_size,
-                             spec.moe.expert_intermediate_size, cpus)
+                             spec.moe.expert_intermediate_size, worker_cpus(plan.cpu_threads))
     results = []
     for n_tokens in plan.batch_buckets:
         results.append(check_expert_kernel(kernel, pool, spec.moe.top_k, n_tokens, seed=n_tokens))

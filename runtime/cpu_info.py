@@ -49,3 +49,10 @@ def physical_cpus() -> list[int]:
             seen.add(key)
             chosen.append(cpu)
     return chosen
+
+
+def worker_cpus(threads: int | None = None) -> list[int]:
+    """The CPUs the expert workers are pinned to: the first `threads` physical cores (all of them
+    when None), never more than this machine has."""
+    cpus = physical_cpus()
+    return cpus[: max(1, min(threads or len(cpus), len(cpus)))]

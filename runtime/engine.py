@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from . import ftw
 from .artifact import DENSE_FILE, EXPERTS_FILE, LIBRARY_FILE, TOKENIZER_FILE, ArtifactError, EngineManifest
-from .cpu_info import physical_cpus
+from .cpu_info import worker_cpus
 from .experts import CpuExperts
 from .kernels import CpuExpertKernel
 from .models import family
@@ -50,12 +50,6 @@ class Generation:
         return self._tokens
 
 
-def _worker_cpus(plan_threads: int | None) -> list[int]:
-    cpus = physical_cpus()
-    wanted = settings().num_threads or plan_threads or len(cpus)
-    return cpus[: max(1, min(wanted, len(cpus)))]
-
-
 class Engine:
     def __init__(self, manifest: EngineManifest, tokenizer: Tokenizer, model, pool: ftw.ExpertPool):
         self.manifest, self.spec, self.tokenizer, self.model, self.pool = (
@@ -68,7 +62,8 @@ class Engine:
         manifest.verify()
         spec, plan = manifest.spec, manifest.plan
         kernel = CpuExpertKernel(root / LIBRARY_FILE, plan.isa, spec.hidden_size,
-                                 spec.moe.expert_intermediate_size, _worker_cpus(plan.cpu_threads))
+                                 spec.moe.expert_intermediate_size,
+                                 worker_cpus(settings().num_threads or plan.cpu_threads))
         console = Console(stderr=True)
         with Progress(TextColumn("loading experts"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                       console=console, disable=not (show_progress and console.is_terminal), transient=True) as bar:
