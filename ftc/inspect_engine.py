@@ -1,4 +1,4 @@
-"""`ftc inspect`: what an engine holds and how it will run (from engine.json alone)."""
+"""`ftc inspect`: what an engine holds and how it will run (from engine.json and the FTW header)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,18 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ftc_runtime.artifact import EngineManifest
+from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest
+from ftc_runtime.ftw import read_header
 from ftc_runtime.models import family
+from ftc_runtime.vram_plan import gib, plan_vram
 
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
 
 
-def inspect_engine(engine: Path, verify: bool = False) -> list:
+def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None = None,
+                   max_context: int = 4096) -> list:
     m = EngineManifest.read(engine)
     if verify:
         m.verify(skip_hash=())
@@ -54,7 +57,24 @@ def inspect_engine(engine: Path, verify: bool = False) -> list:
     files = Table("file", "bytes", "sha256", title="files" + (" (verified)" if verify else ""))
     for rel, meta in m.files.items():
         files.add_row(rel, f"{meta['bytes']:,}", meta["sha256"][:16] + "…")
-    return [model, memory, run, files]
+    tables = [model, memory, run, files]
+    if vram_budget is not None:
+        tables.insert(2, _vram_table(m, engine, vram_budget, max_context))
+    return tables
+
+
+def _vram_table(m: EngineManifest, engine: Path, budget: int, max_context: int) -> Table:
+    header, _ = read_header(engine / EXPERTS_FILE)
+    plan = plan_vram(m.spec, family(m.spec.family).dense_tensor_shapes(m.spec), budget, header.expert_stride,
+                     header.num_rows, max_context)
+    t = Table(title=f"GPU memory within --vram-budget {gib(budget)}", show_header=False)
+    for k, v in (("non-expert weights (bf16)", gib(plan.dense)),
+                 (f"KV cache ({max_context} tokens)", gib(plan.kv)), ("workspace", gib(plan.workspace)),
+                 ("expert slots", f"{plan.n_slots} × {plan.expert_stride / 2**20:.2f} MiB = {gib(plan.slots)}"),
+                 ("share of the expert pool", f"{100 * plan.pool_share:.1f}% of {plan.pool_experts} experts"),
+                 ("total", gib(plan.total))):
+        t.add_row(k, v)
+    return t
 
 
 def _numel(shape: tuple[int, ...]) -> int:

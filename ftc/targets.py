@@ -21,14 +21,28 @@ class Target:
     name: str
     isa: str
     cpu_threads: int | None  # None: all physical cores of the machine that runs the engine
+    gpu: str | None = None
+    vram_bytes: int | None = None
+    b_p: float | None = None  # pinned host→GPU GB/s at one expert's size
+    b_h: float | None = None  # CPU expert kernel GB/s with all workers
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+_GB = 10**9
 PRESETS: dict[str, Target] = {
     # Portable x86-64-v3: runs on any AVX2 machine, with every physical core it finds there.
     "cpu": Target("cpu", "avx2", None),
+    # The FreeToken paper's machines (B_P, B_H as it measured them); their CPUs are taken as AVX2.
+    "rtx-4060-laptop": Target("rtx-4060-laptop", "avx2", None, "RTX 4060 Laptop", 8 * _GB, 11.8, 47.5),
+    "rtx-3090": Target("rtx-3090", "avx2", None, "RTX 3090", 24 * _GB, 25.3, 56.7),
+    "rtx-4090": Target("rtx-4090", "avx2", None, "RTX 4090", 24 * _GB, 25.1, 63.2),
+    "rtx-5090": Target("rtx-5090", "avx2", None, "RTX 5090", 32 * _GB, 49.0, 53.8),
+    "rtx-5090-server": Target("rtx-5090-server", "avx2", None, "RTX 5090", 32 * _GB, 52.7, 77.3),
+    "rtx-pro-6000": Target("rtx-pro-6000", "avx2", None, "RTX PRO 6000", 96 * _GB, 51.5, 178.0),
+    # The device machine (docs/performance.md): B_P at 9.4 MiB from DESIGN.md, B_H from `ftc bench experts`.
+    "h200": Target("h200", "avx512_bf16", 16, "NVIDIA H200", 143771 * 2**20, 51.0, 88.0),
 }
 
 

@@ -1,4 +1,5 @@
-"""`Engine`: a compiled engine directory loaded for inference (CPU path)."""
+"""`Engine`: a compiled engine directory loaded for inference: every expert on the CPU, or (with an
+`OffloadConfig`) the model on a device and the experts split between its slot cache and the CPU."""
 
 from __future__ import annotations
 
@@ -17,10 +18,28 @@ from .artifact import DENSE_FILE, EXPERTS_FILE, LIBRARY_FILE, TOKENIZER_FILE, Ar
 from .cpu_info import worker_cpus
 from .experts import CpuExperts
 from .kernels import CpuExpertKernel
+from .miss_planner import MissPlanner
 from .models import family
+from .offload import OffloadedExperts
 from .sampling import Sampler, SamplingParams
 from .settings import settings
 from .tokenizer import Tokenizer
+from .vram_plan import VramPlan, plan_vram
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The model on `device`, routed experts through a slot cache there. `device="cpu"` runs the
+    same path with the CPU standing in for the GPU (for tests and machines without one)."""
+
+    device: str = "cuda"
+    vram_budget: int | None = None  # bytes; None: the device's total memory (the CPU: 8 GiB)
+    n_slots: int | None = None  # overrides the slot count that the budget gives
+    miss_policy: str = "adaptive"
+    cache_policy: str = "lru"
+    b_p: float | None = None  # GB/s; None: the engine's target profile
+    b_h: float | None = None
+    max_context: int = 4096  # tokens of KV cache the budget reserves
 
 
 @dataclass
@@ -51,12 +70,13 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, manifest: EngineManifest, tokenizer: Tokenizer, model, pool: ftw.ExpertPool):
-        self.manifest, self.spec, self.tokenizer, self.model, self.pool = (
-            manifest, manifest.spec, tokenizer, model, pool)
+    def __init__(self, manifest: EngineManifest, tokenizer: Tokenizer, model, pool: ftw.ExpertPool,
+                 vram: VramPlan | None = None):
+        self.manifest, self.spec, self.tokenizer, self.model, self.pool, self.vram = (
+            manifest, manifest.spec, tokenizer, model, pool, vram)
 
     @classmethod
-    def load(cls, path: str | Path, show_progress: bool = False) -> Engine:
+    def load(cls, path: str | Path, show_progress: bool = False, offload: OffloadConfig | None = None) -> Engine:
         root = Path(path)
         manifest = EngineManifest.read(root)
         manifest.verify()
@@ -80,8 +100,16 @@ class Engine:
             if name not in dense or tuple(dense[name].shape) != shape:
                 got = tuple(dense[name].shape) if name in dense else "missing"
                 raise ArtifactError(f"{root / DENSE_FILE}: tensor {name}: {got}, expected {shape}")
-        model = fam.model(spec, dense, CpuExperts(pool, kernel))
-        return cls(manifest, Tokenizer(root / TOKENIZER_FILE), model, pool)
+        tokenizer = Tokenizer(root / TOKENIZER_FILE)
+        if offload is None:
+            return cls(manifest, tokenizer, fam.model(spec, dense, CpuExperts(pool, kernel)), pool)
+        vram = _vram_plan(manifest, offload, expected, pool)
+        planner = MissPlanner(offload.miss_policy, offload.b_p or manifest.target.get("b_p") or 1.0,
+                              offload.b_h or manifest.target.get("b_h") or 1.0)
+        experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
+                                   offload.cache_policy)
+        model = fam.model(spec, dense, experts, device=offload.device)
+        return cls(manifest, tokenizer, model, pool, vram)
 
     def _check_ids(self, ids: list[int]) -> torch.Tensor:
         if not ids:
@@ -110,6 +138,7 @@ class Engine:
             cache, sample = self.model.new_cache(), Sampler(sampling)
             t0 = time.perf_counter()
             token = sample(self.model.forward(ids, cache)[-1])
+            self.model.experts.end_of_prompt()
             stats.prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             for n in range(1, max_new_tokens + 1):
@@ -121,3 +150,18 @@ class Engine:
                 token = sample(self.model.forward(torch.tensor([token]), cache)[-1])
 
         return Generation(tokens(), stats)
+
+
+def _vram_plan(manifest: EngineManifest, cfg: OffloadConfig, shapes: dict, pool: ftw.ExpertPool) -> VramPlan:
+    device = torch.device(cfg.device)
+    budget = cfg.vram_budget
+    if budget is None:
+        budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 8 << 30
+    plan = plan_vram(manifest.spec, shapes, budget, pool.header.expert_stride, pool.header.num_rows,
+                     cfg.max_context)
+    if cfg.n_slots is not None:
+        if not 0 <= cfg.n_slots <= plan.n_slots:
+            raise ValueError(f"--slots {cfg.n_slots}: the budget holds 0 to {plan.n_slots} expert slots")
+        plan = VramPlan(plan.budget, plan.dense, plan.kv, plan.workspace, plan.expert_stride, cfg.n_slots,
+                        plan.pool_experts)
+    return plan

@@ -18,6 +18,9 @@ class ExpertBackend(ABC):
         """x [T, hidden] fp32; ids [T, top_k] expert indices in the layer; weights [T, top_k] fp32.
         Returns Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) as [T, hidden] fp32."""
 
+    def end_of_prompt(self) -> None:  # noqa: B027 (an optional hook, empty by default)
+        """Called once the prompt of a request has been processed (the static cache pins then)."""
+
 
 def group_by_expert(base_id: int, ids: torch.Tensor, weights: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

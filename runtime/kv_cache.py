@@ -7,10 +7,11 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 capacity: int = 256):
+                 device: torch.device | str = "cpu", capacity: int = 256):
         self.length = 0  # tokens whose keys and values every layer holds
-        self._k = [torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype) for _ in range(num_layers)]
-        self._v = [torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype) for _ in range(num_layers)]
+        shape = (capacity, num_kv_heads, head_dim)
+        self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores k/v [T, kv_heads, head_dim] after `length`; returns all keys and values so far."""

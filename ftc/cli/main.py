@@ -37,7 +37,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ..targets import TargetError
 
     return (ArtifactError, FtwError, KernelError, SettingsError, SpecError, BuildError, CheckpointError,
-            CodegenError, KernelCheckError, TargetError, ValueError, OSError)
+            CodegenError, KernelCheckError, TargetError, ValueError, OSError, RuntimeError)
 
 
 @app.command()
@@ -66,17 +66,43 @@ def compile(
 def inspect(
     engine: Annotated[Path, typer.Argument(help="Engine directory.")],
     verify: Annotated[bool, typer.Option("--verify", help="Also check every file's sha256.")] = False,
+    vram_budget: Annotated[str | None, typer.Option(help="Show the GPU memory split for this budget.")] = None,
+    max_context: Annotated[int, typer.Option(help="KV cache tokens the budget reserves.")] = 4096,
 ) -> None:
     """Show an engine's model, memory split, plan and files."""
+    from ftc_runtime.vram_plan import VramError, parse_size
+
     from ..inspect_engine import inspect_engine
 
     try:
-        tables = inspect_engine(engine, verify)
+        budget = parse_size(vram_budget) if vram_budget else None
+        tables = inspect_engine(engine, verify, budget, max_context)
+    except VramError as e:
+        _fail(e)
     except _user_errors() as e:
         _fail(e)
     out = Console()
     for t in tables:
         out.print(t)
+
+
+MissPolicyOpt = Enum("MissPolicyOpt", {p: p for p in ("adaptive", "gpu", "cpu", "half")}, type=str)
+CachePolicyOpt = Enum("CachePolicyOpt", {p: p for p in ("lru", "static")}, type=str)
+
+
+def _offload(device: str | None, vram_budget: str | None, slots: int | None, miss_policy: str,
+             cache_policy: str):
+    """The OffloadConfig for --device and its options (None: every expert on the CPU)."""
+    from ftc_runtime.engine import OffloadConfig
+    from ftc_runtime.vram_plan import parse_size
+
+    if device is None:
+        if vram_budget or slots is not None:
+            raise ValueError("--vram-budget and --slots need --device (cuda, or cpu to emulate a GPU)")
+        return None
+    return OffloadConfig(device=device, vram_budget=parse_size(vram_budget) if vram_budget else None,
+                         n_slots=slots, miss_policy=str(getattr(miss_policy, "value", miss_policy)),
+                         cache_policy=str(getattr(cache_policy, "value", cache_policy)))
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -97,6 +123,12 @@ def run(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (tokens, text, timings).")] = False,
+    device: Annotated[str | None, typer.Option(help="Run the model on this torch device with an expert slot "
+                                               "cache there ('cuda', or 'cpu' to emulate one).")] = None,
+    vram_budget: Annotated[str | None, typer.Option(help="Cap on device memory, e.g. 32GiB.")] = None,
+    slots: Annotated[int | None, typer.Option(help="Expert slots (default: what the budget holds).")] = None,
+    miss_policy: Annotated[MissPolicyOpt, typer.Option(help="Where cache misses run.")] = "adaptive",
+    cache_policy: Annotated[CachePolicyOpt, typer.Option(help="lru, or static (prompt's top experts).")] = "lru",
 ) -> None:
     """Generate from a prompt, streaming the text (or one JSON object with --json)."""
     from ftc_runtime import Engine, SamplingParams
@@ -106,8 +138,9 @@ def run(
         _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
     try:
         given_ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+        offload = _offload(device, vram_budget, slots, miss_policy, cache_policy)
         t0 = time.perf_counter()
-        eng = Engine.load(engine, show_progress=not as_json)
+        eng = Engine.load(engine, show_progress=not as_json, offload=offload)
         load_s = time.perf_counter() - t0
         ids = given_ids if given_ids is not None else eng.tokenizer.encode(prompt)
         gen = eng.generate(ids, max_new_tokens, SamplingParams(temperature, top_p, seed), not ignore_eos)
@@ -125,8 +158,11 @@ def run(
     timings = {"load_s": round(load_s, 4), "prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4),
                "prefill_tok_s": round(s.prefill_tok_s, 2), "decode_tok_s": round(s.decode_tok_s, 2)}
     if as_json:
-        print(json.dumps({"tokens": tokens, "text": eng.tokenizer.decode(tokens), "prompt_tokens": len(ids),
-                          "timings": timings}))
+        result = {"tokens": tokens, "text": eng.tokenizer.decode(tokens), "prompt_tokens": len(ids),
+                  "timings": timings}
+        if eng.vram is not None:
+            result["offload"] = {"vram": eng.vram.to_dict(), "experts": eng.model.experts.stats.to_dict()}
+        print(json.dumps(result))
     else:
         sys.stdout.write("\n")
         err.print(f"[dim]{len(ids)} prompt tokens, {len(tokens)} generated; prefill {s.prefill_tok_s:.1f} tok/s, "

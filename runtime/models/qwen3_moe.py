@@ -44,7 +44,9 @@ def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """Normalized in fp32 whatever the activation dtype, as the reference does."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -53,32 +55,35 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Qwen3MoeModel:
-    """One sequence at a time; activations in fp32 on the CPU, weights as loaded."""
+    """One sequence at a time, on `device`: fp32 activations on the CPU, bf16 on a GPU."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertBackend,
-                 compute_dtype: torch.dtype = torch.float32):
+                 device: torch.device | str = "cpu"):
         self.spec = spec
         self.experts = experts
-        self.dtype = compute_dtype
+        self.device = torch.device(device)
+        self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         # The embedding stays in its stored dtype: only the looked-up rows are converted.
-        self.embed = weights["model.embed_tokens.weight"]
-        self.w = {k: v.to(compute_dtype) for k, v in weights.items() if k != "model.embed_tokens.weight"}
-        self.lm_head = self.embed.to(compute_dtype) if spec.tie_word_embeddings else self.w["lm_head.weight"]
+        self.embed = weights["model.embed_tokens.weight"].to(self.device)
+        self.w = {k: v.to(self.device, self.dtype) for k, v in weights.items() if k != "model.embed_tokens.weight"}
+        self.lm_head = self.embed.to(self.dtype) if spec.tie_word_embeddings else self.w["lm_head.weight"]
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         a = spec.attention
         rot = int(a.head_dim * spec.rope.partial_rotary_factor) // 2 * 2
         self.rot_dim = rot
         self.inv_freq = 1.0 / (spec.rope.theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+        self.inv_freq = self.inv_freq.to(self.device)
 
     def new_cache(self) -> KVCache:
         a = self.spec.attention
-        return KVCache(self.spec.num_layers, a.num_kv_heads, a.head_dim, self.dtype)
+        return KVCache(self.spec.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32."""
         start = cache.length
-        positions = torch.arange(start, start + ids.numel())
+        ids = ids.to(self.device)
+        positions = torch.arange(start, start + ids.numel(), device=self.device)
         cos, sin = self._rope(positions)
         x = self.embed[ids].to(self.dtype)
         eps = self.spec.norm.eps
@@ -115,7 +120,8 @@ class Qwen3MoeModel:
         start = keys.shape[0] - t
         mask = None
         if t > 1:
-            mask = torch.arange(keys.shape[0])[None, :] <= (start + torch.arange(t))[:, None]
+            mask = (torch.arange(keys.shape[0], device=self.device)[None, :]
+                    <= (start + torch.arange(t, device=self.device))[:, None])
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                              attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads)
         return self._linear(out.transpose(0, 1).reshape(t, -1), p + "o_proj")

@@ -1,0 +1,74 @@
+"""`ExpertCache`: the global cache of (layer, expert) slots on the GPU, shared by all MoE layers.
+
+Host-side bookkeeping only: which FTW row (`id = l·E + e`) each slot holds, and when each slot was
+last used. The slot memory itself belongs to the backend that computes on it. Policies:
+- `lru`: misses that the planner sends to the GPU replace the least recently used slots that the
+  current step does not use;
+- `static`: a fixed set of experts is pinned once, after the prompt (its most frequent experts, as
+  llama.cpp and KTransformers place them), and never replaced; until then every miss is computed
+  on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+CachePolicy = Literal["lru", "static"]
+CACHE_POLICIES: tuple[str, ...] = ("lru", "static")
+
+
+class ExpertCache:
+    def __init__(self, num_ids: int, n_slots: int, policy: CachePolicy = "lru"):
+        if policy not in CACHE_POLICIES:
+            raise ValueError(f"cache policy {policy!r}: expected one of {', '.join(CACHE_POLICIES)}")
+        if n_slots < 0:
+            raise ValueError(f"n_slots = {n_slots}: expected a number >= 0")
+        self.policy = policy
+        self.n_slots = n_slots
+        self.slot_of = np.full(num_ids, -1, dtype=np.int64)  # id → slot, -1 when not resident
+        self.id_of = np.full(n_slots, -1, dtype=np.int64)  # slot → id, -1 when empty
+        self.last_used = np.full(n_slots, -1, dtype=np.int64)  # step of last use; empty slots: -1
+        self.step = 0
+        self.frozen = False  # static policy: True once the pinned set is placed
+
+    @property
+    def resident(self) -> int:
+        return int((self.id_of >= 0).sum())
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Slots of `ids` (-1 for misses)."""
+        return self.slot_of[ids]
+
+    def touch(self, slots: np.ndarray) -> None:
+        """Marks slots as used by the current step, then advances the step."""
+        self.last_used[slots] = self.step
+        self.step += 1
+
+    def victims(self, q: int, in_use: np.ndarray) -> np.ndarray:
+        """Up to q slots to refill: empty slots first, then least recently used; never a slot in
+        `in_use` (this step reads it). The static policy never gives any: its set is placed by pin()."""
+        if q <= 0 or self.policy == "static":
+            return np.empty(0, dtype=np.int64)
+        order = np.argsort(self.last_used, kind="stable")
+        if in_use.size:
+            order = order[~np.isin(order, in_use)]
+        return order[:q]
+
+    def install(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        """Records that `slots` now hold `ids` (the caller copies the rows)."""
+        old = self.id_of[slots]
+        self.slot_of[old[old >= 0]] = -1
+        self.id_of[slots] = ids
+        self.slot_of[ids] = slots
+
+    def pin(self, ids: np.ndarray) -> np.ndarray:
+        """Static policy: places `ids` (at most n_slots) once; returns the slots to fill."""
+        if self.policy != "static":
+            raise ValueError("pin() is for the static cache policy")
+        ids = ids[: self.n_slots]
+        slots = np.arange(ids.size, dtype=np.int64)
+        self.install(slots, ids)
+        self.frozen = True
+        return slots

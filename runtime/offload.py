@@ -1,0 +1,182 @@
+"""`OffloadedExperts`: routed experts served from a device-side slot cache, with the misses of each
+layer split between fills (host→device copies into LRU victims) and in-place CPU computation.
+
+The device is any `torch.device`. On a machine without a GPU it is the CPU, and every part of the
+path (cache, split, fills as plain copies, merge) runs and is tested; only speed needs a GPU.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .expert_cache import ExpertCache
+from .experts import ExpertBackend
+from .ftw import ExpertPool
+from .kernels import CpuExpertKernel
+from .miss_planner import MissPlanner
+
+
+@dataclass
+class OffloadStats:
+    """Totals over all MoE layer calls (unique experts per call, not token-expert pairs)."""
+
+    calls: int = 0
+    unique: int = 0
+    hits: int = 0
+    fills: int = 0
+    cpu: int = 0
+
+    @property
+    def misses(self) -> int:
+        return self.fills + self.cpu
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"misses": self.misses,
+                               "miss_rate": self.misses / self.unique if self.unique else 0.0}
+
+
+@dataclass(frozen=True)
+class _Routing:
+    """One layer's (token, expert) pairs grouped by expert, on the host."""
+
+    ids: np.ndarray  # [u] unique FTW rows
+    offsets: np.ndarray  # [u + 1]
+    tok_idx: np.ndarray  # [pairs] token row
+    tok_w: np.ndarray  # [pairs] router weight
+
+    @classmethod
+    def build(cls, base: int, ids: torch.Tensor, weights: torch.Tensor) -> _Routing:
+        k = ids.shape[1]
+        flat = ids.reshape(-1).cpu().numpy().astype(np.int64) + base
+        order = np.argsort(flat, kind="stable")
+        uniq, counts = np.unique(flat[order], return_counts=True)
+        offsets = np.zeros(uniq.size + 1, dtype=np.int32)
+        np.cumsum(counts, out=offsets[1:])
+        w = weights.reshape(-1).float().cpu().numpy()[order]
+        return cls(uniq, offsets, (order // k).astype(np.int32), w.astype(np.float32))
+
+    def counts(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def subset(self, which: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """ids, offsets, tok_idx, tok_w of the experts at positions `which`."""
+        starts, ends = self.offsets[which], self.offsets[which + 1]
+        pairs = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)]) \
+            if which.size else np.empty(0, dtype=np.int64)
+        offsets = np.zeros(which.size + 1, dtype=np.int32)
+        np.cumsum(ends - starts, out=offsets[1:])
+        return self.ids[which], offsets, self.tok_idx[pairs], self.tok_w[pairs]
+
+
+class OffloadedExperts(ExpertBackend):
+    def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
+                 planner: MissPlanner, cache_policy: str = "lru"):
+        h = pool.header
+        self.pool, self.kernel, self.device, self.planner = pool, kernel, torch.device(device), planner
+        self.num_experts = h.num_experts
+        self.cache = ExpertCache(h.num_rows, n_slots, cache_policy)
+        self.host_rows = pool.buffer.view(h.num_rows, h.expert_stride)
+        # The slots keep FTW's expert-major row layout, so a fill is one contiguous copy.
+        self.slots = torch.empty(n_slots, h.expert_stride, dtype=torch.uint8, device=self.device)
+        self.banks = {b.name: (b.offset, b.row_bytes, b.row_shape) for b in h.banks}
+        self.stats = OffloadStats()
+        self.prompt_counts = np.zeros(h.num_rows, dtype=np.int64)  # static policy: routed ids of the prompt
+        on_gpu = self.device.type == "cuda"
+        # Pinned in place (no copy of the pool): fills then run as DMA at full PCIe speed.
+        self.pinned = on_gpu and torch.cuda.cudart().cudaHostRegister(
+            pool.buffer.data_ptr(), pool.buffer.numel(), 0) == 0
+        self.copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
+        self.cpu_thread = ThreadPoolExecutor(max_workers=1) if on_gpu else None
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slots.numel()
+
+    def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        r = _Routing.build(moe_layer * self.num_experts, ids, weights)
+        slots = self.cache.lookup(r.ids)
+        hit = np.flatnonzero(slots >= 0)
+        miss = np.flatnonzero(slots < 0)
+        if self.cache.policy == "static" and not self.cache.frozen:
+            self.prompt_counts[r.ids] += r.counts()
+        # The busiest misses are the ones worth a copy: they carry the most tokens.
+        miss = miss[np.argsort(-r.counts()[miss], kind="stable")]
+        victims = self.cache.victims(self.planner.fills(miss.size), in_use=slots[hit])
+        fill, cpu = miss[: victims.size], miss[victims.size:]
+        self._fill(victims, r.ids[fill])
+        gpu = np.concatenate([hit, fill])
+        gpu_slots = np.concatenate([slots[hit], victims])
+        self.cache.touch(gpu_slots)
+        self.stats.calls += 1
+        self.stats.unique += r.ids.size
+        self.stats.hits += hit.size
+        self.stats.fills += fill.size
+        self.stats.cpu += cpu.size
+        x = x.float().contiguous()
+        cpu_out = self._start_cpu(x, r, cpu)
+        out = self._device_part(x, r, gpu, gpu_slots)
+        cpu_result = cpu_out.result() if self.cpu_thread else cpu_out
+        return out + cpu_result.to(self.device, non_blocking=True)
+
+    def end_of_prompt(self) -> None:
+        """Static policy: pins the experts the prompt routed to most, once."""
+        if self.cache.policy != "static" or self.cache.frozen:
+            return
+        order = np.argsort(-self.prompt_counts, kind="stable")
+        chosen = order[: self.cache.n_slots]
+        chosen = chosen[self.prompt_counts[chosen] > 0]
+        slots = self.cache.pin(chosen)
+        self._copy_rows(slots, chosen)
+
+    def _fill(self, victims: np.ndarray, ids: np.ndarray) -> None:
+        self.cache.install(victims, ids)
+        self._copy_rows(victims, ids)
+
+    def _copy_rows(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        if not slots.size:
+            return
+        if self.copy_stream is None:
+            self.slots[torch.from_numpy(slots)] = self.host_rows[torch.from_numpy(ids)]
+            return
+        with torch.cuda.stream(self.copy_stream):
+            for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
+                self.slots[s].copy_(self.host_rows[i], non_blocking=True)
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def _start_cpu(self, x: torch.Tensor, r: _Routing, which: np.ndarray):
+        """The CPU experts' partial output (a future when a GPU runs beside it)."""
+        def run() -> torch.Tensor:
+            host_x = x.cpu()
+            out = torch.zeros_like(host_x)
+            if which.size:
+                ids, offsets, tok_idx, tok_w = (torch.from_numpy(a) for a in r.subset(which))
+                self.kernel.run(self.pool.bank("gate_up"), self.pool.bank("down"), host_x, out,
+                                ids.to(torch.int64), offsets, tok_idx, tok_w)
+            return out
+
+        return self.cpu_thread.submit(run) if self.cpu_thread else run()
+
+    def _weight(self, slot: int, bank: str) -> torch.Tensor:
+        offset, nbytes, shape = self.banks[bank]
+        return self.slots[slot, offset:offset + nbytes].view(torch.bfloat16).view(shape)
+
+    def _device_part(self, x: torch.Tensor, r: _Routing, which: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        """Hits and fills on the device, expert by expert, from the slot rows (fp32 arithmetic)."""
+        out = torch.zeros_like(x)
+        if not which.size:
+            return out
+        _, offsets, tok_idx, tok_w = r.subset(which)
+        tok_idx = torch.from_numpy(tok_idx).to(self.device, torch.int64)
+        tok_w = torch.from_numpy(tok_w).to(self.device)
+        for j, slot in enumerate(slots.tolist()):
+            rows = slice(int(offsets[j]), int(offsets[j + 1]))
+            t = tok_idx[rows]
+            gate, up = F.linear(x[t], self._weight(slot, "gate_up").float()).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self._weight(slot, "down").float())
+            out.index_add_(0, t, y * tok_w[rows, None])
+        return out

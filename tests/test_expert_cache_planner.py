@@ -1,0 +1,98 @@
+"""ExpertCache bookkeeping (LRU order, victims, static pinning) and MissPlanner's q."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+from ftc_runtime.expert_cache import ExpertCache
+from ftc_runtime.miss_planner import MissPlanner
+
+
+def test_empty_slots_go_first_then_least_recently_used():
+    c = ExpertCache(num_ids=100, n_slots=4)
+    first = c.victims(2, in_use=np.empty(0, dtype=np.int64))
+    assert sorted(first.tolist()) == [0, 1]
+    c.install(first, np.array([10, 11]))
+    c.touch(first)
+    nxt = c.victims(3, in_use=np.empty(0, dtype=np.int64))
+    assert nxt.tolist() == [2, 3, 0]  # the empty ones, then the older of the used ones (stable)
+    c.install(np.array([2, 3]), np.array([12, 13]))
+    c.touch(np.array([2, 3]))
+    c.touch(np.array([0]))  # 10 used again: 11 is now the least recently used
+    assert c.victims(1, in_use=np.empty(0, dtype=np.int64)).tolist() == [1]
+    assert c.victims(4, in_use=np.array([1, 2])).tolist() == [3, 0]
+
+
+def test_install_evicts_the_previous_holder():
+    c = ExpertCache(num_ids=50, n_slots=2)
+    c.install(np.array([0, 1]), np.array([7, 8]))
+    c.install(np.array([0]), np.array([9]))
+    assert c.lookup(np.array([7, 8, 9])).tolist() == [-1, 1, 0]
+    assert c.id_of.tolist() == [9, 8] and c.resident == 2
+
+
+def test_random_operations_keep_the_tables_consistent():
+    rng = random.Random()
+    c = ExpertCache(num_ids=64, n_slots=rng.randrange(1, 16))
+    for _ in range(300):
+        ids = np.unique(np.array([rng.randrange(64) for _ in range(rng.randrange(1, 9))]))
+        slots = c.lookup(ids)
+        hits = slots[slots >= 0]
+        misses = ids[slots < 0]
+        victims = c.victims(rng.randrange(0, misses.size + 1), in_use=hits)
+        assert not np.isin(victims, hits).any()
+        c.install(victims, misses[: victims.size])
+        c.touch(np.concatenate([hits, victims]))
+        held = c.id_of[c.id_of >= 0]
+        assert len(set(held.tolist())) == held.size  # an id lives in one slot at most
+        for s, i in enumerate(c.id_of.tolist()):
+            if i >= 0:
+                assert c.slot_of[i] == s
+        assert (c.slot_of >= 0).sum() == held.size <= c.n_slots
+
+
+def test_static_policy_pins_once_and_never_replaces():
+    c = ExpertCache(num_ids=20, n_slots=3, policy="static")
+    assert c.victims(2, in_use=np.empty(0, dtype=np.int64)).size == 0  # misses never fill a static cache
+    slots = c.pin(np.array([5, 6, 7, 8]))
+    assert slots.tolist() == [0, 1, 2] and c.lookup(np.array([5, 6, 7, 8])).tolist() == [0, 1, 2, -1]
+    assert c.victims(3, in_use=np.empty(0, dtype=np.int64)).size == 0
+    with pytest.raises(ValueError, match="static"):
+        ExpertCache(20, 3, "lru").pin(np.array([1]))
+    with pytest.raises(ValueError, match="cache policy"):
+        ExpertCache(20, 3, "fifo")
+
+
+@pytest.mark.parametrize("m,b_p,b_h,q", [
+    (0, 25.0, 50.0, 0), (1, 25.0, 50.0, 1), (2, 25.0, 50.0, 1), (3, 25.0, 50.0, 2),  # 1.5 rounds up
+    (5, 25.0, 50.0, 3), (8, 11.8, 47.5, 2), (1, 1.0, 100.0, 1),  # clamped to at least one fill
+    (6, 60.0, 50.0, 6), (6, 50.0, 50.0, 6),  # B_H ≤ B_P: everything to the GPU
+])
+def test_adaptive_q(m, b_p, b_h, q):
+    assert MissPlanner("adaptive", b_p, b_h).fills(m) == q
+
+
+def test_q_matches_the_formula_on_random_inputs():
+    for _ in range(500):
+        b_p, b_h, m = random.uniform(1, 100), random.uniform(1, 200), random.randrange(0, 64)
+        q = MissPlanner("adaptive", b_p, b_h).fills(m)
+        if m == 0:
+            assert q == 0
+        elif b_h <= b_p:
+            assert q == m
+        else:
+            assert q == min(m, max(1, math.floor(m * b_p / b_h + 0.5)))
+
+
+def test_fixed_policies():
+    for m in range(0, 12):
+        assert MissPlanner("gpu", 10, 50).fills(m) == m
+        assert MissPlanner("cpu", 10, 50).fills(m) == 0
+        assert MissPlanner("half", 10, 50).fills(m) == (m + 1) // 2
+    with pytest.raises(ValueError, match="miss policy"):
+        MissPlanner("random")
+    with pytest.raises(ValueError, match="positive"):
+        MissPlanner("adaptive", 0.0, 1.0)

@@ -1,0 +1,130 @@
+"""The offloaded expert path (slot cache + miss split, the device played by the CPU) computes what
+the all-CPU path computes, whatever the slot count, miss policy and cache policy."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ftc.pipeline import CompileOptions, compile_engine
+from ftc_runtime import Engine, SamplingParams
+from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.miss_planner import MISS_POLICIES, MissPlanner
+from ftc_runtime.offload import OffloadedExperts
+from ftc_runtime.vram_plan import VramError, parse_size, plan_vram
+
+SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory) -> Path:
+    """AVX2 kernels: fp32 activations, so both paths agree to fp32 rounding."""
+    return compile_engine(CompileOptions(source=SPEC, target="cpu", random_weights=True, seed=7,
+                                         output=tmp_path_factory.mktemp("off") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(engine_dir) -> Engine:
+    return Engine.load(engine_dir)
+
+
+def _check_slots_hold_their_rows(off: OffloadedExperts) -> None:
+    for slot, row in enumerate(off.cache.id_of.tolist()):
+        if row >= 0:
+            assert torch.equal(off.slots[slot].cpu(), off.host_rows[row])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_offloaded_experts_equal_cpu_experts(cpu_engine, seed):
+    rng = random.Random(seed * 7919 + random.randrange(10**6))
+    cpu = cpu_engine.model.experts
+    e, k, layers = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, len(cpu_engine.spec.moe_layers)
+    n_slots = rng.choice([0, 1, 3, k, 2 * k, e * layers])
+    planner = MissPlanner(rng.choice(MISS_POLICIES), rng.uniform(5, 60), rng.uniform(5, 120))
+    off = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cpu"), n_slots, planner, rng.choice(["lru", "static"]))
+    for step in range(25):
+        t = rng.choice([1, 1, 2, 5, 17])
+        layer = rng.randrange(layers)
+        # Skewed routing, so that the cache sees reuse as in real decoding.
+        ids = torch.stack([torch.tensor(rng.sample(range(e), k)) if rng.random() < 0.3
+                           else torch.tensor(rng.sample(range(min(e, k + 3)), k)) for _ in range(t)])
+        w = torch.rand(t, k)
+        x = torch.randn(t, cpu_engine.spec.hidden_size)
+        ref = cpu.forward(layer, x, ids, w)
+        got = off.forward(layer, x, ids, w)
+        rel = float((got - ref).norm() / ref.norm())
+        assert rel < 1e-5, f"step {step}, policy {planner.policy}/{off.cache.policy}, slots {n_slots}: {rel:.2e}"
+        if step == 5:
+            off.end_of_prompt()
+        _check_slots_hold_their_rows(off)
+        assert off.cache.resident <= n_slots
+    s = off.stats
+    assert s.hits + s.fills + s.cpu == s.unique
+    if n_slots == 0 or (planner.policy == "cpu" and off.cache.policy == "lru"):
+        assert s.fills == 0 and s.hits == 0
+    if off.cache.policy == "static":
+        assert s.fills == 0  # pinned once after the prompt, never filled on a miss
+    if planner.policy == "gpu" and off.cache.policy == "lru" and n_slots >= e * layers:
+        assert s.cpu == 0
+
+
+def test_adaptive_split_sends_q_misses_to_the_device(cpu_engine):
+    cpu = cpu_engine.model.experts
+    e, k = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k
+    planner = MissPlanner("adaptive", 25.0, 50.0)
+    off = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cpu"), 64, planner, "lru")
+    ids = torch.tensor([random.sample(range(e), k)])
+    off.forward(0, torch.randn(1, cpu_engine.spec.hidden_size), ids, torch.rand(1, k))
+    assert (off.stats.fills, off.stats.cpu) == (planner.fills(k), k - planner.fills(k))
+    off.forward(0, torch.randn(1, cpu_engine.spec.hidden_size), ids, torch.rand(1, k))
+    assert off.stats.hits == planner.fills(k)  # the filled experts are hits the next time
+
+
+@pytest.mark.parametrize("miss_policy,cache_policy,slots", [("adaptive", "lru", 5), ("gpu", "lru", 20),
+                                                          ("cpu", "lru", 8), ("half", "static", 12),
+                                                          ("adaptive", "static", 3)])
+def test_engine_greedy_tokens_equal_the_cpu_engine(engine_dir, cpu_engine, miss_policy, cache_policy, slots):
+    ids = [random.randrange(256) for _ in range(random.randrange(4, 30))]
+    want = list(cpu_engine.generate(ids, 24, SamplingParams(0.0), stop_at_eos=False))
+    cfg = OffloadConfig(device="cpu", n_slots=slots, miss_policy=miss_policy, cache_policy=cache_policy,
+                        b_p=random.uniform(5, 50), b_h=random.uniform(20, 100))
+    off = Engine.load(engine_dir, offload=cfg)
+    assert list(off.generate(ids, 24, SamplingParams(0.0), stop_at_eos=False)) == want
+    assert torch.allclose(off.logits(ids), cpu_engine.logits(ids), rtol=1e-4, atol=1e-4)
+    assert off.model.experts.cache.resident <= slots
+
+
+def test_vram_budget_is_respected(engine_dir, cpu_engine):
+    spec = cpu_engine.spec
+    shapes = {n: tuple(t.shape) for n, t in cpu_engine.model.w.items()} | {
+        "model.embed_tokens.weight": tuple(cpu_engine.model.embed.shape)}
+    stride = cpu_engine.pool.header.expert_stride
+    for _ in range(20):
+        budget = random.randrange(8 << 20, 64 << 20)
+        try:
+            plan = plan_vram(spec, shapes, budget, stride, cpu_engine.pool.header.num_rows, 512)
+        except VramError as e:
+            assert "leave no room" in str(e)
+            continue
+        assert plan.total <= budget
+        assert plan.n_slots == min(cpu_engine.pool.header.num_rows, (budget - plan.dense - plan.kv - plan.workspace) // stride)
+    off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", vram_budget=70 << 20, max_context=512))
+    assert off.vram.total <= 70 << 20
+    assert off.model.experts.slots.numel() == off.vram.slots
+    with pytest.raises(VramError, match="leave no room"):
+        Engine.load(engine_dir, offload=OffloadConfig(device="cpu", vram_budget=1 << 20))
+    with pytest.raises(ValueError, match="--slots"):
+        Engine.load(engine_dir, offload=OffloadConfig(device="cpu", vram_budget=70 << 20, n_slots=10**6,
+                                                      max_context=512))
+
+
+def test_parse_size():
+    assert parse_size("32GiB") == 32 << 30 and parse_size("8GB") == 8 * 10**9 and parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5gib") == int(1.5 * 2**30) and parse_size("4096") == 4096
+    for bad in ("", "GiB", "12 parsecs", "-1GiB"):
+        with pytest.raises(ValueError, match="size"):
+            parse_size(bad)
+    assert np.isclose(parse_size("1e9"), 10**9)
