@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+
 from ftc_runtime.expert_cache import ExpertCache
 from ftc_runtime.miss_planner import MissPlanner
 

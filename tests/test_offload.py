@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from ftc.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
@@ -110,7 +111,8 @@ def test_vram_budget_is_respected(engine_dir, cpu_engine):
             assert "leave no room" in str(e)
             continue
         assert plan.total <= budget
-        assert plan.n_slots == min(cpu_engine.pool.header.num_rows, (budget - plan.dense - plan.kv - plan.workspace) // stride)
+        free = budget - plan.dense - plan.kv - plan.workspace
+        assert plan.n_slots == min(cpu_engine.pool.header.num_rows, free // stride)
     off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", vram_budget=70 << 20, max_context=512))
     assert off.vram.total <= 70 << 20
     assert off.model.experts.slots.numel() == off.vram.slots
