@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .expert_cache import ExpertCache
 from .experts import ExpertBackend
 from .ftw import ExpertPool
+from .host_memory import pin_in_place
 from .kernels import CpuExpertKernel
 from .miss_planner import MissPlanner
 
@@ -87,9 +88,7 @@ class OffloadedExperts(ExpertBackend):
         self.stats = OffloadStats()
         self.prompt_counts = np.zeros(h.num_rows, dtype=np.int64)  # static policy: routed ids of the prompt
         on_gpu = self.device.type == "cuda"
-        # Pinned in place (no copy of the pool): fills then run as DMA at full PCIe speed.
-        self.pinned = on_gpu and torch.cuda.cudart().cudaHostRegister(
-            pool.buffer.data_ptr(), pool.buffer.numel(), 0) == 0
+        self.pinned = on_gpu and pin_in_place(pool.buffer)
         self.copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.cpu_thread = ThreadPoolExecutor(max_workers=1) if on_gpu else None
 

@@ -1,0 +1,43 @@
+"""Page-locking host memory in place, so that host→GPU copies from it run as DMA at full PCIe speed.
+
+`cudaHostRegister` pins an existing buffer without copying it (`Tensor.pin_memory()` would copy the
+whole expert pool). A failed call leaves CUDA's per-thread "last error" set, and torch would raise
+it at its next kernel launch, so a failure is read back and cleared here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+_REGISTERED: set[int] = set()  # data pointers pinned by this process
+
+
+@lru_cache(maxsize=1)
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library that torch loaded (found in this process's memory map)."""
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            path = line.split()[-1]
+            if "libcudart" in Path(path).name:
+                return ctypes.CDLL(path)
+    except OSError:
+        pass
+    return None
+
+
+def pin_in_place(buffer: torch.Tensor) -> bool:
+    """Pins `buffer` (contiguous, on the host) once per process; True when it is pinned."""
+    ptr = buffer.data_ptr()
+    if ptr in _REGISTERED:
+        return True
+    if torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 0) == 0:
+        _REGISTERED.add(ptr)
+        return True
+    lib = _cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
+    return False
