@@ -36,3 +36,10 @@ class MissPlanner:
             return m
         q = math.floor(m * self.b_p / self.b_h + 0.5)  # round half up, not to even
         return min(m, max(1, q))
+
+
+def miss_bound_s(m: int, q: int, expert_bytes: int, b_p: float, b_h: float) -> float:
+    """DESIGN.md's time for one layer's misses: q copies over PCIe beside m − q CPU experts, the
+    CPU keeping B_H − B_P of the memory bandwidth while the copies run (B_H when B_H ≤ B_P)."""
+    cpu_rate = b_h - b_p if b_h > b_p else b_h
+    return max(q * expert_bytes / (b_p * 1e9), (m - q) * expert_bytes / (cpu_rate * 1e9))

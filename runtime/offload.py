@@ -7,8 +7,11 @@ path (cache, split, fills as plain copies, merge) runs and is tested; only speed
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,23 +25,65 @@ from .kernels import CpuExpertKernel
 from .miss_planner import MissPlanner
 
 
+class _Timer:
+    """Seconds spent in measured regions: CUDA events on a GPU (read when asked), else wall time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.total = 0.0
+
+    @contextmanager
+    def measure(self, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            yield
+            self.total += time.perf_counter() - t0
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        yield
+        end.record(stream)
+        self.pending.append((start, end))
+
+    def seconds(self) -> float:
+        for start, end in self.pending:
+            end.synchronize()
+            self.total += start.elapsed_time(end) / 1e3
+        self.pending.clear()
+        return self.total
+
+
 @dataclass
 class OffloadStats:
-    """Totals over all MoE layer calls (unique experts per call, not token-expert pairs)."""
+    """Totals over MoE layer calls (unique experts per call, not token-expert pairs), the (m, q) of
+    each call, and the time in each part: CPU experts, host→device copies, device experts."""
 
+    device: torch.device
     calls: int = 0
     unique: int = 0
     hits: int = 0
     fills: int = 0
     cpu: int = 0
+    per_call: list[tuple[int, int]] = field(default_factory=list)  # (m misses, q fills)
+    cpu_s: float = 0.0
+    copy: _Timer = field(init=False)
+    compute: _Timer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.copy, self.compute = _Timer(self.device), _Timer(self.device)
 
     @property
     def misses(self) -> int:
         return self.fills + self.cpu
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"misses": self.misses,
-                               "miss_rate": self.misses / self.unique if self.unique else 0.0}
+        n = max(self.calls, 1)
+        return {"calls": self.calls, "unique": self.unique, "hits": self.hits, "fills": self.fills, "cpu": self.cpu,
+                "misses": self.misses, "miss_rate": self.misses / self.unique if self.unique else 0.0,
+                "mean_m": self.misses / n, "mean_q": self.fills / n,
+                "ms_per_call": {"cpu": 1e3 * self.cpu_s / n, "copy": 1e3 * self.copy.seconds() / n,
+                                "device": 1e3 * self.compute.seconds() / n}}
 
 
 @dataclass(frozen=True)
@@ -85,7 +130,7 @@ class OffloadedExperts(ExpertBackend):
         # The slots keep FTW's expert-major row layout, so a fill is one contiguous copy.
         self.slots = torch.empty(n_slots, h.expert_stride, dtype=torch.uint8, device=self.device)
         self.banks = {b.name: (b.offset, b.row_bytes, b.row_shape) for b in h.banks}
-        self.stats = OffloadStats()
+        self.stats = OffloadStats(self.device)
         self.prompt_counts = np.zeros(h.num_rows, dtype=np.int64)  # static policy: routed ids of the prompt
         on_gpu = self.device.type == "cuda"
         self.pinned = on_gpu and pin_in_place(pool.buffer)
@@ -116,9 +161,11 @@ class OffloadedExperts(ExpertBackend):
         self.stats.hits += hit.size
         self.stats.fills += fill.size
         self.stats.cpu += cpu.size
+        self.stats.per_call.append((miss.size, fill.size))
         x = x.float().contiguous()
         cpu_out = self._start_cpu(x, r, cpu)
-        out = self._device_part(x, r, gpu, gpu_slots)
+        with self.stats.compute.measure():
+            out = self._device_part(x, r, gpu, gpu_slots)
         cpu_result = cpu_out.result() if self.cpu_thread else cpu_out
         return out + cpu_result.to(self.device, non_blocking=True)
 
@@ -140,9 +187,10 @@ class OffloadedExperts(ExpertBackend):
         if not slots.size:
             return
         if self.copy_stream is None:
-            self.slots[torch.from_numpy(slots)] = self.host_rows[torch.from_numpy(ids)]
+            with self.stats.copy.measure():
+                self.slots[torch.from_numpy(slots)] = self.host_rows[torch.from_numpy(ids)]
             return
-        with torch.cuda.stream(self.copy_stream):
+        with torch.cuda.stream(self.copy_stream), self.stats.copy.measure(self.copy_stream):
             for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
                 self.slots[s].copy_(self.host_rows[i], non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
@@ -150,12 +198,14 @@ class OffloadedExperts(ExpertBackend):
     def _start_cpu(self, x: torch.Tensor, r: _Routing, which: np.ndarray):
         """The CPU experts' partial output (a future when a GPU runs beside it)."""
         def run() -> torch.Tensor:
+            t0 = time.perf_counter()
             host_x = x.cpu()
             out = torch.zeros_like(host_x)
             if which.size:
                 ids, offsets, tok_idx, tok_w = (torch.from_numpy(a) for a in r.subset(which))
                 self.kernel.run(self.pool.bank("gate_up"), self.pool.bank("down"), host_x, out,
                                 ids.to(torch.int64), offsets, tok_idx, tok_w)
+            self.stats.cpu_s += time.perf_counter() - t0
             return out
 
         return self.cpu_thread.submit(run) if self.cpu_thread else run()

@@ -171,6 +171,22 @@ def run(
 
 class BenchKind(str, Enum):
     experts = "experts"
+    decode = "decode"
+
+
+def _routing(trace: Path | None, synthetic_locality: float | None, spec, seed: int):
+    """The trace a decode benchmark replays, and how the JSON names it."""
+    from ftc_runtime.routing_trace import RoutingTrace, synthetic_trace
+
+    if trace is not None and synthetic_locality is not None:
+        raise ValueError("give --routing-trace or --synthetic-locality, not both")
+    if trace is not None:
+        return RoutingTrace.load(trace), f"trace {trace}"
+    if synthetic_locality is not None:
+        t = synthetic_trace(512, len(spec.moe_layers), spec.moe.num_experts, spec.moe.top_k, synthetic_locality,
+                            seed=seed)
+        return t, f"synthetic (locality {synthetic_locality}, Zipf 1.0, seed {seed})"
+    return None, "the model's own router"
 
 
 @app.command()
@@ -181,20 +197,66 @@ def bench(
     threads: Annotated[int | None, typer.Option(help="CPU workers (default: the plan's).")] = None,
     seconds: Annotated[float, typer.Option(help="Seconds per measurement.")] = 3.0,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Also write the JSON here.")] = None,
+    device: Annotated[str, typer.Option(help="decode: torch device of the model and slot cache.")] = "cuda",
+    vram_budget: Annotated[str | None, typer.Option(help="decode: cap on device memory, e.g. 32GiB.")] = None,
+    slots: Annotated[int | None, typer.Option(help="decode: expert slots (default: the budget's).")] = None,
+    miss_policy: Annotated[MissPolicyOpt, typer.Option(help="decode: where cache misses run.")] = "adaptive",
+    cache_policy: Annotated[CachePolicyOpt, typer.Option(help="decode: lru or static.")] = "lru",
+    routing_trace: Annotated[Path | None, typer.Option(help="decode: replay this trace (.npz).")] = None,
+    synthetic_locality: Annotated[float | None, typer.Option(help="decode: replay a synthetic trace.")] = None,
+    prompt_tokens: Annotated[int, typer.Option(help="decode: prompt length.")] = 128,
+    new_tokens: Annotated[int, typer.Option(help="decode: tokens to generate.")] = 64,
 ) -> None:
     """Measure an engine; prints JSON."""
+    from ftc_runtime.artifact import EngineManifest
+
+    from ..bench_decode import bench_decode
     from ..bench_experts import bench_experts
 
-    if tokens < 1:
-        _fail(ValueError(f"--tokens {tokens}: expected at least 1"))
+    if tokens < 1 or new_tokens < 2 or prompt_tokens < 1:
+        _fail(ValueError("--tokens and --prompt-tokens must be at least 1, --new-tokens at least 2"))
     try:
-        result = bench_experts(engine, tokens, threads, seconds)
+        if kind == BenchKind.experts:
+            result = bench_experts(engine, tokens, threads, seconds)
+        else:
+            spec = EngineManifest.read(engine).spec
+            trace, routing = _routing(routing_trace, synthetic_locality, spec, 0)
+            result = bench_decode(engine, _offload(device, vram_budget, slots, miss_policy, cache_policy), trace,
+                                  routing, prompt_tokens, new_tokens)
     except _user_errors() as e:
         _fail(e)
     text = json.dumps(result, indent=1)
     if output:
         output.write_text(text + "\n")
     print(text)
+
+
+@app.command()
+def trace(
+    engine: Annotated[Path, typer.Argument(help="Engine directory.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Trace file to write (.npz).")],
+    prompt: Annotated[str | None, typer.Option(help="Prompt text.")] = None,
+    prompt_ids: Annotated[str | None, typer.Option(help="Prompt as token ids: 1,2,3.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 128,
+) -> None:
+    """Record the experts the router chooses, per token and MoE layer, while generating greedily."""
+    from ftc_runtime import Engine, SamplingParams
+    from ftc_runtime.routing_trace import TraceRecorder
+
+    if (prompt is None) == (prompt_ids is None):
+        _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
+    try:
+        given = _parse_ids(prompt_ids) if prompt_ids is not None else None
+        eng = Engine.load(engine)
+        ids = given if given is not None else eng.tokenizer.encode(prompt)
+        recorder = TraceRecorder(len(eng.spec.moe_layers))
+        eng.model.routing = recorder
+        for _ in eng.generate(ids, max_new_tokens, SamplingParams(0.0), stop_at_eos=False):
+            pass
+        recorder.trace(len(ids)).save(output)
+    except _user_errors() as e:
+        _fail(e)
+    err.print(f"recorded {len(ids) + max_new_tokens - 1} tokens × {len(eng.spec.moe_layers)} MoE layers → {output}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,9 @@ class Qwen3MoeModel:
         self.w = {k: v.to(self.device, self.dtype) for k, v in weights.items() if k != "model.embed_tokens.weight"}
         self.lm_head = self.embed.to(self.dtype) if spec.tie_word_embeddings else self.w["lm_head.weight"]
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        # Benchmarks may observe or replace the router's choice (routing_trace.TraceReplay/Recorder).
+        self.routing = None
+        self._positions = torch.empty(0, dtype=torch.long)
         a = spec.attention
         rot = int(a.head_dim * spec.rope.partial_rotary_factor) // 2 * 2
         self.rot_dim = rot
@@ -84,6 +87,7 @@ class Qwen3MoeModel:
         start = cache.length
         ids = ids.to(self.device)
         positions = torch.arange(start, start + ids.numel(), device=self.device)
+        self._positions = positions
         cos, sin = self._rope(positions)
         x = self.embed[ids].to(self.dtype)
         eps = self.spec.norm.eps
@@ -140,6 +144,8 @@ class Qwen3MoeModel:
         weights, ids = torch.topk(probs, m.top_k, dim=-1)
         if m.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routing is not None:
+            ids, weights = self.routing.route(self.moe_index[i], self._positions, ids, weights)
         return self.experts.forward(self.moe_index[i], x.float(), ids, weights).to(self.dtype)
 
     def _dense_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:

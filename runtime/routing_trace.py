@@ -1,0 +1,131 @@
+"""Routing traces: the experts a router chose, per token and MoE layer, recorded or synthetic.
+
+A replayed trace replaces the router's choice in benchmarks, so that a random-weight engine sees a
+real model's expert locality. It never changes served output: engines use it only when a benchmark
+asks. Format (`.npz`, the same keys as the traces in ../shared/traces): `experts` int16
+[tokens, layers, k] with -1 where a row is absent, `weights` float32 [tokens, layers, k],
+`is_decode` bool [tokens].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class TraceError(ValueError):
+    """A trace file is unreadable or does not fit the engine."""
+
+
+@dataclass(frozen=True)
+class RoutingTrace:
+    experts: np.ndarray  # int16 [T, L, k], -1 = absent
+    weights: np.ndarray  # float32 [T, L, k]
+    is_decode: np.ndarray  # bool [T]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        t, layers, k = self.experts.shape
+        return t, layers, k
+
+    @classmethod
+    def load(cls, path: Path) -> RoutingTrace:
+        try:
+            z = np.load(path)
+            trace = cls(z["experts"].astype(np.int16), z["weights"].astype(np.float32), z["is_decode"].astype(bool))
+        except (OSError, KeyError, ValueError) as e:
+            raise TraceError(f"{path}: not a routing trace (.npz with experts, weights, is_decode): {e}") from None
+        if trace.experts.ndim != 3 or trace.weights.shape != trace.experts.shape or \
+                trace.is_decode.shape != trace.experts.shape[:1]:
+            raise TraceError(f"{path}: arrays disagree in shape ({trace.experts.shape}, {trace.weights.shape}, "
+                             f"{trace.is_decode.shape})")
+        return trace
+
+    def save(self, path: Path) -> None:
+        np.savez_compressed(path, experts=self.experts, weights=self.weights, is_decode=self.is_decode)
+
+    def check_fits(self, num_layers: int, num_experts: int, source: str) -> None:
+        """An engine with fewer MoE layers than the trace (a truncated benchmark engine) replays
+        the trace's first layers."""
+        t, layers, _ = self.shape
+        if layers < num_layers:
+            raise TraceError(f"{source}: {layers} MoE layers, the engine has {num_layers}")
+        if self.experts.max() >= num_experts:
+            raise TraceError(f"{source}: expert id {int(self.experts.max())} ≥ the engine's {num_experts} experts")
+        if t == 0:
+            raise TraceError(f"{source}: no tokens")
+
+
+def synthetic_trace(tokens: int, layers: int, experts: int, k: int, locality: float, skew: float = 1.0,
+                    seed: int = 0) -> RoutingTrace:
+    """Each token keeps each of the previous token's experts (same layer) with probability
+    `locality` and draws the rest from a Zipf(`skew`) popularity over a per-layer random ranking."""
+    if not 0 <= locality <= 1 or k > experts:
+        raise TraceError(f"synthetic trace: locality {locality} must be in [0, 1] and k {k} ≤ experts {experts}")
+    rng = np.random.default_rng(seed)
+    popularity = 1.0 / np.arange(1, experts + 1) ** skew
+    ranking = np.stack([rng.permutation(experts) for _ in range(layers)])
+    out = np.empty((tokens, layers, k), dtype=np.int16)
+    for layer in range(layers):
+        p = np.empty(experts)
+        p[ranking[layer]] = popularity / popularity.sum()
+        prev: list[int] = []
+        for t in range(tokens):
+            chosen = [e for e in prev if rng.random() < locality]
+            while len(chosen) < k:
+                e = int(rng.choice(experts, p=p))
+                if e not in chosen:
+                    chosen.append(e)
+            out[t, layer] = chosen
+            prev = chosen
+    return RoutingTrace(out, np.full(out.shape, 1.0 / k, dtype=np.float32), np.ones(tokens, dtype=bool))
+
+
+class TraceReplay:
+    """Routes token position p of MoE layer l as trace row p mod T. When the trace's k is smaller
+    than the model's, the trace's experts take the top ranks and the model's own ranking fills the
+    remaining ones (skipping duplicates); when it is larger, its first k ranks are used. Weights
+    are uniform: a replay measures speed, its output means nothing."""
+
+    def __init__(self, trace: RoutingTrace):
+        self.trace = trace
+
+    def route(self, moe_layer: int, positions: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = ids.shape[1]
+        rows = self.trace.experts[positions.cpu().numpy() % self.trace.shape[0], moe_layer]
+        own = ids.cpu().numpy()
+        chosen = np.empty_like(own)
+        for t in range(own.shape[0]):
+            picks = [int(e) for e in rows[t] if e >= 0][:k]
+            picks += [int(e) for e in own[t] if e not in picks][: k - len(picks)]
+            chosen[t] = picks
+        out = torch.from_numpy(chosen).to(ids.device)
+        return out, torch.full_like(weights, 1.0 / k)
+
+
+class TraceRecorder:
+    """Records the router's own choices by token position (for `ftc trace`)."""
+
+    def __init__(self, layers: int):
+        self.layers = layers
+        self.rows: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+
+    def route(self, moe_layer: int, positions: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for p, i, w in zip(positions.tolist(), ids.cpu().numpy(), weights.float().cpu().numpy(), strict=True):
+            self.rows.setdefault(p, {})[moe_layer] = (i, w)
+        return ids, weights
+
+    def trace(self, prompt_tokens: int) -> RoutingTrace:
+        positions = sorted(self.rows)
+        k = next(iter(self.rows[positions[0]].values()))[0].size
+        experts = np.full((len(positions), self.layers, k), -1, dtype=np.int16)
+        weights = np.zeros(experts.shape, dtype=np.float32)
+        for t, p in enumerate(positions):
+            for layer, (i, w) in self.rows[p].items():
+                experts[t, layer], weights[t, layer] = i, w
+        return RoutingTrace(experts, weights, np.array([p >= prompt_tokens for p in positions]))
