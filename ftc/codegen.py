@@ -9,7 +9,8 @@ from typing import Any
 
 import jinja2
 
-from ftc_runtime.artifact import Plan
+from ftc_runtime.artifact import TRITON_EXPERT_FILE, Plan
+from ftc_runtime.ftw import FtwHeader, bf16_expert_banks
 from ftc_runtime.spec import ModelSpec
 
 TEMPLATE_DIR = Path(str(files("ftc_templates")))
@@ -54,3 +55,18 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
     return [{"name": "expert_ffn", "symbol": "ftc_expert_ffn", "source": f"kernels/{source}",
              "isa": plan.isa, "shapes": {"hidden": h, "intermediate": i},
              "batch_buckets": list(plan.batch_buckets)}]
+
+
+def render_triton_kernels(spec: ModelSpec, kernels_dir: Path) -> list[dict[str, Any]]:
+    """The GPU expert kernel over cache slots (hits and fills), for the slots' FTW row layout.
+    Rendered on every machine; the runtime imports it only where a GPU runs the engine."""
+    h, i = spec.hidden_size, spec.moe.expert_intermediate_size
+    header = FtwHeader.create(1, 1, bf16_expert_banks(h, i))
+    kernels_dir.mkdir(parents=True, exist_ok=True)
+    path = kernels_dir / Path(TRITON_EXPERT_FILE).name
+    path.write_text(_env().get_template("triton/expert_ffn.py.j2").render(
+        hidden=h, intermediate=i, slot_stride=header.expert_stride // 2,
+        gate_up_offset=header.bank("gate_up").offset // 2, down_offset=header.bank("down").offset // 2,
+        block_i=16, block_h=256, block_out=32, block_in=128))
+    return [{"name": "expert_ffn_gpu", "symbol": "expert_ffn", "source": TRITON_EXPERT_FILE, "isa": "triton",
+             "shapes": {"hidden": h, "intermediate": i}}]

@@ -47,7 +47,7 @@ from ftc_runtime.spec import ModelSpec, SpecError
 
 from . import __version__
 from .build import build_kernels
-from .codegen import render_cpu_kernels
+from .codegen import render_cpu_kernels, render_triton_kernels
 from .ftw_writer import FtwWriter
 from .kernel_check import check_expert_kernel
 from .spec_loader import load_spec
@@ -118,7 +118,7 @@ def _build_engine(spec: ModelSpec, target: Target, plan: Plan, weights: WeightSo
         _write_tokenizer(spec, checkpoint, staging)
         progress.advance(task)
         task = progress.add_task("kernel sources", total=1)
-        kernels = render_cpu_kernels(spec, plan, staging / "kernels")
+        kernels = render_cpu_kernels(spec, plan, staging / "kernels") + render_triton_kernels(spec, staging / "kernels")
         progress.advance(task)
         task = progress.add_task("kernel build", total=1)
         _, cached = build_kernels(staging / "kernels", staging / "lib", settings().cache_dir)

@@ -18,6 +18,7 @@ EXPERTS_FILE = "experts.ftw"
 DENSE_FILE = "dense.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 LIBRARY_FILE = "lib/libftc_kernels.so"
+TRITON_EXPERT_FILE = "kernels/expert_ffn_triton.py"
 
 
 class ArtifactError(ValueError):

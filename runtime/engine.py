@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +15,15 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from safetensors.torch import load_file
 
 from . import ftw
-from .artifact import DENSE_FILE, EXPERTS_FILE, LIBRARY_FILE, TOKENIZER_FILE, ArtifactError, EngineManifest
+from .artifact import (
+    DENSE_FILE,
+    EXPERTS_FILE,
+    LIBRARY_FILE,
+    TOKENIZER_FILE,
+    TRITON_EXPERT_FILE,
+    ArtifactError,
+    EngineManifest,
+)
 from .cpu_info import worker_cpus
 from .experts import CpuExperts
 from .kernels import CpuExpertKernel
@@ -107,7 +116,7 @@ class Engine:
         planner = MissPlanner(offload.miss_policy, offload.b_p or manifest.target.get("b_p") or 1.0,
                               offload.b_h or manifest.target.get("b_h") or 1.0)
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
-                                   offload.cache_policy)
+                                   offload.cache_policy, _gpu_expert_kernel(root, offload.device))
         model = fam.model(spec, dense, experts, device=offload.device)
         return cls(manifest, tokenizer, model, pool, vram)
 
@@ -150,6 +159,16 @@ class Engine:
                 token = sample(self.model.forward(torch.tensor([token]), cache)[-1])
 
         return Generation(tokens(), stats)
+
+
+def _gpu_expert_kernel(root: Path, device: str):
+    """The engine's generated Triton expert kernel, on a CUDA device (None elsewhere: torch then)."""
+    if torch.device(device).type != "cuda":
+        return None
+    spec = importlib.util.spec_from_file_location("ftc_engine_expert_ffn", root / TRITON_EXPERT_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.expert_ffn
 
 
 def _vram_plan(manifest: EngineManifest, cfg: OffloadConfig, shapes: dict, pool: ftw.ExpertPool) -> VramPlan:

@@ -8,7 +8,7 @@ path (cache, split, fills as plain copies, merge) runs and is tested; only speed
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -121,7 +121,7 @@ class _Routing:
 
 class OffloadedExperts(ExpertBackend):
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
-                 planner: MissPlanner, cache_policy: str = "lru"):
+                 planner: MissPlanner, cache_policy: str = "lru", device_kernel: Callable | None = None):
         h = pool.header
         self.pool, self.kernel, self.device, self.planner = pool, kernel, torch.device(device), planner
         self.num_experts = h.num_experts
@@ -131,6 +131,8 @@ class OffloadedExperts(ExpertBackend):
         self.slots = torch.empty(n_slots, h.expert_stride, dtype=torch.uint8, device=self.device)
         self.banks = {b.name: (b.offset, b.row_bytes, b.row_shape) for b in h.banks}
         self.stats = OffloadStats(self.device)
+        # The engine's generated GPU kernel (x, slots, pair_slot, pair_tok, pair_w, out); None: torch.
+        self.device_kernel = device_kernel
         self.prompt_counts = np.zeros(h.num_rows, dtype=np.int64)  # static policy: routed ids of the prompt
         on_gpu = self.device.type == "cuda"
         self.pinned = on_gpu and pin_in_place(pool.buffer)
@@ -220,6 +222,11 @@ class OffloadedExperts(ExpertBackend):
         if not which.size:
             return out
         _, offsets, tok_idx, tok_w = r.subset(which)
+        if self.device_kernel is not None:
+            pair_slot = np.repeat(slots, np.diff(offsets)).astype(np.int32)
+            self.device_kernel(x, self.slots, torch.from_numpy(pair_slot).to(self.device),
+                               torch.from_numpy(tok_idx).to(self.device), torch.from_numpy(tok_w).to(self.device), out)
+            return out
         tok_idx = torch.from_numpy(tok_idx).to(self.device, torch.int64)
         tok_w = torch.from_numpy(tok_w).to(self.device)
         for j, slot in enumerate(slots.tolist()):

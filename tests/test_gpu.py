@@ -58,3 +58,20 @@ def test_gpu_engine_matches_the_cpu_engine(engine_dir):
     assert float((a - b).norm() / b.norm()) < 3e-2  # bf16 dense layers on the GPU
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     assert gpu.vram.total <= torch.cuda.get_device_properties(0).total_memory
+
+
+def test_triton_expert_kernel_matches_the_torch_path(engine_dir):
+    from ftc_runtime.engine import _gpu_expert_kernel
+
+    cpu = Engine.load(engine_dir).model.experts
+    planner = MissPlanner("gpu", 25.0, 50.0)
+    n_slots = random.randrange(8, 64)
+    fast = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), n_slots, planner,
+                            device_kernel=_gpu_expert_kernel(engine_dir, "cuda"))
+    ref = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), n_slots, planner)
+    for t in (1, 1, 2, 3, 9, 33):
+        layer = random.randrange(cpu.pool.header.num_moe_layers)
+        ids = torch.stack([torch.randperm(cpu.num_experts)[:4] for _ in range(t)]).cuda()
+        w, x = torch.rand(t, 4, device="cuda"), torch.randn(t, 256, device="cuda")
+        got, want = fast.forward(layer, x, ids, w), ref.forward(layer, x, ids, w)
+        assert float((got - want).norm() / want.norm()) < 1e-5, f"{t} tokens"
