@@ -50,7 +50,8 @@ def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None =
         ("kernel token buckets", ", ".join(map(str, plan.batch_buckets))),
         ("kernel work items", f"gate/up {plan.gate_up_chunk} rows, down {plan.down_chunk} rows, "
          f"prefetch {plan.prefetch_rows} rows ahead"),
-        ("kernel check (rel. error)", ", ".join(f"{c['tokens']} tok: {c['rel_error']:.1e}"
+        ("kernel check (rel. error)", ", ".join(c["not_run"] if "not_run" in c else
+                                                f"{c['tokens']} tok: {c['rel_error']:.1e}"
                                                 for c in m.raw.get("kernel_check", []))),
     ):
         run.add_row(k, v)

@@ -38,7 +38,7 @@ from ftc_runtime.artifact import (
     Plan,
     describe_files,
 )
-from ftc_runtime.cpu_info import worker_cpus
+from ftc_runtime.cpu_info import missing_flags, worker_cpus
 from ftc_runtime.ftw import ExpertPool, FtwHeader, bf16_expert_banks, read_header
 from ftc_runtime.kernels import CpuExpertKernel
 from ftc_runtime.models import family
@@ -123,8 +123,13 @@ def _build_engine(spec: ModelSpec, target: Target, plan: Plan, weights: WeightSo
         task = progress.add_task("kernel build", total=1)
         _, cached = build_kernels(staging / "kernels", staging / "lib", settings().cache_dir)
         progress.update(task, advance=1, description="kernel build (cached)" if cached else "kernel build")
-        task = progress.add_task("kernel check", total=len(plan.batch_buckets))
-        checks = _check_kernels(spec, plan, staging, lambda: progress.advance(task))
+        lacking = missing_flags(plan.isa)
+        if lacking:  # compiling for another machine: the check runs when the engine loads there
+            console.print(f"kernel check not run: this CPU lacks {', '.join(lacking)} ({plan.isa})")
+            checks = [{"not_run": f"compiling machine lacks {', '.join(lacking)}"}]
+        else:
+            task = progress.add_task("kernel check", total=len(plan.batch_buckets))
+            checks = _check_kernels(spec, plan, staging, lambda: progress.advance(task))
     files = [EXPERTS_FILE, DENSE_FILE, TOKENIZER_FILE, LIBRARY_FILE] + [k["source"] for k in kernels]
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "ftc_version": __version__,

@@ -97,3 +97,16 @@ def test_fixed_policies():
         MissPlanner("random")
     with pytest.raises(ValueError, match="positive"):
         MissPlanner("adaptive", 0.0, 1.0)
+
+
+def test_gpu_presets_carry_the_papers_bandwidths():
+    from ftc.targets import PRESETS, TargetError, resolve_target
+
+    t = resolve_target("rtx-4090")
+    assert (t.b_p, t.b_h, t.vram_bytes) == (25.1, 63.2, 24 * 10**9)
+    assert resolve_target("rtx-pro-6000").b_h == 178.0 and resolve_target("h200").isa == "avx512_bf16"
+    for name, preset in PRESETS.items():
+        if name != "cpu":
+            assert preset.b_p > 0 and preset.b_h > 0 and preset.vram_bytes > 0
+    with pytest.raises(TargetError, match="rtx-4060-laptop"):
+        resolve_target("gtx-480")
