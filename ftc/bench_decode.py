@@ -9,14 +9,16 @@ from pathlib import Path
 
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.ftw import ExpertPool
 from ftc_runtime.miss_planner import miss_bound_s
 from ftc_runtime.offload import OffloadStats
 from ftc_runtime.routing_trace import RoutingTrace, TraceReplay
 
 
 def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace | None, routing: str,
-                 prompt_tokens: int = 128, new_tokens: int = 64, seed: int = 0) -> dict:
-    engine = Engine.load(engine_dir, offload=offload)
+                 prompt_tokens: int = 128, new_tokens: int = 64, seed: int = 0,
+                 pool: ExpertPool | None = None) -> dict:
+    engine = Engine.load(engine_dir, offload=offload, pool=pool)
     experts = engine.model.experts
     if trace is not None:
         trace.check_fits(len(engine.spec.moe_layers), engine.spec.moe.num_experts, routing)

@@ -94,11 +94,11 @@ def measure(spec: ModelSpec, pool: ftw.ExpertPool, kernel: CpuExpertKernel | Non
 
 
 def bench_experts(engine: Path, tokens: int = 1, threads: int | None = None, seconds: float = 3.0,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, pool: ftw.ExpertPool | None = None) -> dict:
     manifest = EngineManifest.read(engine)
     manifest.verify()
     spec, plan = manifest.spec, manifest.plan
-    pool = ftw.load(engine / EXPERTS_FILE)
+    pool = pool or ftw.load(engine / EXPERTS_FILE)
     kernel = CpuExpertKernel(engine / LIBRARY_FILE, plan.isa, spec.hidden_size,
                              spec.moe.expert_intermediate_size, worker_cpus(threads or plan.cpu_threads))
     ours = measure(spec, pool, kernel, tokens, seconds, seed)

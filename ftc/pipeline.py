@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +86,18 @@ def _weights(spec: ModelSpec, opts: CompileOptions, checkpoint: Path | None) -> 
 
 
 def compile_engine(opts: CompileOptions, console: Console | None = None) -> Path:
+    return _compile(opts, console, experts_in_memory=False)[0]
+
+
+def compile_with_experts_in_memory(opts: CompileOptions, console: Console | None = None) -> tuple[Path, ExpertPool]:
+    """Everything but experts.ftw on disk; the expert pool generated straight into host memory.
+    For benchmarks of models larger than the disk: the engine loads only with the pool it returns."""
+    if not opts.random_weights:
+        raise SpecError("experts in memory are for --random-weights engines")
+    return _compile(opts, console, experts_in_memory=True)
+
+
+def _compile(opts: CompileOptions, console: Console | None, experts_in_memory: bool) -> tuple[Path, ExpertPool | None]:
     console = console or Console(stderr=True)
     spec, spec_checkpoint = load_spec(opts.source, list(opts.overrides))
     checkpoint = None if opts.random_weights else opts.checkpoint or spec_checkpoint
@@ -97,23 +111,28 @@ def compile_engine(opts: CompileOptions, console: Console | None = None) -> Path
     console.print(f"[bold]ftc compile[/] {spec.name} ({spec.family}) from {weights.description} "
                   f"for target {target.name} ({plan.isa}) → {out}")
     try:
-        _build_engine(spec, target, plan, weights, checkpoint, staging, console)
+        pool = _build_engine(spec, target, plan, weights, checkpoint, staging, console, experts_in_memory)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _replace(staging, out)
-    console.print(f"[green]engine ready:[/] {out}")
-    return out
+    console.print(f"[green]engine ready:[/] {out}" + (" (experts in memory)" if experts_in_memory else ""))
+    return out, pool
 
 
 def _build_engine(spec: ModelSpec, target: Target, plan: Plan, weights: WeightSource, checkpoint: Path | None,
-                  staging: Path, console: Console) -> None:
-    """Every stage, into the staging directory; engine.json is written last."""
+                  staging: Path, console: Console, experts_in_memory: bool) -> ExpertPool | None:
+    """Every stage, into the staging directory; engine.json is written last. Returns the expert
+    pool when it was generated into memory instead of experts.ftw."""
     columns = (SpinnerColumn(), TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         _write_dense(weights, staging, progress, spec)
-        ftw_sha = _write_experts(weights, spec, staging, progress)
+        if experts_in_memory:
+            pool, hashes = _experts_in_memory(weights, spec, progress), {}
+        else:
+            hashes = {EXPERTS_FILE: _write_experts(weights, spec, staging, progress)}
+            pool = None
         task = progress.add_task("tokenizer", total=1)
         _write_tokenizer(spec, checkpoint, staging)
         progress.advance(task)
@@ -129,16 +148,17 @@ def _build_engine(spec: ModelSpec, target: Target, plan: Plan, weights: WeightSo
             checks = [{"not_run": f"compiling machine lacks {', '.join(lacking)}"}]
         else:
             task = progress.add_task("kernel check", total=len(plan.batch_buckets))
-            checks = _check_kernels(spec, plan, staging, lambda: progress.advance(task))
-    files = [EXPERTS_FILE, DENSE_FILE, TOKENIZER_FILE, LIBRARY_FILE] + [k["source"] for k in kernels]
+            checks = _check_kernels(spec, plan, staging, pool, lambda: progress.advance(task))
+    files = [*hashes, DENSE_FILE, TOKENIZER_FILE, LIBRARY_FILE] + [k["source"] for k in kernels]
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "ftc_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "name": spec.name, "spec": spec.to_dict(), "target": target.to_dict(), "plan": plan.to_dict(),
         "weights_source": weights.description, "kernels": kernels, "kernel_check": checks,
-        "files": describe_files(staging, files, {EXPERTS_FILE: ftw_sha}),
+        "experts_in_memory": experts_in_memory, "files": describe_files(staging, files, hashes),
     }
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return pool
 
 
 def _write_dense(weights: WeightSource, staging: Path, progress: Progress, spec: ModelSpec) -> None:
@@ -162,6 +182,27 @@ def _write_experts(weights: WeightSource, spec: ModelSpec, staging: Path, progre
     return writer.close()
 
 
+def _experts_in_memory(weights: WeightSource, spec: ModelSpec, progress: Progress) -> ExpertPool:
+    """The FTW data region built in host memory, experts generated on all cores (torch releases
+    the GIL while it draws), so a 60 GB model needs no 60 GB file."""
+    header = FtwHeader.create(len(spec.moe_layers), spec.moe.num_experts,
+                              bf16_expert_banks(spec.hidden_size, spec.moe.expert_intermediate_size))
+    pool = ExpertPool(header, torch.empty(header.data_bytes, dtype=torch.uint8))
+    rows = pool.buffer.view(header.num_rows, header.expert_stride)
+    task = progress.add_task("experts → memory", total=header.num_rows)
+
+    def fill(row: int) -> None:
+        layer, expert = divmod(row, header.num_experts)
+        tensors = weights.expert(spec.moe_layers[layer], expert)
+        for b in header.banks:
+            rows[row, b.offset:b.offset + b.row_bytes] = tensors[b.name].contiguous().view(torch.uint8).reshape(-1)
+        progress.advance(task)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
+        list(ex.map(fill, range(header.num_rows)))
+    return pool
+
+
 def _write_tokenizer(spec: ModelSpec, checkpoint: Path | None, staging: Path) -> None:
     if checkpoint is not None and (checkpoint / TOKENIZER_FILE).is_file():
         shutil.copyfile(checkpoint / TOKENIZER_FILE, staging / TOKENIZER_FILE)
@@ -169,12 +210,14 @@ def _write_tokenizer(spec: ModelSpec, checkpoint: Path | None, staging: Path) ->
         build_byte_tokenizer(spec, staging / TOKENIZER_FILE)
 
 
-def _check_kernels(spec: ModelSpec, plan: Plan, staging: Path, tick) -> list[dict]:
-    """Runs the built kernel on experts of the written file for every bucket and compares with torch."""
-    header, _ = read_header(staging / EXPERTS_FILE)
-    data = np.memmap(staging / EXPERTS_FILE, dtype=np.uint8, mode="c", offset=header.data_offset,
-                     shape=(header.data_bytes,))
-    pool = ExpertPool(header, torch.from_numpy(data))
+def _check_kernels(spec: ModelSpec, plan: Plan, staging: Path, pool: ExpertPool | None, tick) -> list[dict]:
+    """Runs the built kernel on the engine's own experts (the written file, mapped, unless they are
+    in memory) for every bucket and compares with torch."""
+    if pool is None:
+        header, _ = read_header(staging / EXPERTS_FILE)
+        data = np.memmap(staging / EXPERTS_FILE, dtype=np.uint8, mode="c", offset=header.data_offset,
+                         shape=(header.data_bytes,))
+        pool = ExpertPool(header, torch.from_numpy(data))
     kernel = CpuExpertKernel(staging / LIBRARY_FILE, plan.isa, spec.hidden_size,
                              spec.moe.expert_intermediate_size, worker_cpus(plan.cpu_threads))
     results = []

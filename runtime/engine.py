@@ -85,7 +85,10 @@ class Engine:
             manifest, manifest.spec, tokenizer, model, pool, vram)
 
     @classmethod
-    def load(cls, path: str | Path, show_progress: bool = False, offload: OffloadConfig | None = None) -> Engine:
+    def load(cls, path: str | Path, show_progress: bool = False, offload: OffloadConfig | None = None,
+             pool: ftw.ExpertPool | None = None) -> Engine:
+        """Loads an engine directory; `pool` supplies the experts of an engine compiled with its
+        experts in memory (benchmarks of models larger than the disk)."""
         root = Path(path)
         manifest = EngineManifest.read(root)
         manifest.verify()
@@ -97,11 +100,11 @@ class Engine:
             cpus = cpus[1:]
         kernel = CpuExpertKernel(root / LIBRARY_FILE, plan.isa, spec.hidden_size,
                                  spec.moe.expert_intermediate_size, cpus)
-        console = Console(stderr=True)
-        with Progress(TextColumn("loading experts"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      console=console, disable=not (show_progress and console.is_terminal), transient=True) as bar:
-            task = bar.add_task("experts", total=manifest.files[EXPERTS_FILE]["bytes"])
-            pool = ftw.load(root / EXPERTS_FILE, on_bytes=lambda n: bar.advance(task, n))
+        if manifest.raw.get("experts_in_memory") and pool is None:
+            raise ArtifactError(f"{root}: compiled with its experts in memory (a benchmark engine); "
+                                "it has no experts.ftw to load")
+        if pool is None:
+            pool = _load_pool(root, manifest, show_progress)
         if (pool.header.num_moe_layers, pool.header.num_experts) != (len(spec.moe_layers), spec.moe.num_experts):
             raise ftw.FtwError(f"{root / EXPERTS_FILE}: holds {pool.header.num_moe_layers} MoE layers × "
                                f"{pool.header.num_experts} experts, the spec needs {len(spec.moe_layers)} × "
@@ -163,6 +166,14 @@ class Engine:
                 token = sample(self.model.forward(torch.tensor([token]), cache)[-1])
 
         return Generation(tokens(), stats)
+
+
+def _load_pool(root: Path, manifest: EngineManifest, show_progress: bool) -> ftw.ExpertPool:
+    console = Console(stderr=True)
+    with Progress(TextColumn("loading experts"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=console, disable=not (show_progress and console.is_terminal), transient=True) as bar:
+        task = bar.add_task("experts", total=manifest.files[EXPERTS_FILE]["bytes"])
+        return ftw.load(root / EXPERTS_FILE, on_bytes=lambda n: bar.advance(task, n))
 
 
 def _gpu_expert_kernel(root: Path, device: str):

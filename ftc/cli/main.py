@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from enum import Enum
 from pathlib import Path
@@ -174,6 +175,17 @@ class BenchKind(str, Enum):
     decode = "decode"
 
 
+def _engine_in_memory(spec: Path, random_weights: bool, seed: int, target: str, override: list[str] | None,
+                      workdir: Path):
+    """A benchmark engine for `spec` in `workdir`, its expert pool generated into memory."""
+    from ..pipeline import CompileOptions, compile_with_experts_in_memory
+
+    if not random_weights:
+        raise ValueError(f"{spec}: benchmarking a spec needs --random-weights (or compile an engine first)")
+    opts = CompileOptions(spec, target, workdir / "engine", None, True, seed, tuple(override or ()))
+    return compile_with_experts_in_memory(opts, err)
+
+
 def _routing(trace: Path | None, synthetic_locality: float | None, spec, seed: int):
     """The trace a decode benchmark replays, and how the JSON names it."""
     from ftc_runtime.routing_trace import RoutingTrace, synthetic_trace
@@ -191,7 +203,7 @@ def _routing(trace: Path | None, synthetic_locality: float | None, spec, seed: i
 
 @app.command()
 def bench(
-    engine: Annotated[Path, typer.Argument(help="Engine directory.")],
+    engine: Annotated[Path, typer.Argument(help="Engine directory, or a spec YAML with --random-weights.")],
     kind: Annotated[BenchKind, typer.Argument(help="What to measure.")],
     tokens: Annotated[int, typer.Option(help="Tokens per call (experts).")] = 1,
     threads: Annotated[int | None, typer.Option(help="CPU workers (default: the plan's).")] = None,
@@ -206,8 +218,13 @@ def bench(
     synthetic_locality: Annotated[float | None, typer.Option(help="decode: replay a synthetic trace.")] = None,
     prompt_tokens: Annotated[int, typer.Option(help="decode: prompt length.")] = 128,
     new_tokens: Annotated[int, typer.Option(help="decode: tokens to generate.")] = 64,
+    random_weights: Annotated[bool, typer.Option("--random-weights", help="SPEC: random weights, generated "
+                                                 "straight into memory (no weight file).")] = False,
+    seed: Annotated[int, typer.Option(help="SPEC: seed for --random-weights.")] = 0,
+    target: Annotated[str, typer.Option(help="SPEC: hardware target.")] = "auto",
+    override: Annotated[list[str] | None, typer.Option(help="SPEC: edit a spec field, FIELD=VALUE.")] = None,
 ) -> None:
-    """Measure an engine; prints JSON."""
+    """Measure an engine, or a spec built in memory with random weights; prints JSON."""
     from ftc_runtime.artifact import EngineManifest
 
     from ..bench_decode import bench_decode
@@ -216,13 +233,17 @@ def bench(
     if tokens < 1 or new_tokens < 2 or prompt_tokens < 1:
         _fail(ValueError("--tokens and --prompt-tokens must be at least 1, --new-tokens at least 2"))
     try:
-        if kind == BenchKind.experts:
-            result = bench_experts(engine, tokens, threads, seconds)
-        else:
-            spec = EngineManifest.read(engine).spec
-            trace, routing = _routing(routing_trace, synthetic_locality, spec, 0)
-            result = bench_decode(engine, _offload(device, vram_budget, slots, miss_policy, cache_policy), trace,
-                                  routing, prompt_tokens, new_tokens)
+        with tempfile.TemporaryDirectory(prefix="ftc-bench-") as tmp:
+            pool = None
+            if engine.is_file():
+                engine, pool = _engine_in_memory(engine, random_weights, seed, target, override, Path(tmp))
+            if kind == BenchKind.experts:
+                result = bench_experts(engine, tokens, threads, seconds, pool=pool)
+            else:
+                spec = EngineManifest.read(engine).spec
+                trace, routing = _routing(routing_trace, synthetic_locality, spec, 0)
+                result = bench_decode(engine, _offload(device, vram_budget, slots, miss_policy, cache_policy),
+                                      trace, routing, prompt_tokens, new_tokens, pool=pool)
     except _user_errors() as e:
         _fail(e)
     text = json.dumps(result, indent=1)
