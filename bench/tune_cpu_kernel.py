@@ -14,7 +14,6 @@ import json
 import tempfile
 from pathlib import Path
 
-from ftc.bench_experts import measure
 from ftc.build import build_kernels
 from ftc.codegen import render_cpu_kernels
 from ftc_runtime import ftw
@@ -22,6 +21,7 @@ from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest
 from ftc_runtime.cpu_info import worker_cpus
 from ftc_runtime.kernels import CpuExpertKernel
 from ftc_runtime.settings import settings
+from ftc_runtime.throughput import expert_kernel_gbps
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
                     kernel = CpuExpertKernel(lib, plan.isa, m.spec.hidden_size,
                                              m.spec.moe.expert_intermediate_size, worker_cpus(threads))
                     for tokens in ints(args.tokens):
-                        r = measure(m.spec, pool, kernel, tokens, args.seconds)
+                        r = expert_kernel_gbps(m.spec, pool, kernel, tokens, args.seconds)
                         print(json.dumps({"chunk": chunk, "prefetch_rows": pf, "threads": threads,
                                           "tokens": tokens, "gbps": round(r["gbps"], 2),
                                           "ms_per_layer": round(r["ms_per_layer"], 4)}), flush=True)

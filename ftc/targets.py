@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from ftc_runtime.cpu_info import physical_cpus, supported_isas
+from ftc_runtime.profile import HardwareProfile
 
 # Token-tile sizes each kernel ISA is specialized for, largest first: what fits its registers
 # (AVX-512: 32 zmm, 2·NB accumulators for gate/up; AVX2: 16 ymm).
@@ -47,6 +49,13 @@ PRESETS: dict[str, Target] = {
 
 
 def resolve_target(name: str) -> Target:
+    """`auto`, a preset name, or a profile YAML written by `ftc profile`."""
+    if name.endswith((".yaml", ".yml")):
+        try:
+            prof = HardwareProfile.from_yaml(Path(name))
+        except ValueError as e:
+            raise TargetError(f"--target {name}: {e}") from None
+        return Target(Path(name).stem, prof.isa, prof.physical_cores, prof.gpu, prof.vram_bytes, prof.b_p, prof.b_h)
     if name == "auto":
         isas = supported_isas()
         if not isas:
@@ -56,4 +65,5 @@ def resolve_target(name: str) -> Target:
     try:
         return PRESETS[name]
     except KeyError:
-        raise TargetError(f"--target {name!r}: unknown; expected auto or one of {', '.join(PRESETS)}") from None
+        raise TargetError(f"--target {name!r}: unknown; expected auto, a profile .yaml from `ftc profile`, "
+                          f"or one of {', '.join(PRESETS)}") from None

@@ -109,3 +109,15 @@ def describe_files(root: Path, rels: list[str], known_sha: dict[str, str] | None
     known_sha = known_sha or {}
     return {rel: {"bytes": (root / rel).stat().st_size,
                   "sha256": known_sha.get(rel) or file_sha256(root / rel)} for rel in rels}
+
+
+def store_profile(root: Path, profile: dict[str, Any]) -> None:
+    """Records a measured hardware profile in engine.json: the target's bandwidths follow it."""
+    path = root / MANIFEST
+    raw = json.loads(path.read_text())
+    keys = ("gpu", "vram_bytes", "b_p", "b_h")
+    raw["target"] = raw["target"] | {k: profile[k] for k in keys if profile.get(k) is not None}
+    raw["profile"] = profile
+    staged = path.with_suffix(".json.tmp")
+    staged.write_text(json.dumps(raw, indent=1) + "\n")
+    staged.replace(path)

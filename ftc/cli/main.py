@@ -106,6 +106,22 @@ def _offload(device: str | None, vram_budget: str | None, slots: int | None, mis
                          cache_policy=str(getattr(cache_policy, "value", cache_policy)))
 
 
+def _reprofile(engine_dir: Path, eng, offload) -> None:
+    """Measures this machine with the loaded engine, records it, and re-plans the miss split."""
+    import dataclasses
+
+    from ftc_runtime.artifact import store_profile
+    from ftc_runtime.miss_planner import MissPlanner
+    from ftc_runtime.profile import measure_profile
+
+    experts = eng.model.experts
+    prof = measure_profile(eng.spec, eng.pool, experts.kernel, offload.device if offload else None, seconds=1.0)
+    store_profile(engine_dir, dataclasses.asdict(prof))
+    if offload is not None and prof.b_p is not None:
+        experts.planner = MissPlanner(experts.planner.policy, prof.b_p, prof.b_h)
+    err.print(f"profile: B_H {prof.b_h} GB/s" + (f", B_P {prof.b_p} GB/s" if prof.b_p else "") + " (engine.json)")
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
@@ -130,6 +146,8 @@ def run(
     slots: Annotated[int | None, typer.Option(help="Expert slots (default: what the budget holds).")] = None,
     miss_policy: Annotated[MissPolicyOpt, typer.Option(help="Where cache misses run.")] = "adaptive",
     cache_policy: Annotated[CachePolicyOpt, typer.Option(help="lru, or static (prompt's top experts).")] = "lru",
+    reprofile: Annotated[bool, typer.Option("--reprofile", help="Measure B_P/B_H again, record them in "
+                                            "engine.json and split misses by them.")] = False,
 ) -> None:
     """Generate from a prompt, streaming the text (or one JSON object with --json)."""
     from ftc_runtime import Engine, SamplingParams
@@ -143,6 +161,8 @@ def run(
         t0 = time.perf_counter()
         eng = Engine.load(engine, show_progress=not as_json, offload=offload)
         load_s = time.perf_counter() - t0
+        if reprofile:
+            _reprofile(engine, eng, offload)
         ids = given_ids if given_ids is not None else eng.tokenizer.encode(prompt)
         gen = eng.generate(ids, max_new_tokens, SamplingParams(temperature, top_p, seed), not ignore_eos)
         decoder = StreamDecoder(eng.tokenizer)
@@ -250,6 +270,36 @@ def bench(
     if output:
         output.write_text(text + "\n")
     print(text)
+
+
+@app.command()
+def profile(
+    engine: Annotated[Path, typer.Argument(help="Engine whose CPU kernel and expert pool are measured.")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the profile YAML here.")] = None,
+    device: Annotated[str | None, typer.Option(help="GPU to measure B_P on (default: cuda if present).")] = None,
+    seconds: Annotated[float, typer.Option(help="Seconds per measurement.")] = 2.0,
+    store: Annotated[bool, typer.Option("--store", help="Also record it in the engine's engine.json.")] = False,
+) -> None:
+    """Measure this machine: CPU ISA and cores, plain read, B_H, and with a GPU B_P and both at once."""
+    import dataclasses
+
+    import torch
+
+    from ftc_runtime import Engine
+    from ftc_runtime.artifact import store_profile
+    from ftc_runtime.profile import measure_profile
+
+    try:
+        eng = Engine.load(engine)
+        device = device or ("cuda" if torch.cuda.is_available() else None)
+        prof = measure_profile(eng.spec, eng.pool, eng.model.experts.kernel, device, seconds)
+        if output:
+            prof.to_yaml(output)
+        if store:
+            store_profile(engine, dataclasses.asdict(prof))
+    except _user_errors() as e:
+        _fail(e)
+    print(json.dumps(dataclasses.asdict(prof), indent=1))
 
 
 @app.command()

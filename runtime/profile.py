@@ -1,0 +1,93 @@
+"""`HardwareProfile`: what the miss split needs to know about a machine, measured.
+
+B_P is pinned host→GPU bandwidth at one expert's size; B_H is the engine's own CPU expert kernel
+on all its workers, over a pool far larger than the caches. Both are also measured while the other
+runs: the paper assumes the CPU keeps B_H − B_P during copies, but where the cores rather than DRAM
+limit the kernel, DMA and CPU reads may add up, and the split should follow what is measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from .cpu_info import physical_cpus
+from .ftw import ExpertPool
+from .kernels import CpuExpertKernel
+from .spec import ModelSpec
+from .throughput import expert_kernel_gbps, l3_bytes, torch_read_gbps
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    isa: str
+    physical_cores: int
+    host_read_gbps: float
+    b_h: float  # CPU expert kernel GB/s, all workers, batch 1
+    pool_bytes: int  # the pool B_H was measured on (a pool within the caches overstates B_H)
+    l3_bytes: int
+    gpu: str | None = None
+    vram_bytes: int | None = None
+    b_p: float | None = None  # pinned host→GPU GB/s at one expert's size
+    b_h_during_copy: float | None = None
+    b_p_during_cpu: float | None = None
+
+    def to_yaml(self, path: Path) -> None:
+        path.write_text(yaml.safe_dump(asdict(self), sort_keys=False))
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> HardwareProfile:
+        try:
+            return cls(**yaml.safe_load(path.read_text()))
+        except (OSError, yaml.YAMLError, TypeError) as e:
+            raise ValueError(f"{path}: not a hardware profile ({e})") from None
+
+
+def pinned_copy_gbps(device: torch.device, nbytes: int, seconds: float = 0.5, stop: threading.Event | None = None
+                     ) -> float:
+    """Pinned host→device copies of `nbytes` each, on a stream of their own, back to back; runs
+    until `stop` is set when one is given."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    times = []
+    deadline = time.perf_counter() + seconds
+    with torch.cuda.stream(stream):
+        while (stop is None and time.perf_counter() < deadline) or (stop is not None and not stop.is_set()):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times[1:] or times) / 1e9
+
+
+def measure_profile(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, device: str | None,
+                    seconds: float = 2.0) -> HardwareProfile:
+    """Measures this machine with the engine's own kernel and pool (and `device`, a CUDA GPU)."""
+    b_h = expert_kernel_gbps(spec, pool, kernel, 1, seconds)["gbps"]
+    base = dict(isa=kernel.isa, physical_cores=len(physical_cpus()), host_read_gbps=round(torch_read_gbps(), 2),
+                b_h=round(b_h, 2), pool_bytes=pool.nbytes, l3_bytes=l3_bytes())
+    if device is None or torch.device(device).type != "cuda":
+        return HardwareProfile(**base)
+    dev = torch.device(device)
+    props = torch.cuda.get_device_properties(dev)
+    expert = pool.header.expert_stride
+    b_p = pinned_copy_gbps(dev, expert, seconds)
+    stop, result = threading.Event(), {}
+    copier = threading.Thread(target=lambda: result.setdefault("b_p", pinned_copy_gbps(dev, expert, stop=stop)))
+    copier.start()
+    try:
+        b_h_during = expert_kernel_gbps(spec, pool, kernel, 1, seconds)["gbps"]
+    finally:
+        stop.set()
+        copier.join()
+    return HardwareProfile(**base, gpu=props.name, vram_bytes=props.total_memory, b_p=round(b_p, 2),
+                           b_h_during_copy=round(b_h_during, 2), b_p_during_cpu=round(result["b_p"], 2))

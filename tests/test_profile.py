@@ -1,0 +1,56 @@
+"""`ftc profile`: measured figures, the YAML it writes, a profile as a compile target, and
+`ftc run --reprofile` recording it in engine.json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftc.pipeline import CompileOptions, compile_engine
+from ftc.targets import TargetError, resolve_target
+from ftc_runtime import Engine
+from ftc_runtime.profile import HardwareProfile, measure_profile
+
+SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
+FTC = Path(sys.executable).parent / "ftc"
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory) -> Path:
+    return compile_engine(CompileOptions(source=SPEC, random_weights=True, output=tmp_path_factory.mktemp("p") / "e"))
+
+
+def test_profile_yaml_becomes_a_target(engine_dir, tmp_path):
+    r = subprocess.run([str(FTC), "profile", str(engine_dir), "-o", str(tmp_path / "hw.yaml"), "--seconds", "0.2",
+                        "--device", "cpu"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    prof = HardwareProfile.from_yaml(tmp_path / "hw.yaml")
+    assert prof.b_h > 0 and prof.host_read_gbps > 0 and prof.physical_cores >= 1 and prof.b_p is None
+    assert json.loads(r.stdout)["b_h"] == prof.b_h
+    target = resolve_target(str(tmp_path / "hw.yaml"))
+    assert (target.isa, target.b_h, target.cpu_threads) == (prof.isa, prof.b_h, prof.physical_cores)
+    (tmp_path / "bad.yaml").write_text("isa: avx2\nunknown_field: 3\n")
+    with pytest.raises(TargetError, match="bad.yaml"):
+        resolve_target(str(tmp_path / "bad.yaml"))
+
+
+def test_reprofile_records_the_profile_in_the_engine(engine_dir):
+    r = subprocess.run([str(FTC), "run", str(engine_dir), "--prompt-ids", "1,2", "--max-new-tokens", "2",
+                        "--reprofile", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((engine_dir / "engine.json").read_text())
+    assert manifest["profile"]["b_h"] > 0 and manifest["target"]["b_h"] == manifest["profile"]["b_h"]
+    Engine.load(engine_dir)  # still a valid engine
+
+
+@pytest.mark.gpu
+def test_gpu_profile_measures_pcie_and_both_at_once(engine_dir):
+    eng = Engine.load(engine_dir)
+    prof = measure_profile(eng.spec, eng.pool, eng.model.experts.kernel, "cuda", seconds=0.3)
+    assert prof.b_p > 1 and prof.b_p_during_cpu > 1 and prof.b_h_during_copy > 0
+    assert prof.gpu == torch.cuda.get_device_properties(0).name
