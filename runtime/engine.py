@@ -46,8 +46,8 @@ class OffloadConfig:
     n_slots: int | None = None  # overrides the slot count that the budget gives
     miss_policy: str = "adaptive"
     cache_policy: str = "lru"
-    b_p: float | None = None  # GB/s; None: the engine's target profile
-    b_h: float | None = None
+    b_p: float | None = None  # GB/s; None: the engine's target (preset or `ftc profile`); where the
+    b_h: float | None = None  # target has neither, B_P = B_H, so every miss is filled
     max_context: int = 4096  # tokens of KV cache the budget reserves
 
 
@@ -120,8 +120,10 @@ class Engine:
         if offload is None:
             return cls(manifest, tokenizer, fam.model(spec, dense, CpuExperts(pool, kernel)), pool)
         vram = _vram_plan(manifest, offload, expected, pool)
-        planner = MissPlanner(offload.miss_policy, offload.b_p or manifest.target.get("b_p") or 1.0,
-                              offload.b_h or manifest.target.get("b_h") or 1.0)
+        b_p, b_h = offload.b_p or manifest.target.get("b_p"), offload.b_h or manifest.target.get("b_h")
+        if b_p is None or b_h is None:  # not measured (a CPU-only target): every miss is filled
+            b_p = b_h = 1.0
+        planner = MissPlanner(offload.miss_policy, b_p, b_h)
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
                                    offload.cache_policy, _gpu_expert_kernel(root, offload.device))
         model = fam.model(spec, dense, experts, device=offload.device)
