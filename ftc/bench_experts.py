@@ -13,28 +13,23 @@ from ftc_runtime.artifact import EXPERTS_FILE, LIBRARY_FILE, EngineManifest
 from ftc_runtime.cpu_info import worker_cpus
 from ftc_runtime.kernels import CpuExpertKernel
 from ftc_runtime.spec import ModelSpec
-from ftc_runtime.throughput import expert_kernel_gbps, l3_bytes, routed_calls, time_calls, torch_read_gbps
+from ftc_runtime.throughput import expert_kernel_gbps, l3_bytes, routed_gbps, torch_read_gbps
 
 
 def torch_bf16_gbps(spec: ModelSpec, pool: ftw.ExpertPool, tokens: int, seconds: float, seed: int = 0) -> dict:
     """The same routed calls through torch's bf16 matmul, reading the pool's rows in place."""
-    e = spec.moe.num_experts
-    calls = routed_calls(spec, tokens, seed)
     row_bytes = sum(b.row_bytes for b in pool.header.banks)
-    state = {"i": 0, "bytes": 0}
 
-    def call() -> None:
-        layer, ids, w, x = calls[state["i"] % len(calls)]
-        state["i"] += 1
+    def call(layer: int, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> int:
         xb = x.to(torch.bfloat16)
-        for expert in ids.unique().tolist():
-            row = layer * e + expert
-            state["bytes"] += row_bytes
+        experts = ids.unique().tolist()
+        for expert in experts:
+            row = layer * spec.moe.num_experts + expert
             gate, up = F.linear(xb, pool.expert_tensor("gate_up", row)).chunk(2, dim=-1)
             F.linear(F.silu(gate) * up, pool.expert_tensor("down", row))
+        return len(experts) * row_bytes
 
-    times = time_calls(call, seconds, after_warmup=lambda: state.update(bytes=0))
-    return {"gbps": state["bytes"] / sum(times) / 1e9}
+    return routed_gbps(spec, tokens, seconds, call, seed)
 
 
 def bench_experts(engine: Path, tokens: int = 1, threads: int | None = None, seconds: float = 3.0,

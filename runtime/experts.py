@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .ftw import ExpertPool
@@ -22,19 +24,49 @@ class ExpertBackend(ABC):
         """Called once the prompt of a request has been processed (the static cache pins then)."""
 
 
-def group_by_expert(base_id: int, ids: torch.Tensor, weights: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token, expert) pairs grouped by expert: FTW row ids [m], offsets [m+1], token rows and
-    router weights per pair. A token appears at most once per expert (top-k ids are distinct)."""
-    k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-    offsets = torch.zeros(experts.numel() + 1, dtype=torch.int32)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    tok_idx = (order // k).to(torch.int32)
-    tok_w = weights.reshape(-1)[order].to(torch.float32).contiguous()
-    return (experts + base_id).to(torch.int64), offsets, tok_idx, tok_w
+@dataclass(frozen=True)
+class Routing:
+    """One layer's (token, expert) pairs grouped by expert, on the host. A token appears at most
+    once per expert (top-k ids are distinct)."""
+
+    ids: np.ndarray  # [u] FTW rows of the routed experts, ascending
+    offsets: np.ndarray  # int32 [u + 1]: expert j serves pairs offsets[j] .. offsets[j+1]-1
+    tok_idx: np.ndarray  # int32 [pairs] token row
+    tok_w: np.ndarray  # float32 [pairs] router weight
+
+    @classmethod
+    def build(cls, base: int, ids: torch.Tensor, weights: torch.Tensor) -> Routing:
+        k = ids.shape[1]
+        flat = ids.reshape(-1).cpu().numpy().astype(np.int64) + base
+        order = np.argsort(flat, kind="stable")
+        uniq, counts = np.unique(flat[order], return_counts=True)
+        offsets = np.zeros(uniq.size + 1, dtype=np.int32)
+        np.cumsum(counts, out=offsets[1:])
+        w = weights.reshape(-1).float().cpu().numpy()[order]
+        return cls(uniq, offsets, (order // k).astype(np.int32), w.astype(np.float32))
+
+    def counts(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def subset(self, which: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """ids, offsets, tok_idx, tok_w of the experts at positions `which`."""
+        starts, ends = self.offsets[which], self.offsets[which + 1]
+        pairs = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)]) \
+            if which.size else np.empty(0, dtype=np.int64)
+        offsets = np.zeros(which.size + 1, dtype=np.int32)
+        np.cumsum(ends - starts, out=offsets[1:])
+        return self.ids[which], offsets, self.tok_idx[pairs], self.tok_w[pairs]
+
+    def tensors(self, which: np.ndarray | None = None) -> tuple[torch.Tensor, ...]:
+        """The kernel's arguments (expert ids, offsets, token rows, weights) for `which` (all: None)."""
+        parts = self.subset(which) if which is not None else (self.ids, self.offsets, self.tok_idx, self.tok_w)
+        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in parts)
+
+
+def group_by_expert(base_id: int, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The CPU kernel's arguments for routed `ids` [T, k] of the MoE layer whose first FTW row is
+    `base_id`: expert ids int64 [m], offsets int32 [m+1], token rows int32, router weights fp32."""
+    return Routing.build(base_id, ids, weights).tensors()
 
 
 class CpuExperts(ExpertBackend):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .expert_cache import ExpertCache
-from .experts import ExpertBackend
+from .experts import ExpertBackend, Routing
 from .ftw import ExpertPool
 from .host_memory import pin_in_place
 from .kernels import CpuExpertKernel
@@ -86,39 +86,6 @@ class OffloadStats:
                                 "device": 1e3 * self.compute.seconds() / n}}
 
 
-@dataclass(frozen=True)
-class _Routing:
-    """One layer's (token, expert) pairs grouped by expert, on the host."""
-
-    ids: np.ndarray  # [u] unique FTW rows
-    offsets: np.ndarray  # [u + 1]
-    tok_idx: np.ndarray  # [pairs] token row
-    tok_w: np.ndarray  # [pairs] router weight
-
-    @classmethod
-    def build(cls, base: int, ids: torch.Tensor, weights: torch.Tensor) -> _Routing:
-        k = ids.shape[1]
-        flat = ids.reshape(-1).cpu().numpy().astype(np.int64) + base
-        order = np.argsort(flat, kind="stable")
-        uniq, counts = np.unique(flat[order], return_counts=True)
-        offsets = np.zeros(uniq.size + 1, dtype=np.int32)
-        np.cumsum(counts, out=offsets[1:])
-        w = weights.reshape(-1).float().cpu().numpy()[order]
-        return cls(uniq, offsets, (order // k).astype(np.int32), w.astype(np.float32))
-
-    def counts(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def subset(self, which: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """ids, offsets, tok_idx, tok_w of the experts at positions `which`."""
-        starts, ends = self.offsets[which], self.offsets[which + 1]
-        pairs = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)]) \
-            if which.size else np.empty(0, dtype=np.int64)
-        offsets = np.zeros(which.size + 1, dtype=np.int32)
-        np.cumsum(ends - starts, out=offsets[1:])
-        return self.ids[which], offsets, self.tok_idx[pairs], self.tok_w[pairs]
-
-
 class OffloadedExperts(ExpertBackend):
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
                  planner: MissPlanner, cache_policy: str = "lru", device_kernel: Callable | None = None):
@@ -144,7 +111,7 @@ class OffloadedExperts(ExpertBackend):
         return self.slots.numel()
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        r = _Routing.build(moe_layer * self.num_experts, ids, weights)
+        r = Routing.build(moe_layer * self.num_experts, ids, weights)
         slots = self.cache.lookup(r.ids)
         hit = np.flatnonzero(slots >= 0)
         miss = np.flatnonzero(slots < 0)
@@ -197,16 +164,14 @@ class OffloadedExperts(ExpertBackend):
                 self.slots[s].copy_(self.host_rows[i], non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
-    def _start_cpu(self, x: torch.Tensor, r: _Routing, which: np.ndarray):
+    def _start_cpu(self, x: torch.Tensor, r: Routing, which: np.ndarray):
         """The CPU experts' partial output (a future when a GPU runs beside it)."""
         def run() -> torch.Tensor:
             t0 = time.perf_counter()
             host_x = x.cpu()
             out = torch.zeros_like(host_x)
             if which.size:
-                ids, offsets, tok_idx, tok_w = (torch.from_numpy(a) for a in r.subset(which))
-                self.kernel.run(self.pool.bank("gate_up"), self.pool.bank("down"), host_x, out,
-                                ids.to(torch.int64), offsets, tok_idx, tok_w)
+                self.kernel.run(self.pool.bank("gate_up"), self.pool.bank("down"), host_x, out, *r.tensors(which))
             self.stats.cpu_s += time.perf_counter() - t0
             return out
 
@@ -216,7 +181,7 @@ class OffloadedExperts(ExpertBackend):
         offset, nbytes, shape = self.banks[bank]
         return self.slots[slot, offset:offset + nbytes].view(torch.bfloat16).view(shape)
 
-    def _device_part(self, x: torch.Tensor, r: _Routing, which: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+    def _device_part(self, x: torch.Tensor, r: Routing, which: np.ndarray, slots: np.ndarray) -> torch.Tensor:
         """Hits and fills on the device, expert by expert, from the slot rows (fp32 arithmetic)."""
         out = torch.zeros_like(x)
         if not which.size:

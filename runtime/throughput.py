@@ -58,24 +58,32 @@ def routed_calls(spec: ModelSpec, tokens: int, seed: int) -> list[tuple]:
     return calls
 
 
-def expert_kernel_gbps(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, tokens: int, seconds: float,
-                       seed: int = 0) -> dict:
-    """GB/s of expert weights (all bytes over all time, and a call's bytes over the median call
-    time) and the median ms per MoE-layer call."""
-    e = spec.moe.num_experts
+def routed_gbps(spec: ModelSpec, tokens: int, seconds: float, call: Callable[[int, torch.Tensor, torch.Tensor,
+                torch.Tensor], int], seed: int = 0) -> dict:
+    """Times `call(moe_layer, ids, weights, x) -> expert bytes it read` over fresh routed calls:
+    GB/s (all bytes over all time, and a call's bytes over the median call time), median ms."""
     calls = routed_calls(spec, tokens, seed)
-    row_bytes = sum(b.row_bytes for b in pool.header.banks)
-    out = torch.zeros(tokens, spec.hidden_size)
     state = {"i": 0, "bytes": 0}
 
-    def call() -> None:
-        layer, ids, w, x = calls[state["i"] % len(calls)]
+    def one() -> None:
+        state["bytes"] += call(*calls[state["i"] % len(calls)])
         state["i"] += 1
-        grouped = group_by_expert(layer * e, ids, w)
-        state["bytes"] += grouped[0].numel() * row_bytes
-        kernel.run(pool.bank("gate_up"), pool.bank("down"), x, out, *grouped)
 
-    times = time_calls(call, seconds, after_warmup=lambda: state.update(bytes=0))
+    times = time_calls(one, seconds, after_warmup=lambda: state.update(bytes=0))
     median = statistics.median(times)
     return {"gbps": state["bytes"] / sum(times) / 1e9, "ms_per_layer": median * 1e3,
             "gbps_median": state["bytes"] / len(times) / median / 1e9}
+
+
+def expert_kernel_gbps(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, tokens: int, seconds: float,
+                       seed: int = 0) -> dict:
+    """The engine's CPU expert kernel, one MoE layer's routed experts per call."""
+    row_bytes = sum(b.row_bytes for b in pool.header.banks)
+    out = torch.zeros(tokens, spec.hidden_size)
+
+    def call(layer: int, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> int:
+        grouped = group_by_expert(layer * spec.moe.num_experts, ids, w)
+        kernel.run(pool.bank("gate_up"), pool.bank("down"), x, out, *grouped)
+        return grouped[0].numel() * row_bytes
+
+    return routed_gbps(spec, tokens, seconds, call, seed)
