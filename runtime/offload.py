@@ -106,10 +106,6 @@ class OffloadedExperts(ExpertBackend):
         self.copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.cpu_thread = ThreadPoolExecutor(max_workers=1) if on_gpu else None
 
-    @property
-    def slot_bytes(self) -> int:
-        return self.slots.numel()
-
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         r = Routing.build(moe_layer * self.num_experts, ids, weights)
         slots = self.cache.lookup(r.ids)
@@ -159,6 +155,8 @@ class OffloadedExperts(ExpertBackend):
             with self.stats.copy.measure():
                 self.slots[torch.from_numpy(slots)] = self.host_rows[torch.from_numpy(ids)]
             return
+        # A victim may still be read by kernels queued before this step: copy after them.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream), self.stats.copy.measure(self.copy_stream):
             for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
                 self.slots[s].copy_(self.host_rows[i], non_blocking=True)
