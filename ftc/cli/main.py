@@ -1,4 +1,4 @@
-"""`ftc compile | inspect | run | bench`. Only argument parsing and printing live here."""
+"""`ftc compile | inspect | run | bench | profile | trace`. Only argument parsing and printing live here."""
 
 from __future__ import annotations
 
@@ -13,9 +13,19 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from .options import (
+    CachePolicyOpt,
+    MissPolicyOpt,
+    engine_in_memory,
+    err,
+    offload_config,
+    parse_ids,
+    reprofile_engine,
+    routing_for,
+)
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="ftc, the FreeToken compiler: MoE models compiled into engines for one machine.")
-err = Console(stderr=True)
 
 
 def _fail(e: Exception) -> None:
@@ -87,48 +97,6 @@ def inspect(
         out.print(t)
 
 
-MissPolicyOpt = Enum("MissPolicyOpt", {p: p for p in ("adaptive", "gpu", "cpu", "half")}, type=str)
-CachePolicyOpt = Enum("CachePolicyOpt", {p: p for p in ("lru", "static")}, type=str)
-
-
-def _offload(device: str | None, vram_budget: str | None, slots: int | None, miss_policy: str,
-             cache_policy: str):
-    """The OffloadConfig for --device and its options (None: every expert on the CPU)."""
-    from ftc_runtime.engine import OffloadConfig
-    from ftc_runtime.vram_plan import parse_size
-
-    if device is None:
-        if vram_budget or slots is not None:
-            raise ValueError("--vram-budget and --slots need --device (cuda, or cpu to emulate a GPU)")
-        return None
-    return OffloadConfig(device=device, vram_budget=parse_size(vram_budget) if vram_budget else None,
-                         n_slots=slots, miss_policy=str(getattr(miss_policy, "value", miss_policy)),
-                         cache_policy=str(getattr(cache_policy, "value", cache_policy)))
-
-
-def _reprofile(engine_dir: Path, eng, offload) -> None:
-    """Measures this machine with the loaded engine, records it, and re-plans the miss split."""
-    import dataclasses
-
-    from ftc_runtime.artifact import store_profile
-    from ftc_runtime.miss_planner import MissPlanner
-    from ftc_runtime.profile import measure_profile
-
-    experts = eng.model.experts
-    prof = measure_profile(eng.spec, eng.pool, experts.kernel, offload.device if offload else None, seconds=1.0)
-    store_profile(engine_dir, dataclasses.asdict(prof))
-    if offload is not None and prof.b_p is not None:
-        experts.planner = MissPlanner(experts.planner.policy, prof.b_p, prof.b_h)
-    err.print(f"profile: B_H {prof.b_h} GB/s" + (f", B_P {prof.b_p} GB/s" if prof.b_p else "") + " (engine.json)")
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
-
-
 @app.command()
 def run(
     engine: Annotated[Path, typer.Argument(help="Engine directory.")],
@@ -156,13 +124,13 @@ def run(
     if (prompt is None) == (prompt_ids is None):
         _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
     try:
-        given_ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
-        offload = _offload(device, vram_budget, slots, miss_policy, cache_policy)
+        given_ids = parse_ids(prompt_ids) if prompt_ids is not None else None
+        offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy)
         t0 = time.perf_counter()
         eng = Engine.load(engine, show_progress=not as_json, offload=offload)
         load_s = time.perf_counter() - t0
         if reprofile:
-            _reprofile(engine, eng, offload)
+            reprofile_engine(engine, eng, offload)
         ids = given_ids if given_ids is not None else eng.tokenizer.encode(prompt)
         gen = eng.generate(ids, max_new_tokens, SamplingParams(temperature, top_p, seed), not ignore_eos)
         decoder = StreamDecoder(eng.tokenizer)
@@ -193,32 +161,6 @@ def run(
 class BenchKind(str, Enum):
     experts = "experts"
     decode = "decode"
-
-
-def _engine_in_memory(spec: Path, random_weights: bool, seed: int, target: str, override: list[str] | None,
-                      workdir: Path):
-    """A benchmark engine for `spec` in `workdir`, its expert pool generated into memory."""
-    from ..pipeline import CompileOptions, compile_with_experts_in_memory
-
-    if not random_weights:
-        raise ValueError(f"{spec}: benchmarking a spec needs --random-weights (or compile an engine first)")
-    opts = CompileOptions(spec, target, workdir / "engine", None, True, seed, tuple(override or ()))
-    return compile_with_experts_in_memory(opts, err)
-
-
-def _routing(trace: Path | None, synthetic_locality: float | None, spec, seed: int):
-    """The trace a decode benchmark replays, and how the JSON names it."""
-    from ftc_runtime.routing_trace import RoutingTrace, synthetic_trace
-
-    if trace is not None and synthetic_locality is not None:
-        raise ValueError("give --routing-trace or --synthetic-locality, not both")
-    if trace is not None:
-        return RoutingTrace.load(trace), f"trace {trace}"
-    if synthetic_locality is not None:
-        t = synthetic_trace(512, len(spec.moe_layers), spec.moe.num_experts, spec.moe.top_k, synthetic_locality,
-                            seed=seed)
-        return t, f"synthetic (locality {synthetic_locality}, Zipf 1.0, seed {seed})"
-    return None, "the model's own router"
 
 
 @app.command()
@@ -256,13 +198,13 @@ def bench(
         with tempfile.TemporaryDirectory(prefix="ftc-bench-") as tmp:
             pool = None
             if engine.is_file():
-                engine, pool = _engine_in_memory(engine, random_weights, seed, target, override, Path(tmp))
+                engine, pool = engine_in_memory(engine, random_weights, seed, target, override, Path(tmp))
             if kind == BenchKind.experts:
                 result = bench_experts(engine, tokens, threads, seconds, pool=pool)
             else:
                 spec = EngineManifest.read(engine).spec
-                trace, routing = _routing(routing_trace, synthetic_locality, spec, 0)
-                result = bench_decode(engine, _offload(device, vram_budget, slots, miss_policy, cache_policy),
+                trace, routing = routing_for(routing_trace, synthetic_locality, spec, 0)
+                result = bench_decode(engine, offload_config(device, vram_budget, slots, miss_policy, cache_policy),
                                       trace, routing, prompt_tokens, new_tokens, pool=pool)
     except _user_errors() as e:
         _fail(e)
@@ -317,7 +259,7 @@ def trace(
     if (prompt is None) == (prompt_ids is None):
         _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
     try:
-        given = _parse_ids(prompt_ids) if prompt_ids is not None else None
+        given = parse_ids(prompt_ids) if prompt_ids is not None else None
         eng = Engine.load(engine)
         ids = given if given is not None else eng.tokenizer.encode(prompt)
         recorder = TraceRecorder(len(eng.spec.moe_layers))

@@ -1,0 +1,78 @@
+"""Turning command-line options into the runtime's and compiler's own objects."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+from rich.console import Console
+
+err = Console(stderr=True)
+
+
+MissPolicyOpt = Enum("MissPolicyOpt", {p: p for p in ("adaptive", "gpu", "cpu", "half")}, type=str)
+CachePolicyOpt = Enum("CachePolicyOpt", {p: p for p in ("lru", "static")}, type=str)
+
+
+def offload_config(device: str | None, vram_budget: str | None, slots: int | None, miss_policy: str,
+             cache_policy: str):
+    """The OffloadConfig for --device and its options (None: every expert on the CPU)."""
+    from ftc_runtime.engine import OffloadConfig
+    from ftc_runtime.vram_plan import parse_size
+
+    if device is None:
+        if vram_budget or slots is not None:
+            raise ValueError("--vram-budget and --slots need --device (cuda, or cpu to emulate a GPU)")
+        return None
+    return OffloadConfig(device=device, vram_budget=parse_size(vram_budget) if vram_budget else None,
+                         n_slots=slots, miss_policy=str(getattr(miss_policy, "value", miss_policy)),
+                         cache_policy=str(getattr(cache_policy, "value", cache_policy)))
+
+
+def reprofile_engine(engine_dir: Path, eng, offload) -> None:
+    """Measures this machine with the loaded engine, records it, and re-plans the miss split."""
+    import dataclasses
+
+    from ftc_runtime.artifact import store_profile
+    from ftc_runtime.miss_planner import MissPlanner
+    from ftc_runtime.profile import measure_profile
+
+    experts = eng.model.experts
+    prof = measure_profile(eng.spec, eng.pool, experts.kernel, offload.device if offload else None, seconds=1.0)
+    store_profile(engine_dir, dataclasses.asdict(prof))
+    if offload is not None and prof.b_p is not None:
+        experts.planner = MissPlanner(experts.planner.policy, prof.b_p, prof.b_h)
+    err.print(f"profile: B_H {prof.b_h} GB/s" + (f", B_P {prof.b_p} GB/s" if prof.b_p else "") + " (engine.json)")
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+
+
+def engine_in_memory(spec: Path, random_weights: bool, seed: int, target: str, override: list[str] | None,
+                      workdir: Path):
+    """A benchmark engine for `spec` in `workdir`, its expert pool generated into memory."""
+    from ..pipeline import CompileOptions, compile_with_experts_in_memory
+
+    if not random_weights:
+        raise ValueError(f"{spec}: benchmarking a spec needs --random-weights (or compile an engine first)")
+    opts = CompileOptions(spec, target, workdir / "engine", None, True, seed, tuple(override or ()))
+    return compile_with_experts_in_memory(opts, err)
+
+
+def routing_for(trace: Path | None, synthetic_locality: float | None, spec, seed: int):
+    """The trace a decode benchmark replays, and how the JSON names it."""
+    from ftc_runtime.routing_trace import RoutingTrace, synthetic_trace
+
+    if trace is not None and synthetic_locality is not None:
+        raise ValueError("give --routing-trace or --synthetic-locality, not both")
+    if trace is not None:
+        return RoutingTrace.load(trace), f"trace {trace}"
+    if synthetic_locality is not None:
+        t = synthetic_trace(512, len(spec.moe_layers), spec.moe.num_experts, spec.moe.top_k, synthetic_locality,
+                            seed=seed)
+        return t, f"synthetic (locality {synthetic_locality}, Zipf 1.0, seed {seed})"
+    return None, "the model's own router"
