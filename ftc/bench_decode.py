@@ -10,7 +10,6 @@ from pathlib import Path
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.ftw import ExpertPool
-from ftc_runtime.miss_planner import miss_bound_s
 from ftc_runtime.offload import OffloadStats
 from ftc_runtime.routing_trace import RoutingTrace, TraceReplay
 
@@ -35,11 +34,12 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
     s = experts.stats
     steps = new_tokens - 1
     planner, stride = experts.planner, engine.pool.header.expert_stride
-    bound = sum(miss_bound_s(m, q, stride, planner.b_p, planner.b_h) for m, q in s.per_call) / steps
+    bound = sum(planner.bound_s(m, q, stride) for m, q in s.per_call) / steps
     measured = decode_s / steps
     return {
         "engine": engine.spec.name, "routing": routing, "device": str(experts.device),
         "miss_policy": planner.policy, "cache_policy": experts.cache.policy, "b_p": planner.b_p, "b_h": planner.b_h,
+        "rates_while_both_run": planner.rates(), "measured_concurrency": planner.measured_concurrency,
         "slots": experts.cache.n_slots, "pool_experts": engine.pool.header.num_rows,
         "vram": engine.vram.to_dict(), "prompt_tokens": prompt_tokens, "decode_tokens": steps,
         "decode_tok_s": round(steps / decode_s, 3), "ms_per_token": round(1e3 * measured, 3),

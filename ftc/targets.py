@@ -27,6 +27,8 @@ class Target:
     vram_bytes: int | None = None
     b_p: float | None = None  # pinned host→GPU GB/s at one expert's size
     b_h: float | None = None  # CPU expert kernel GB/s with all workers
+    b_p_concurrent: float | None = None  # host→GPU GB/s while the CPU kernel runs
+    b_h_concurrent: float | None = None  # CPU kernel GB/s while copies run
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -43,8 +45,9 @@ PRESETS: dict[str, Target] = {
     "rtx-5090": Target("rtx-5090", "avx2", None, "RTX 5090", 32 * _GB, 49.0, 53.8),
     "rtx-5090-server": Target("rtx-5090-server", "avx2", None, "RTX 5090", 32 * _GB, 52.7, 77.3),
     "rtx-pro-6000": Target("rtx-pro-6000", "avx2", None, "RTX PRO 6000", 96 * _GB, 51.5, 178.0),
-    # The device machine (docs/performance.md): B_P at 9.4 MiB from DESIGN.md, B_H from `ftc bench experts`.
-    "h200": Target("h200", "avx512_bf16", 16, "NVIDIA H200", 143771 * 2**20, 51.0, 88.0),
+    # The device machine: B_P at 9.4 MiB and the both-at-once rates (DMA 41 beside AVX-512 reads at 63
+    # GB/s) from DESIGN.md's measurements, B_H from `ftc bench experts` (docs/performance.md).
+    "h200": Target("h200", "avx512_bf16", 16, "NVIDIA H200", 143771 * 2**20, 51.0, 88.0, 41.0, 63.0),
 }
 
 
@@ -55,7 +58,8 @@ def resolve_target(name: str) -> Target:
             prof = HardwareProfile.from_yaml(Path(name))
         except ValueError as e:
             raise TargetError(f"--target {name}: {e}") from None
-        return Target(Path(name).stem, prof.isa, prof.physical_cores, prof.gpu, prof.vram_bytes, prof.b_p, prof.b_h)
+        return Target(Path(name).stem, prof.isa, prof.physical_cores, prof.gpu, prof.vram_bytes, prof.b_p, prof.b_h,
+                      prof.b_p_during_cpu, prof.b_h_during_copy)
     if name == "auto":
         isas = supported_isas()
         if not isas:

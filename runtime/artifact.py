@@ -115,8 +115,9 @@ def store_profile(root: Path, profile: dict[str, Any]) -> None:
     """Records a measured hardware profile in engine.json: the target's bandwidths follow it."""
     path = root / MANIFEST
     raw = json.loads(path.read_text())
-    keys = ("gpu", "vram_bytes", "b_p", "b_h")
-    raw["target"] = raw["target"] | {k: profile[k] for k in keys if profile.get(k) is not None}
+    keys = {"gpu": "gpu", "vram_bytes": "vram_bytes", "b_p": "b_p", "b_h": "b_h",
+            "b_p_during_cpu": "b_p_concurrent", "b_h_during_copy": "b_h_concurrent"}
+    raw["target"] = raw["target"] | {t: profile[p] for p, t in keys.items() if profile.get(p) is not None}
     raw["profile"] = profile
     staged = path.with_suffix(".json.tmp")
     staged.write_text(json.dumps(raw, indent=1) + "\n")

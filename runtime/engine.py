@@ -123,7 +123,10 @@ class Engine:
         b_p, b_h = offload.b_p or manifest.target.get("b_p"), offload.b_h or manifest.target.get("b_h")
         if b_p is None or b_h is None:  # not measured (a CPU-only target): every miss is filled
             b_p = b_h = 1.0
-        planner = MissPlanner(offload.miss_policy, b_p, b_h)
+        measured = offload.b_p is None and offload.b_h is None  # explicit rates replace the whole profile
+        planner = MissPlanner(offload.miss_policy, b_p, b_h,
+                              manifest.target.get("b_p_concurrent") if measured else None,
+                              manifest.target.get("b_h_concurrent") if measured else None)
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
                                    offload.cache_policy, _gpu_expert_kernel(root, offload.device))
         model = fam.model(spec, dense, experts, device=offload.device)

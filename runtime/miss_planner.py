@@ -13,33 +13,49 @@ MISS_POLICIES: tuple[str, ...] = ("adaptive", "gpu", "cpu", "half")
 
 @dataclass(frozen=True)
 class MissPlanner:
-    """`adaptive`: q = round(m · B_P / B_H) clamped to [1, m] (all m when B_H ≤ B_P), the split at
-    which copying q experts and computing m − q on the CPU take the same time; `gpu`: q = m;
-    `cpu`: q = 0; `half`: q = ceil(m / 2)."""
+    """`adaptive`: q makes the copies and the CPU experts take the same time while both run,
+    q / B_P' = (m − q) / B_H', so q = round(m · B_P' / (B_P' + B_H')), clamped to [1, m]. B_P' and
+    B_H' are the rates measured with both running (`ftc profile`); without them the paper's model
+    holds (B_P' = B_P, B_H' = B_H − B_P), which gives its q* = m · B_P / B_H, and all m go to the
+    GPU when B_H ≤ B_P. `gpu`: q = m; `cpu`: q = 0; `half`: q = ceil(m / 2)."""
 
     policy: MissPolicy = "adaptive"
     b_p: float = 1.0  # pinned host→GPU GB/s for one expert
     b_h: float = 1.0  # CPU expert kernel GB/s, all workers
+    b_p_concurrent: float | None = None  # host→GPU GB/s while the CPU kernel runs
+    b_h_concurrent: float | None = None  # CPU kernel GB/s while copies run
 
     def __post_init__(self) -> None:
         if self.policy not in MISS_POLICIES:
             raise ValueError(f"miss policy {self.policy!r}: expected one of {', '.join(MISS_POLICIES)}")
-        if self.b_p <= 0 or self.b_h <= 0:
-            raise ValueError(f"bandwidths must be positive (B_P = {self.b_p}, B_H = {self.b_h})")
+        rates = (self.b_p, self.b_h, self.b_p_concurrent or 1.0, self.b_h_concurrent or 1.0)
+        if min(rates) <= 0:
+            raise ValueError(f"bandwidths must be positive (B_P = {self.b_p}, B_H = {self.b_h}, "
+                             f"concurrent {self.b_p_concurrent}, {self.b_h_concurrent})")
+
+    @property
+    def measured_concurrency(self) -> bool:
+        return self.b_p_concurrent is not None and self.b_h_concurrent is not None
+
+    def rates(self) -> tuple[float, float]:
+        """(copy GB/s, CPU GB/s) while both run; the paper's model unless measured."""
+        if self.measured_concurrency:
+            return self.b_p_concurrent, self.b_h_concurrent
+        return self.b_p, (self.b_h - self.b_p if self.b_h > self.b_p else self.b_h)
 
     def fills(self, m: int) -> int:
         if m <= 0 or self.policy == "cpu":
             return 0
         if self.policy == "half":
             return (m + 1) // 2
-        if self.policy == "gpu" or self.b_h <= self.b_p:
+        if self.policy == "gpu" or (not self.measured_concurrency and self.b_h <= self.b_p):
             return m
-        q = math.floor(m * self.b_p / self.b_h + 0.5)  # round half up, not to even
+        copy, cpu = self.rates()
+        q = math.floor(m * copy / (copy + cpu) + 0.5)  # round half up, not to even
         return min(m, max(1, q))
 
-
-def miss_bound_s(m: int, q: int, expert_bytes: int, b_p: float, b_h: float) -> float:
-    """DESIGN.md's time for one layer's misses: q copies over PCIe beside m − q CPU experts, the
-    CPU keeping B_H − B_P of the memory bandwidth while the copies run (B_H when B_H ≤ B_P)."""
-    cpu_rate = b_h - b_p if b_h > b_p else b_h
-    return max(q * expert_bytes / (b_p * 1e9), (m - q) * expert_bytes / (cpu_rate * 1e9))
+    def bound_s(self, m: int, q: int, expert_bytes: int) -> float:
+        """DESIGN.md's time for one layer's misses: q copies beside m − q CPU experts, at the
+        rates both keep while they run together."""
+        copy, cpu = self.rates()
+        return max(q * expert_bytes / (copy * 1e9), (m - q) * expert_bytes / (cpu * 1e9))

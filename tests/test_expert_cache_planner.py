@@ -110,3 +110,23 @@ def test_gpu_presets_carry_the_papers_bandwidths():
             assert preset.b_p > 0 and preset.b_h > 0 and preset.vram_bytes > 0
     with pytest.raises(TargetError, match="rtx-4060-laptop"):
         resolve_target("gtx-480")
+
+
+def test_measured_concurrent_rates_set_the_split():
+    """DESIGN.md's device measurement: DMA 41 GB/s beside CPU reads at 63 GB/s, so about 40% of
+    the misses are copied, not the paper's B_P / B_H ≈ 58%."""
+    measured = MissPlanner("adaptive", 51.0, 88.0, 41.0, 63.0)
+    paper = MissPlanner("adaptive", 51.0, 88.0)
+    assert [measured.fills(m) for m in (1, 4, 8, 16)] == [1, 2, 3, 6]
+    assert [paper.fills(m) for m in (1, 4, 8, 16)] == [1, 2, 5, 9]
+    for _ in range(300):
+        p, h, m = random.uniform(1, 100), random.uniform(1, 100), random.randrange(1, 40)
+        q = MissPlanner("adaptive", 50.0, 80.0, p, h).fills(m)
+        assert q == min(m, max(1, math.floor(m * p / (p + h) + 0.5)))
+    # Both planners' bounds balance the two sides at their own q (within one expert).
+    s = 9 << 20
+    for planner in (measured, paper):
+        copy, cpu = planner.rates()
+        q = planner.fills(8)
+        assert planner.bound_s(8, q, s) == max(q * s / (copy * 1e9), (8 - q) * s / (cpu * 1e9))
+    assert paper.rates() == (51.0, 37.0) and measured.rates() == (41.0, 63.0)

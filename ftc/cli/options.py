@@ -41,7 +41,8 @@ def reprofile_engine(engine_dir: Path, eng, offload) -> None:
     prof = measure_profile(eng.spec, eng.pool, experts.kernel, offload.device if offload else None, seconds=1.0)
     store_profile(engine_dir, dataclasses.asdict(prof))
     if offload is not None and prof.b_p is not None:
-        experts.planner = MissPlanner(experts.planner.policy, prof.b_p, prof.b_h)
+        experts.planner = MissPlanner(experts.planner.policy, prof.b_p, prof.b_h, prof.b_p_during_cpu,
+                                      prof.b_h_during_copy)
     err.print(f"profile: B_H {prof.b_h} GB/s" + (f", B_P {prof.b_p} GB/s" if prof.b_p else "") + " (engine.json)")
 
 
