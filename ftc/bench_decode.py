@@ -33,8 +33,8 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
     decode_s = time.perf_counter() - t0
     s = experts.stats
     steps = new_tokens - 1
-    planner, stride = experts.planner, engine.pool.header.expert_stride
-    bound = sum(planner.bound_s(m, q, stride) for m, q in s.per_call) / steps
+    planner = experts.planner
+    bound = s.miss_bound_s / steps
     measured = decode_s / steps
     return {
         "engine": engine.spec.name, "routing": routing, "device": str(experts.device),

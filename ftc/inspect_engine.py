@@ -9,11 +9,7 @@ from rich.table import Table
 from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest
 from ftc_runtime.ftw import read_header
 from ftc_runtime.models import family
-from ftc_runtime.vram_plan import gib, plan_vram
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+from ftc_runtime.vram_plan import dense_bytes, gib, plan_vram
 
 
 def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None = None,
@@ -22,7 +18,7 @@ def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None =
     if verify:
         m.verify(skip_hash=())
     spec, plan = m.spec, m.plan
-    dense_params = sum(_numel(s) for s in family(spec.family).dense_tensor_shapes(spec).values())
+    dense = dense_bytes(family(spec.family).dense_tensor_shapes(spec))
     pool = len(spec.moe_layers) * spec.moe.num_experts * spec.expert_bytes
     per_token = len(spec.moe_layers) * spec.moe.top_k * spec.expert_bytes
     model = Table(title=f"{spec.name} ({spec.family})", show_header=False)
@@ -38,9 +34,9 @@ def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None =
         model.add_row(k, v)
     memory = Table(title="memory", show_header=False)
     for k, v in (
-        ("non-expert weights", f"{_gib(dense_params * 2)} bf16 ({dense_params / 1e9:.3f} B params)"),
-        ("routed-expert pool (host)", f"{_gib(pool)} ({spec.expert_bytes / 2**20:.2f} MiB per expert)"),
-        ("expert bytes read per token", _gib(per_token)),
+        ("non-expert weights", f"{gib(dense)} bf16 ({dense / 2e9:.3f} B params)"),
+        ("routed-expert pool (host)", f"{gib(pool)} ({spec.expert_bytes / 2**20:.2f} MiB per expert)"),
+        ("expert bytes read per token", gib(per_token)),
     ):
         memory.add_row(k, v)
     run = Table(title="plan", show_header=False)
@@ -76,10 +72,3 @@ def _vram_table(m: EngineManifest, engine: Path, budget: int, max_context: int) 
                  ("total", gib(plan.total))):
         t.add_row(k, v)
     return t
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

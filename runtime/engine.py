@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 from collections.abc import Iterator
@@ -201,6 +202,5 @@ def _vram_plan(manifest: EngineManifest, cfg: OffloadConfig, shapes: dict, pool:
     if cfg.n_slots is not None:
         if not 0 <= cfg.n_slots <= plan.n_slots:
             raise ValueError(f"--slots {cfg.n_slots}: the budget holds 0 to {plan.n_slots} expert slots")
-        plan = VramPlan(plan.budget, plan.dense, plan.kv, plan.workspace, plan.expert_stride, cfg.n_slots,
-                        plan.pool_experts)
+        plan = dataclasses.replace(plan, n_slots=cfg.n_slots)
     return plan

@@ -56,8 +56,9 @@ class _Timer:
 
 @dataclass
 class OffloadStats:
-    """Totals over MoE layer calls (unique experts per call, not token-expert pairs), the (m, q) of
-    each call, and the time in each part: CPU experts, host→device copies, device experts."""
+    """Totals over MoE layer calls (unique experts per call, not token-expert pairs), the planner's
+    bound for the misses that happened, and the time in each part: CPU experts, host→device
+    copies, device experts. Constant size: an engine serving for days keeps the same counters."""
 
     device: torch.device
     calls: int = 0
@@ -65,7 +66,7 @@ class OffloadStats:
     hits: int = 0
     fills: int = 0
     cpu: int = 0
-    per_call: list[tuple[int, int]] = field(default_factory=list)  # (m misses, q fills)
+    miss_bound_s: float = 0.0  # Σ MissPlanner.bound_s(m, q) over the calls
     cpu_s: float = 0.0
     copy: _Timer = field(init=False)
     compute: _Timer = field(init=False)
@@ -126,7 +127,7 @@ class OffloadedExperts(ExpertBackend):
         self.stats.hits += hit.size
         self.stats.fills += fill.size
         self.stats.cpu += cpu.size
-        self.stats.per_call.append((miss.size, fill.size))
+        self.stats.miss_bound_s += self.planner.bound_s(miss.size, fill.size, self.host_rows.shape[1])
         x = x.float().contiguous()
         cpu_out = self._start_cpu(x, r, cpu)
         with self.stats.compute.measure():

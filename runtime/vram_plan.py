@@ -3,6 +3,7 @@ expert slots. `--vram-budget` lets a large GPU stand in for an 8–32 GB card.""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -56,14 +57,9 @@ class VramPlan:
         return asdict(self) | {"slots_bytes": self.slots, "total": self.total, "pool_share": self.pool_share}
 
 
-def dense_bytes(spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> int:
-    total = 0
-    for shape in shapes.values():
-        n = 2
-        for d in shape:
-            n *= d
-        total += n
-    return total
+def dense_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
+    """Bytes of the non-expert tensors in bf16."""
+    return 2 * sum(math.prod(shape) for shape in shapes.values())
 
 
 def plan_vram(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], budget: int, expert_stride: int,
@@ -71,7 +67,7 @@ def plan_vram(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], budget: int, 
     a = spec.attention
     kv = max_context * spec.num_layers * 2 * a.num_kv_heads * a.head_dim * 2
     workspace = LIBRARY_WORKSPACE + 4 * spec.vocab_size * 4 + 16 * spec.hidden_size * 4 * 64
-    dense = dense_bytes(spec, shapes)
+    dense = dense_bytes(shapes)
     free = budget - dense - kv - workspace
     if free < expert_stride:
         raise VramError(f"--vram-budget {gib(budget)}: non-expert weights {gib(dense)}, KV cache for "
