@@ -15,7 +15,7 @@ CachePolicyOpt = Enum("CachePolicyOpt", {p: p for p in ("lru", "static")}, type=
 
 
 def offload_config(device: str | None, vram_budget: str | None, slots: int | None, miss_policy: str,
-             cache_policy: str):
+                   cache_policy: str):
     """The OffloadConfig for --device and its options (None: every expert on the CPU)."""
     from ftc_runtime.engine import OffloadConfig
     from ftc_runtime.vram_plan import parse_size
@@ -54,7 +54,7 @@ def parse_ids(text: str) -> list[int]:
 
 
 def engine_in_memory(spec: Path, random_weights: bool, seed: int, target: str, override: list[str] | None,
-                      workdir: Path):
+                     workdir: Path):
     """A benchmark engine for `spec` in `workdir`, its expert pool generated into memory."""
     from ..pipeline import CompileOptions, compile_with_experts_in_memory
 
