@@ -26,6 +26,7 @@ from .artifact import (
     EngineManifest,
 )
 from .cpu_info import worker_cpus
+from .decode_graphs import decode_graphs_for
 from .experts import CpuExperts
 from .kernels import CpuExpertKernel
 from .miss_planner import MissPlanner
@@ -95,12 +96,14 @@ class Engine:
         manifest.verify()
         spec, plan = manifest.spec, manifest.plan
         cpus = worker_cpus(settings().num_threads or plan.cpu_threads)
-        if offload is not None and torch.device(offload.device).type == "cuda" and len(cpus) > 1:
+        background = offload is not None and torch.device(offload.device).type == "cuda" and len(cpus) > 1
+        if background:
             # The thread that drives the GPU needs a core of its own: a worker sharing it waits a
             # scheduler time slice at every barrier (seen on the device: 8-16× slower CPU experts).
+            # The others run the CPU experts in the background while it launches the GPU's work.
             cpus = cpus[1:]
         kernel = CpuExpertKernel(root / LIBRARY_FILE, plan.isa, spec.hidden_size,
-                                 spec.moe.expert_intermediate_size, cpus)
+                                 spec.moe.expert_intermediate_size, cpus, background)
         if manifest.raw.get("experts_in_memory") and pool is None:
             raise ArtifactError(f"{root}: compiled with its experts in memory (a benchmark engine); "
                                 "it has no experts.ftw to load")
@@ -131,6 +134,7 @@ class Engine:
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
                                    offload.cache_policy, _gpu_expert_kernel(root, offload.device))
         model = fam.model(spec, dense, experts, device=offload.device)
+        model.decode_graphs = decode_graphs_for(model, settings().decode_graphs, settings().torch_compile)
         return cls(manifest, tokenizer, model, pool, vram)
 
     def _check_ids(self, ids: list[int]) -> torch.Tensor:

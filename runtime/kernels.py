@@ -21,10 +21,13 @@ class CpuExpertKernel:
     """Routed-expert FFN over FTW rows in host memory, run on a pinned worker pool.
 
     `run` accumulates  out[t] += Σ w · down(silu(gate x_t) · up x_t)  for pairs grouped by expert.
-    Calls are serialized: the pool runs one job at a time.
+    Calls are serialized: the pool runs one job at a time. With `background`, every one of the
+    pool's threads is its own pinned worker and `start` returns at once (the caller drives a GPU
+    meanwhile, then `wait`s); without it the caller works as thread 0 and `start` is `run`.
     """
 
-    def __init__(self, lib_path: Path, isa: str, hidden: int, intermediate: int, cpus: list[int]):
+    def __init__(self, lib_path: Path, isa: str, hidden: int, intermediate: int, cpus: list[int],
+                 background: bool = False):
         if not lib_path.is_file():
             raise KernelError(f"{lib_path}: kernel library not found (run `ftc compile` again)")
         if isa not in ISA_FLAGS:
@@ -41,17 +44,20 @@ class CpuExpertKernel:
             raise KernelError(f"{lib_path}: library was built for (isa, hidden, intermediate) = {got}, "
                               f"the engine expects {(isa, hidden, intermediate)}")
         self.lib.ftc_pool_create.restype = _p
-        self.lib.ftc_pool_create.argtypes = [_i32, ctypes.POINTER(ctypes.c_int)]
+        self.lib.ftc_pool_create.argtypes = [_i32, ctypes.POINTER(ctypes.c_int), _i32]
         self.lib.ftc_pool_destroy.argtypes = [_p]
+        self.lib.ftc_pool_wait.argtypes = [_p]
         self.lib.ftc_expert_ffn_workspace_bytes.restype = _i64
         self.lib.ftc_expert_ffn_workspace_bytes.argtypes = [_i32, _i32]
-        self.lib.ftc_expert_ffn.restype = _i32
-        self.lib.ftc_expert_ffn.argtypes = [_p, _p, _i64, _p, _i64, _i32, _p, _p, _i32, _p, _p, _p, _p, _p]
+        for fn in (self.lib.ftc_expert_ffn, self.lib.ftc_expert_ffn_start):
+            fn.restype = _i32
+            fn.argtypes = [_p, _p, _i64, _p, _i64, _i32, _p, _p, _i32, _p, _p, _p, _p, _p]
         self.hidden, self.intermediate, self.isa = hidden, intermediate, isa
-        self.n_threads = len(cpus)
-        self._pool = self.lib.ftc_pool_create(len(cpus), (ctypes.c_int * len(cpus))(*cpus))
+        self.n_threads, self.background = len(cpus), background
+        self._pool = self.lib.ftc_pool_create(len(cpus), (ctypes.c_int * len(cpus))(*cpus), int(not background))
         self._workspace = torch.empty(0, dtype=torch.uint8)
         self._lock = threading.Lock()
+        self._in_flight: tuple | None = None  # a background job's tensors, kept alive until wait()
 
     def __del__(self) -> None:
         pool = getattr(self, "_pool", None)
@@ -63,19 +69,41 @@ class CpuExpertKernel:
             expert_ids: torch.Tensor, offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
         """gate_up/down: bank views [rows, stride] uint8; x, out: [T, hidden] fp32 contiguous;
         expert_ids int64 [m]; offsets int32 [m+1]; tok_idx int32 and tok_w fp32 [pairs]."""
+        with self._lock:
+            self._call(self.lib.ftc_expert_ffn, gate_up, down, x, out, expert_ids, offsets, tok_idx, tok_w)
+
+    def start(self, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+              expert_ids: torch.Tensor, offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
+        """`run` in the background (with `background`; else it runs now). Every tensor is kept
+        alive, and must not be touched, until `wait()`."""
+        if not self.background:
+            self.run(gate_up, down, x, out, expert_ids, offsets, tok_idx, tok_w)
+            return
+        self._lock.acquire()  # released by wait()
+        self._in_flight = (gate_up, down, x, out, expert_ids, offsets, tok_idx, tok_w)
+        self._call(self.lib.ftc_expert_ffn_start, *self._in_flight)
+
+    def wait(self) -> None:
+        """Returns when the job that `start` began has finished (at once when there is none)."""
+        if self._in_flight is None:
+            return
+        self.lib.ftc_pool_wait(self._pool)
+        self._in_flight = None
+        self._lock.release()
+
+    def _call(self, fn, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+              expert_ids: torch.Tensor, offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
         n_tokens, n_pairs = x.shape[0], tok_idx.numel()
         for name, t, dt in (("x", x, torch.float32), ("out", out, torch.float32),
                             ("expert_ids", expert_ids, torch.int64), ("offsets", offsets, torch.int32),
                             ("tok_idx", tok_idx, torch.int32), ("tok_w", tok_w, torch.float32)):
             if t.dtype != dt or not t.is_contiguous():
-                raise ValueError(f"CpuExpertKernel.run: {name} must be contiguous {dt}, got {t.dtype}")
+                raise ValueError(f"CpuExpertKernel: {name} must be contiguous {dt}, got {t.dtype}")
         if x.shape[1] != self.hidden or out.shape != x.shape:
-            raise ValueError(f"CpuExpertKernel.run: x/out must be [T, {self.hidden}], got {tuple(x.shape)}")
+            raise ValueError(f"CpuExpertKernel: x/out must be [T, {self.hidden}], got {tuple(x.shape)}")
         need = self.lib.ftc_expert_ffn_workspace_bytes(n_tokens, n_pairs)
-        with self._lock:
-            if self._workspace.numel() < need:
-                self._workspace = torch.empty(need, dtype=torch.uint8)
-            self.lib.ftc_expert_ffn(
-                self._pool, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0),
-                n_tokens, x.data_ptr(), out.data_ptr(), expert_ids.numel(), expert_ids.data_ptr(),
-                offsets.data_ptr(), tok_idx.data_ptr(), tok_w.data_ptr(), self._workspace.data_ptr())
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.uint8)
+        fn(self._pool, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0), n_tokens,
+           x.data_ptr(), out.data_ptr(), expert_ids.numel(), expert_ids.data_ptr(), offsets.data_ptr(),
+           tok_idx.data_ptr(), tok_w.data_ptr(), self._workspace.data_ptr())

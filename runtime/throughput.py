@@ -39,10 +39,17 @@ def time_calls(fn: Callable[[], None], seconds: float, min_iters: int = 10,
     return times
 
 
-def torch_read_gbps(nbytes: int = 2 << 30, seconds: float = 1.0) -> float:
-    """A plain read of a large fp32 tensor with torch's threads (t.sum())."""
-    t = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / statistics.median(time_calls(lambda: t.sum(), seconds, 5)) / 1e9
+def torch_read_gbps(nbytes: int = 2 << 30, seconds: float = 1.0, device: torch.device | str = "cpu") -> float:
+    """A plain read of a large fp32 tensor (t.sum()) on `device`: the CPU with torch's threads, or
+    a GPU's own memory."""
+    t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    sync = torch.cuda.synchronize if t.is_cuda else (lambda: None)
+
+    def read() -> None:
+        t.sum()
+        sync()
+
+    return nbytes / statistics.median(time_calls(read, seconds, 5)) / 1e9
 
 
 def routed_calls(spec: ModelSpec, tokens: int, seed: int) -> list[tuple]:

@@ -68,16 +68,21 @@ def _reference(originals: list, x: torch.Tensor, rows: torch.Tensor, weights: to
     return out
 
 
-def _check(setup, ids: torch.Tensor, layer: int, threads: int) -> None:
+def _check(setup, ids: torch.Tensor, layer: int, threads: int, background: bool = False) -> None:
     isa, spec, pool, originals, _, lib = setup
     cpus = (physical_cpus() * threads)[:threads]
-    kernel = CpuExpertKernel(lib, isa, spec.hidden_size, spec.moe.expert_intermediate_size, cpus)
+    kernel = CpuExpertKernel(lib, isa, spec.hidden_size, spec.moe.expert_intermediate_size, cpus, background)
     n, e = ids.shape[0], spec.moe.num_experts
     weights = torch.rand(n, ids.shape[1])
     x = torch.randn(n, spec.hidden_size)
     out = torch.randn(n, spec.hidden_size)  # the kernel accumulates: start from noise, not zeros
     start = out.clone()
-    kernel.run(pool.bank("gate_up"), pool.bank("down"), x, out, *group_by_expert(layer * e, ids, weights))
+    args = (pool.bank("gate_up"), pool.bank("down"), x, out, *group_by_expert(layer * e, ids, weights))
+    if background:
+        kernel.start(*args)
+        kernel.wait()
+    else:
+        kernel.run(*args)
     ref = _reference(originals, x, ids + layer * e, weights)
     got = out.double() - start.double()
     rel = float((got - ref).norm() / ref.norm())
@@ -99,6 +104,16 @@ def test_random_routing_between_buckets(setup, threads):
     for n in (1, 3, 5, 7, 11, 19):
         ids = torch.stack([torch.randperm(spec.moe.num_experts)[:2] for _ in range(n)])
         _check(setup, ids, layer=random.randrange(2), threads=threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_background_job_equals_the_reference(setup, threads):
+    """start() returns before the job is done; wait() joins it; a pool without the caller's
+    thread still does the whole job."""
+    _, spec, *_ = setup
+    for n in (1, 4, 9):
+        ids = torch.stack([torch.randperm(spec.moe.num_experts)[:2] for _ in range(n)])
+        _check(setup, ids, layer=random.randrange(2), threads=threads, background=True)
 
 
 def test_library_reports_its_isa_and_shapes(setup, tmp_path: Path):

@@ -23,9 +23,10 @@ void pin_to_cpu(pthread_t thread, int cpu) {
 }
 }  // namespace
 
-WorkerPool::WorkerPool(int n_threads, const int* cpus) : n_(n_threads < 1 ? 1 : n_threads) {
-  threads_.reserve(n_ - 1);
-  for (int tid = 1; tid < n_; ++tid) {
+WorkerPool::WorkerPool(int n_threads, const int* cpus, bool caller_joins)
+    : n_(n_threads < 1 ? 1 : n_threads), caller_joins_(caller_joins) {
+  threads_.reserve(n_);
+  for (int tid = caller_joins_ ? 1 : 0; tid < n_; ++tid) {
     threads_.emplace_back(&WorkerPool::worker_loop, this, tid, cpus ? cpus[tid] : -1);
   }
 }
@@ -57,13 +58,29 @@ void WorkerPool::worker_loop(int tid, int cpu) {
   }
 }
 
-void WorkerPool::run(JobFn fn, void* ctx) {
+void WorkerPool::wake(JobFn fn, void* ctx) {
   fn_ = fn;
   ctx_ = ctx;
-  pending_.store(n_ - 1, std::memory_order_relaxed);
+  pending_.store(static_cast<int>(threads_.size()), std::memory_order_relaxed);
   generation_.fetch_add(1, std::memory_order_release);
   generation_.notify_all();
-  fn(0, n_, ctx);
+}
+
+void WorkerPool::run(JobFn fn, void* ctx) {
+  wake(fn, ctx);
+  if (caller_joins_) fn(0, n_, ctx);
+  wait();
+}
+
+void WorkerPool::start(JobFn fn, void* ctx) {
+  if (caller_joins_) {  // thread 0's share would have no thread: run it here instead
+    run(fn, ctx);
+    return;
+  }
+  wake(fn, ctx);
+}
+
+void WorkerPool::wait() {
   while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
 }
 
@@ -81,7 +98,10 @@ void WorkerPool::barrier() {
 }  // namespace ftc
 
 extern "C" {
-void* ftc_pool_create(int n_threads, const int* cpus) { return new ftc::WorkerPool(n_threads, cpus); }
+void* ftc_pool_create(int n_threads, const int* cpus, int caller_joins) {
+  return new ftc::WorkerPool(n_threads, cpus, caller_joins != 0);
+}
+void ftc_pool_wait(void* pool) { static_cast<ftc::WorkerPool*>(pool)->wait(); }
 void ftc_pool_destroy(void* pool) { delete static_cast<ftc::WorkerPool*>(pool); }
 int ftc_pool_size(void* pool) { return static_cast<ftc::WorkerPool*>(pool)->size(); }
 }

@@ -11,13 +11,15 @@ namespace ftc {
 
 using JobFn = void (*)(int tid, int n_threads, void* ctx);
 
-// A fixed set of threads, each pinned to one core, running one job at a time.
-// The calling thread takes part as thread 0, so a job on n threads wakes n - 1 workers.
+// A fixed set of threads, each pinned to one core, running one job of n threads at a time.
+// With caller_joins the calling thread takes part as thread 0 (run() wakes n - 1 workers): the
+// all-CPU engine. Without it every one of the n threads is a pool thread, so a job can run in the
+// background (start(), then wait()) while the caller drives the GPU.
 // Idle workers spin briefly (a decode step calls in every MoE layer) and then sleep on a futex,
 // so an idle engine does not burn its cores.
 class WorkerPool {
  public:
-  WorkerPool(int n_threads, const int* cpus);
+  WorkerPool(int n_threads, const int* cpus, bool caller_joins);
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
@@ -25,13 +27,20 @@ class WorkerPool {
   int size() const { return n_; }
   // Runs fn(tid, n, ctx) on every thread; returns when all of them have finished.
   void run(JobFn fn, void* ctx);
+  // Starts fn on the pool threads and returns at once; only without caller_joins. ctx must live
+  // until wait() returns.
+  void start(JobFn fn, void* ctx);
+  // Returns when the job last started has finished on every pool thread.
+  void wait();
   // Waits until every thread of the running job has reached this barrier.
   void barrier();
 
  private:
   void worker_loop(int tid, int cpu);
+  void wake(JobFn fn, void* ctx);
 
   int n_;
+  bool caller_joins_;
   std::vector<std::thread> threads_;
   JobFn fn_ = nullptr;
   void* ctx_ = nullptr;
@@ -45,7 +54,8 @@ class WorkerPool {
 }  // namespace ftc
 
 extern "C" {
-void* ftc_pool_create(int n_threads, const int* cpus);
+void* ftc_pool_create(int n_threads, const int* cpus, int caller_joins);
+void ftc_pool_wait(void* pool);
 void ftc_pool_destroy(void* pool);
 int ftc_pool_size(void* pool);
 }

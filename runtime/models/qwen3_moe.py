@@ -54,6 +54,52 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rotated = x[..., :r] * cos + rotate_half(x[..., :r]) * sin
+    return torch.cat((rotated, x[..., r:]), dim=-1)
+
+
+# The two halves of a layer around its KV cache, as functions of tensors only (no layer index),
+# so that the eager path and the CUDA graphs of decode (`DecodeGraphs`) run the same code, and
+# torch.compile sees one function for all layers.
+
+def attention_in(x: torch.Tensor, norm_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
+                 q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float, heads: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input norm, fused q/k/v projection, q/k norms and RoPE: q [T, heads, d], k and v [T, kv, d]."""
+    n_q, n_kv, d = heads
+    t = x.shape[0]
+    qkv = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
+    q, k, v = qkv.split((n_q * d, n_kv * d, n_kv * d), dim=-1)
+    q, k, v = q.view(t, n_q, d), k.view(t, n_kv, d), v.view(t, n_kv, d)
+    if q_norm_w is not None:
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_out(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                  norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output projection and residual, then the post-attention norm: (x, normalized x)."""
+    x = x + F.linear(attn, o_w, o_b)
+    return x, rms_norm(x, norm_w, eps)
+
+
+def route(h: torch.Tensor, gate_w: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k router: expert ids [T, k] and fp32 weights [T, k]."""
+    probs = torch.softmax(F.linear(h, gate_w), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def dense_mlp(h: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
+
+
 class Qwen3MoeModel:
     """One sequence at a time, on `device`: fp32 activations on the CPU, bf16 on a GPU."""
 
@@ -66,16 +112,27 @@ class Qwen3MoeModel:
         # The embedding stays in its stored dtype: only the looked-up rows are converted.
         self.embed = weights["model.embed_tokens.weight"].to(self.device)
         self.w = {k: v.to(self.device, self.dtype) for k, v in weights.items() if k != "model.embed_tokens.weight"}
+        self._fuse_qkv()
         self.lm_head = self.embed.to(self.dtype) if spec.tie_word_embeddings else self.w["lm_head.weight"]
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         # Benchmarks may observe or replace the router's choice (routing_trace.TraceReplay/Recorder).
         self.routing = None
         self._positions = torch.empty(0, dtype=torch.long)
         a = spec.attention
+        self.heads = (a.num_heads, a.num_kv_heads, a.head_dim)
         rot = int(a.head_dim * spec.rope.partial_rotary_factor) // 2 * 2
-        self.rot_dim = rot
         self.inv_freq = 1.0 / (spec.rope.theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
         self.inv_freq = self.inv_freq.to(self.device)
+        self.decode_graphs = None  # DecodeGraphs, set by the engine on a GPU
+
+    def _fuse_qkv(self) -> None:
+        """One q/k/v projection per layer instead of three (one GEMV per decode step)."""
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}.self_attn."
+            for kind in ("weight", "bias"):
+                parts = [self.w.pop(f"{p}{n}_proj.{kind}", None) for n in "qkv"]
+                if parts[0] is not None:
+                    self.w[f"{p}qkv_proj.{kind}"] = torch.cat(parts)
 
     def new_cache(self) -> KVCache:
         a = self.spec.attention
@@ -84,71 +141,78 @@ class Qwen3MoeModel:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32."""
+        if self.decode_graphs is not None and ids.numel() == 1:
+            return self.decode_graphs.step(ids, cache)
         start = cache.length
-        ids = ids.to(self.device)
-        positions = torch.arange(start, start + ids.numel(), device=self.device)
-        self._positions = positions
-        cos, sin = self._rope(positions)
-        x = self.embed[ids].to(self.dtype)
-        eps = self.spec.norm.eps
+        cos, sin = self.rope(start, ids.numel())
+        x = self.embed[ids.to(self.device)].to(self.dtype)
         for i in range(self.spec.num_layers):
-            p = f"model.layers.{i}."
-            x = x + self._attention(i, rms_norm(x, self.w[p + "input_layernorm.weight"], eps), cache, cos, sin)
-            h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], eps)
-            x = x + (self._moe(i, h) if i in self.moe_index else self._dense_mlp(i, h))
+            q, k, v = attention_in(x, *self.attention_in_weights(i), cos, sin, self.spec.norm.eps, self.heads)
+            x, h = attention_out(x, self.attend(i, q, k, v, cache), *self.attention_out_weights(i),
+                                 self.spec.norm.eps)
+            x = x + self.mlp(i, h)
         cache.length = start + ids.numel()
         if not all_logits:
             x = x[-1:]
-        x = rms_norm(x, self.w["model.norm.weight"], eps)
-        return F.linear(x, self.lm_head).float()
+        return self.head(x)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x, self.w["model.norm.weight"], self.spec.norm.eps), self.lm_head).float()
+
+    def rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, 1, rotary dim] of positions start .. start+n-1 (also kept for `routing`)."""
+        positions = torch.arange(start, start + n, device=self.device)
+        self._positions = positions
         freqs = positions[:, None].double() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
 
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+    def attention_in_weights(self, i: int) -> tuple:
+        p = f"model.layers.{i}."
+        return (self.w[p + "input_layernorm.weight"], self.w[p + "self_attn.qkv_proj.weight"],
+                self.w.get(p + "self_attn.qkv_proj.bias"), self.w.get(p + "self_attn.q_norm.weight"),
+                self.w.get(p + "self_attn.k_norm.weight"))
 
-    def _attention(self, i: int, x: torch.Tensor, cache: KVCache, cos: torch.Tensor,
-                   sin: torch.Tensor) -> torch.Tensor:
-        a, p, t = self.spec.attention, f"model.layers.{i}.self_attn.", x.shape[0]
-        q = self._linear(x, p + "q_proj").view(t, a.num_heads, a.head_dim)
-        k = self._linear(x, p + "k_proj").view(t, a.num_kv_heads, a.head_dim)
-        v = self._linear(x, p + "v_proj").view(t, a.num_kv_heads, a.head_dim)
-        if a.qk_norm:
-            q = rms_norm(q, self.w[p + "q_norm.weight"], self.spec.norm.eps)
-            k = rms_norm(k, self.w[p + "k_norm.weight"], self.spec.norm.eps)
-        q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
+    def attention_out_weights(self, i: int) -> tuple:
+        p = f"model.layers.{i}."
+        return (self.w[p + "self_attn.o_proj.weight"], self.w.get(p + "self_attn.o_proj.bias"),
+                self.w[p + "post_attention_layernorm.weight"])
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Appends k/v to the cache and attends causally over it: [T, heads · head_dim]."""
+        n_q, n_kv, d = self.heads
+        t = q.shape[0]
         keys, values = cache.append(i, k, v)
+        if t == 1:
+            # One query sees every key: the query heads of one KV head form its rows, so that the
+            # fused attention kernels apply (GQA would fall back to the unfused math path).
+            out = F.scaled_dot_product_attention(q.view(n_kv, n_q // n_kv, d), keys.transpose(0, 1),
+                                                 values.transpose(0, 1))
+            return out.reshape(1, n_q * d)
         start = keys.shape[0] - t
-        mask = None
-        if t > 1:
-            mask = (torch.arange(keys.shape[0], device=self.device)[None, :]
-                    <= (start + torch.arange(t, device=self.device))[:, None])
+        mask = (torch.arange(keys.shape[0], device=self.device)[None, :]
+                <= (start + torch.arange(t, device=self.device))[:, None])
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                             attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads)
-        return self._linear(out.transpose(0, 1).reshape(t, -1), p + "o_proj")
+                                             attn_mask=mask, enable_gqa=n_q != n_kv)
+        return out.transpose(0, 1).reshape(t, -1)
 
-    def _apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rot_dim
-        if r == x.shape[-1]:
-            return x * cos + rotate_half(x) * sin
-        rotated = x[..., :r] * cos + rotate_half(x[..., :r]) * sin
-        return torch.cat((rotated, x[..., r:]), dim=-1)
+    def is_moe(self, i: int) -> bool:
+        return i in self.moe_index
 
-    def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def router(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.spec.moe
-        logits = F.linear(x, self.w[f"model.layers.{i}.mlp.gate.weight"])
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, m.top_k, dim=-1)
-        if m.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return route(h, self.w[f"model.layers.{i}.mlp.gate.weight"], m.top_k, m.norm_topk_prob)
+
+    def routed_experts(self, i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.routing is not None:
             ids, weights = self.routing.route(self.moe_index[i], self._positions, ids, weights)
-        return self.experts.forward(self.moe_index[i], x.float(), ids, weights).to(self.dtype)
+        return self.experts.forward(self.moe_index[i], h.float(), ids, weights).to(self.dtype)
 
-    def _dense_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def dense_mlp_weights(self, i: int) -> tuple:
         p = f"model.layers.{i}.mlp."
-        return self._linear(F.silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"),
-                            p + "down_proj")
+        return self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"], self.w[p + "down_proj.weight"]
+
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        if self.is_moe(i):
+            return self.routed_experts(i, h, *self.router(i, h))
+        return dense_mlp(h, *self.dense_mlp_weights(i))

@@ -1,0 +1,89 @@
+"""Decode benchmarks of one spec over several miss policies and routings, with the expert pool
+generated into memory once (a 48-layer pool takes most of a minute to draw and pin).
+
+    python bench/decode_matrix.py model_specs/qwen3-30b-a3b.yaml --target h200 --vram-budget 32GiB \
+        --policies adaptive,gpu,cpu --routings own,trace:bench/traces/qwen3-30b-a3b-k6.npz,synthetic:0.8 \
+        -o OUT_DIR [--profile]
+
+Writes one JSON per run (`decode_<routing>_<policy>.json`) and prints one summary line each;
+`--profile` also writes a torch profiler table of a few decode steps of the first run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ftc.bench_decode import bench_decode
+from ftc.pipeline import CompileOptions, compile_with_experts_in_memory
+from ftc_runtime.artifact import EngineManifest
+from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.routing_trace import RoutingTrace, synthetic_trace
+from ftc_runtime.vram_plan import parse_size
+
+
+def routing(name: str, spec) -> tuple[RoutingTrace | None, str, float]:
+    """(trace, label, temperature) for own (greedy), sampled (own router, tokens sampled at
+    temperature 1), trace:FILE and synthetic:LOCALITY."""
+    if name == "own":
+        return None, "the model's own router, greedy", 0.0
+    if name == "sampled":
+        return None, "the model's own router, sampled at temperature 1", 1.0
+    kind, _, arg = name.partition(":")
+    if kind == "trace":
+        return RoutingTrace.load(Path(arg)), f"trace {arg}", 0.0
+    if kind == "synthetic":
+        return (synthetic_trace(512, len(spec.moe_layers), spec.moe.num_experts, spec.moe.top_k, float(arg)),
+                f"synthetic (locality {arg}, Zipf 1.0, seed 0)", 0.0)
+    raise SystemExit(f"--routings: {name!r} is not own, sampled, trace:FILE or synthetic:LOCALITY")
+
+
+def summary(r: dict) -> str:
+    e = r["experts"]
+    return (f"{r['routing']:<48} {r['miss_policy']:<8} {r['decode_tok_s']:>8} tok/s {r['ms_per_token']:>8} ms/token "
+            f"bound {r['bound_ms_per_token']} (x{r['measured_over_bound']}) miss rate {e['miss_rate']:.3f} "
+            f"m {e['mean_m']:.2f} q {e['mean_q']:.2f} {e['ms_per_call']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("spec", type=Path)
+    ap.add_argument("--target", default="auto")
+    ap.add_argument("--vram-budget", default="32GiB")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--policies", default="adaptive,gpu,cpu")
+    ap.add_argument("--routings", default="own")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--override", action="append", default=[])
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("-o", "--output", type=Path, required=True)
+    a = ap.parse_args()
+    a.output.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ftc-bench-") as tmp:
+        t0 = time.perf_counter()
+        opts = CompileOptions(a.spec, a.target, Path(tmp) / "engine", None, True, 0, tuple(a.override))
+        engine, pool = compile_with_experts_in_memory(opts)
+        print(f"engine with {pool.buffer.numel() / 1e9:.1f} GB of experts in memory in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        spec = EngineManifest.read(engine).spec
+        for name in a.routings.split(","):
+            trace, label, temperature = routing(name, spec)
+            for policy in a.policies.split(","):
+                cfg = OffloadConfig(device=a.device, vram_budget=parse_size(a.vram_budget), miss_policy=policy)
+                profile_to = a.output / "profile.txt" if a.profile else None
+                a.profile = False
+                r = bench_decode(engine, cfg, trace, label, a.prompt_tokens, a.new_tokens, pool=pool,
+                                 profile_to=profile_to, temperature=temperature)
+                tag = name.split(":")[0] + (name.split(":")[1] if name.startswith("synthetic") else "")
+                (a.output / f"decode_{tag}_{policy}.json").write_text(json.dumps(r, indent=1))
+                print(summary(r), flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
