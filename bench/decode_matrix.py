@@ -12,11 +12,14 @@ Writes one JSON per run (`decode_<routing>_<policy>.json`) and prints one summar
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from ftc.bench_decode import bench_decode
 from ftc.pipeline import CompileOptions, compile_with_experts_in_memory
@@ -28,18 +31,21 @@ from ftc_runtime.vram_plan import parse_size
 
 def routing(name: str, spec) -> tuple[RoutingTrace | None, str, float]:
     """(trace, label, temperature) for own (greedy), sampled (own router, tokens sampled at
-    temperature 1), trace:FILE and synthetic:LOCALITY."""
+    temperature 1), uniform, trace:FILE and synthetic:LOCALITY."""
     if name == "own":
         return None, "the model's own router, greedy", 0.0
     if name == "sampled":
         return None, "the model's own router, sampled at temperature 1", 1.0
+    if name == "uniform":  # no locality at all: every step draws k experts uniformly
+        return (synthetic_trace(512, len(spec.moe_layers), spec.moe.num_experts, spec.moe.top_k, 0.0, skew=0.0),
+                "synthetic uniform (locality 0, Zipf 0, seed 0)", 0.0)
     kind, _, arg = name.partition(":")
     if kind == "trace":
         return RoutingTrace.load(Path(arg)), f"trace {arg}", 0.0
     if kind == "synthetic":
         return (synthetic_trace(512, len(spec.moe_layers), spec.moe.num_experts, spec.moe.top_k, float(arg)),
                 f"synthetic (locality {arg}, Zipf 1.0, seed 0)", 0.0)
-    raise SystemExit(f"--routings: {name!r} is not own, sampled, trace:FILE or synthetic:LOCALITY")
+    raise SystemExit(f"--routings: {name!r} is not own, sampled, uniform, trace:FILE or synthetic:LOCALITY")
 
 
 def summary(r: dict) -> str:
@@ -82,6 +88,8 @@ def main() -> None:
                 tag = name.split(":")[0] + (name.split(":")[1] if name.startswith("synthetic") else "")
                 (a.output / f"decode_{tag}_{policy}.json").write_text(json.dumps(r, indent=1))
                 print(summary(r), flush=True)
+                gc.collect()  # the engine's slots must be free before the next one allocates its own
+                torch.cuda.empty_cache()
     sys.exit(0)
 
 

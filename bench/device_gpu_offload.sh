@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Issue 3 on the device: the GPU tests, then decode of the whole qwen3-30b-a3b (48 layers, bf16
 # random weights generated into memory, no weight file) at --vram-budget 32GiB for each miss
-# policy and routing: the model's own router with sampled tokens (near-uniform routing), the
-# replayed Qwen3-30B-A3B trace (real locality), synthetic locality 0.8, and greedy (degenerate:
-# one repeated token). Usage on the device machine:
+# policy and routing: uniform random experts (no locality), the
+# replayed Qwen3-30B-A3B trace (real locality), and the model's own router with sampled tokens
+# (random weights route to few experts). Usage on the device machine:
 #   bash bench/device_gpu_offload.sh OUT_DIR [NEW_TOKENS] [ROUTINGS] [POLICIES]
 set -euo pipefail
 out=${1:?output directory}
 new=${2:-64}
-routings=${3:-sampled,trace:bench/traces/qwen3-30b-a3b-k6.npz,synthetic:0.8}
+routings=${3:-uniform,trace:bench/traces/qwen3-30b-a3b-k6.npz,sampled}
 policies=${4:-adaptive,gpu,cpu}
 mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2

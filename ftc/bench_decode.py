@@ -67,6 +67,7 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
         "device_bytes_per_token": int(device_bytes), "bound_ms_per_token": round(1e3 * bound, 3),
         "measured_over_bound": round(measured / bound, 3) if bound else None,
         "experts": s.to_dict(),
+        "decode_graphs": engine.model.decode_graphs is not None,
     }
 
 
@@ -74,8 +75,9 @@ def _profile(engine: Engine, prompt: list[int], out: Path, sampling: SamplingPar
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    gen = iter(engine.generate(prompt, PROFILED_STEPS + 3, sampling, stop_at_eos=False))
-    next(gen), next(gen)  # prefill and one decode step outside the profile
+    gen = iter(engine.generate(prompt, PROFILED_STEPS + 4, sampling, stop_at_eos=False))
+    for _ in range(3):  # prefill, the eager first step and the step that captures graphs
+        next(gen)
     with profile(activities=activities) as prof:
         for _ in range(PROFILED_STEPS):
             next(gen)

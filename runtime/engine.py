@@ -102,6 +102,9 @@ class Engine:
             # scheduler time slice at every barrier (seen on the device: 8-16× slower CPU experts).
             # The others run the CPU experts in the background while it launches the GPU's work.
             cpus = cpus[1:]
+            # That thread's own torch CPU ops (staging, small copies) stay on its core: spread over
+            # torch's threads they waited a time slice for each of the busy cores (9 ms per op).
+            torch.set_num_threads(1)
         kernel = CpuExpertKernel(root / LIBRARY_FILE, plan.isa, spec.hidden_size,
                                  spec.moe.expert_intermediate_size, cpus, background)
         if manifest.raw.get("experts_in_memory") and pool is None:

@@ -29,9 +29,15 @@ class Sampler:
         """logits: [vocab] fp32."""
         if self.params.temperature == 0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits / self.params.temperature, dim=-1)
+        probs = torch.softmax(logits.float() / self.params.temperature, dim=-1)
         if self.params.top_p < 1:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < self.params.top_p  # always keeps the top one
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(torch.multinomial(probs, 1, generator=self._generator(probs.device)))
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """Seeded on the logits' device (a GPU samples where its logits are)."""
+        if self.generator.device != device:
+            self.generator = torch.Generator(device).manual_seed(self.params.seed)
+        return self.generator

@@ -89,7 +89,9 @@ def _teacher_forced_logits(engine: Engine, ids: list[int], prompt: int) -> list[
 @pytest.mark.parametrize("compiled", [False, True])
 def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled):
     """Replayed CUDA graphs (the first step eager, the second captured, then replays) give the
-    logits of the eager path; uncompiled they run the same kernels, compiled they fuse them."""
+    logits of the eager path: uncompiled they run the same kernels. Compiled, the fused kernels
+    keep fp32 between ops where eager bf16 rounds each one, so they are held to the fp32 CPU
+    engine instead: no farther from it than the eager bf16 path."""
     monkeypatch.setenv("FTC_TORCH_COMPILE", "1" if compiled else "0")
     cfg = OffloadConfig(device="cuda", n_slots=random.randrange(4, 40), b_p=25.0, b_h=50.0)
     graphs = Engine.load(engine_dir, offload=cfg)
@@ -100,6 +102,15 @@ def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled):
     ids = [random.randrange(256) for _ in range(30)]
     got, want = _teacher_forced_logits(graphs, ids, 7), _teacher_forced_logits(eager, ids, 7)
     assert len(graphs.model.decode_graphs.graphs) == 2 * graphs.spec.num_layers + 1
-    for step, (a, b) in enumerate(zip(got, want, strict=True)):
-        rel = float((a - b).norm() / b.norm())
-        assert rel < (2e-2 if compiled else 1e-3), f"step {step}: {rel:.2e}"
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    if not compiled:
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert rel(a, b) < 1e-3, f"step {step}: {rel(a, b):.2e}"
+        return
+    ref = _teacher_forced_logits(Engine.load(engine_dir), ids, 7)
+    err_graphs = sum(rel(a, r) for a, r in zip(got, ref, strict=True)) / len(ref)
+    err_eager = sum(rel(b, r) for b, r in zip(want, ref, strict=True)) / len(ref)
+    assert err_graphs < 1.25 * err_eager + 1e-3, f"compiled {err_graphs:.2e}, eager bf16 {err_eager:.2e}"

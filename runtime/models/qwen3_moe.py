@@ -186,15 +186,18 @@ class Qwen3MoeModel:
         if t == 1:
             # One query sees every key: the query heads of one KV head form its rows, so that the
             # fused attention kernels apply (GQA would fall back to the unfused math path).
-            out = F.scaled_dot_product_attention(q.view(n_kv, n_q // n_kv, d), keys.transpose(0, 1),
-                                                 values.transpose(0, 1))
+            out = F.scaled_dot_product_attention(q.view(1, n_kv, n_q // n_kv, d), keys.transpose(0, 1)[None],
+                                                 values.transpose(0, 1)[None])
             return out.reshape(1, n_q * d)
-        start = keys.shape[0] - t
-        mask = (torch.arange(keys.shape[0], device=self.device)[None, :]
-                <= (start + torch.arange(t, device=self.device))[:, None])
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                             attn_mask=mask, enable_gqa=n_q != n_kv)
-        return out.transpose(0, 1).reshape(t, -1)
+        q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        start = keys.shape[2] - t
+        if start == 0:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=n_q != n_kv)
+        else:  # queries after cached tokens: the causal mask is not the top-left one that is_causal means
+            mask = (torch.arange(keys.shape[2], device=self.device)[None, :]
+                    <= (start + torch.arange(t, device=self.device))[:, None])
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=n_q != n_kv)
+        return out[0].transpose(0, 1).reshape(t, -1)
 
     def is_moe(self, i: int) -> bool:
         return i in self.moe_index
