@@ -5,7 +5,7 @@ generated into memory once (a 48-layer pool takes most of a minute to draw and p
         --policies adaptive,gpu,cpu --routings own,trace:bench/traces/qwen3-30b-a3b-k6.npz,synthetic:0.8 \
         -o OUT_DIR [--profile]
 
-Writes one JSON per run (`decode_<routing>_<policy>.json`) and prints one summary line each;
+Appends one JSON line per run to `decode.jsonl` and prints one summary line each;
 `--profile` also writes a torch profiler table of a few decode steps of the first run.
 """
 
@@ -52,7 +52,7 @@ def summary(r: dict) -> str:
     e = r["experts"]
     return (f"{r['routing']:<48} {r['miss_policy']:<8} {r['decode_tok_s']:>8} tok/s {r['ms_per_token']:>8} ms/token "
             f"bound {r['bound_ms_per_token']} (x{r['measured_over_bound']}) miss rate {e['miss_rate']:.3f} "
-            f"m {e['mean_m']:.2f} q {e['mean_q']:.2f} {e['ms_per_call']}")
+            f"m {e['mean_m']:.2f} q {e['mean_q']:.2f} {e['ms_per_call']} host {e['host_ms_per_call']}")
 
 
 def main() -> None:
@@ -86,7 +86,8 @@ def main() -> None:
                 r = bench_decode(engine, cfg, trace, label, a.prompt_tokens, a.new_tokens, pool=pool,
                                  profile_to=profile_to, temperature=temperature)
                 tag = name.split(":")[0] + (name.split(":")[1] if name.startswith("synthetic") else "")
-                (a.output / f"decode_{tag}_{policy}.json").write_text(json.dumps(r, indent=1))
+                with open(a.output / "decode.jsonl", "a") as f:
+                    f.write(json.dumps(r | {"tag": f"{tag}_{policy}"}) + "\n")
                 print(summary(r), flush=True)
                 gc.collect()  # the engine's slots must be free before the next one allocates its own
                 torch.cuda.empty_cache()

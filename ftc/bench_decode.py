@@ -35,7 +35,7 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
     experts = engine.model.experts
     if trace is not None:
         trace.check_fits(len(engine.spec.moe_layers), engine.spec.moe.num_experts, routing)
-        engine.model.routing = TraceReplay(trace)
+        engine.model.experts.routing = TraceReplay(trace)
     rng = random.Random(seed)
     prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(prompt_tokens)]
     device_gbps = torch_read_gbps(1 << 30, 0.5, experts.device)

@@ -5,7 +5,8 @@ Per layer two graphs, cut where the step must leave the GPU's stream of fixed-sh
 - `in`:  x += previous MLP output; input norm, q/k/v, q/k norms, RoPE  → static q, k, v;
 - (eager) the KV cache append and attention, whose shapes grow with the sequence;
 - `out`: x += o_proj(attention); post-attention norm; the router (ids, weights) or a dense MLP;
-- (eager) the routed experts: host round trip, cache, miss split, CPU part (`ExpertBackend`);
+- (eager) the routed experts: the `out` graph ends by staging their input and routing for the
+  host (`OffloadedExperts.stage`); then the host round trip, cache, miss split and CPU part;
 and one graph for the final norm and lm_head. Graphs are captured lazily in the second decode
 step (the first runs the same functions eagerly, which also compiles them) and replayed after;
 they read and write only the static buffers allocated here, never the KV cache, so they stay
@@ -30,18 +31,15 @@ class DecodeGraphs:
         self.model = model
         spec, dev, dt = model.spec, model.device, model.dtype
         n_q, n_kv, d = model.heads
-        k, hidden = spec.moe.top_k, spec.hidden_size
+        hidden = spec.hidden_size
         self.x = torch.zeros(1, hidden, dtype=dt, device=dev)
         self.mlp = torch.zeros(1, hidden, dtype=dt, device=dev)
-        self.h = torch.zeros(1, hidden, dtype=dt, device=dev)
         self.cos = torch.zeros(1, 1, model.inv_freq.numel() * 2, dtype=dt, device=dev)
         self.sin = torch.zeros_like(self.cos)
         self.q = torch.zeros(1, n_q, d, dtype=dt, device=dev)
         self.k = torch.zeros(1, n_kv, d, dtype=dt, device=dev)
         self.v = torch.zeros(1, n_kv, d, dtype=dt, device=dev)
         self.attn = torch.zeros(1, n_q * d, dtype=dt, device=dev)
-        self.ids = torch.zeros(1, k, dtype=torch.long, device=dev)
-        self.weights = torch.zeros(1, k, dtype=torch.float32, device=dev)
         self.logits = torch.zeros(1, spec.vocab_size, dtype=torch.float32, device=dev)
         self.fns = {f.__name__: f for f in (attention_in, attention_out, route, dense_mlp)}
         if compile_fns:
@@ -59,8 +57,8 @@ class DecodeGraphs:
 
     def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits [1, vocab] fp32 of the token `ids` (one) after the cache's tokens."""
-        m = self.model
-        cos, sin = m.rope(cache.length, 1)
+        m, position = self.model, cache.length
+        cos, sin = m.rope(position, 1)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
         self.x.copy_(m.embed[ids.to(m.device)].to(m.dtype))
@@ -70,7 +68,8 @@ class DecodeGraphs:
             self.attn.copy_(m.attend(i, self.q, self.k, self.v, cache))
             self._run(("out", i), lambda i=i: self._attention_out(i))
             if m.is_moe(i):
-                self.mlp.copy_(m.routed_experts(i, self.h, self.ids, self.weights))
+                out = m.experts.forward_staged(m.moe_index[i], 1, m.spec.moe.top_k, position)
+                self.mlp.copy_(out)
         cache.length += 1
         self._run(("head", 0), self._head)
         self.steps += 1
@@ -115,11 +114,9 @@ class DecodeGraphs:
         x, h = self.fns["attention_out"](self.x, self.attn, *m.attention_out_weights(i), m.spec.norm.eps)
         self.x.copy_(x)
         if m.is_moe(i):
-            self.h.copy_(h)
             ids, weights = self.fns["route"](h, m.w[f"model.layers.{i}.mlp.gate.weight"], m.spec.moe.top_k,
                                              m.spec.moe.norm_topk_prob)
-            self.ids.copy_(ids)
-            self.weights.copy_(weights)
+            m.experts.stage(h.float(), ids, weights)
         else:
             self.mlp.copy_(self.fns["dense_mlp"](h, *m.dense_mlp_weights(i)))
 
@@ -129,8 +126,9 @@ class DecodeGraphs:
 
 
 def decode_graphs_for(model: Qwen3MoeModel, enabled: bool, compile_fns: bool) -> DecodeGraphs | None:
-    """DecodeGraphs on a CUDA device when enabled; None elsewhere (the eager path serves)."""
-    if not enabled or model.device.type != "cuda":
+    """DecodeGraphs on a CUDA device with an expert backend that stages its input (`stage`,
+    `forward_staged`) when enabled; None elsewhere (the eager path serves)."""
+    if not enabled or model.device.type != "cuda" or not hasattr(model.experts, "forward_staged"):
         return None
     try:
         return DecodeGraphs(model, compile_fns)

@@ -51,7 +51,15 @@ class ExpertCache:
         `in_use` (this step reads it). The static policy never gives any: its set is placed by pin()."""
         if q <= 0 or self.policy == "static":
             return np.empty(0, dtype=np.int64)
-        order = np.argsort(self.last_used, kind="stable")
+        # Least recently used first, lower slot first among equals: one unique key per slot, so
+        # that a partial selection (O(n), every MoE layer of every step) picks what a sort would.
+        key = self.last_used * self.n_slots + np.arange(self.n_slots)
+        need = q + in_use.size
+        if need < self.n_slots:
+            part = np.argpartition(key, need)[:need]
+            order = part[np.argsort(key[part])]
+        else:
+            order = np.argsort(key)
         if in_use.size:
             order = order[~np.isin(order, in_use)]
         return order[:q]

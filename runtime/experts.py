@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -12,16 +13,38 @@ from .ftw import ExpertPool
 from .kernels import CpuExpertKernel
 
 
+class RoutingHook(Protocol):
+    """Sees, and may replace, the router's choice on the host: benchmarks replay a trace
+    (`routing_trace.TraceReplay`), `ftc trace` records one. Never set while serving."""
+
+    def route(self, moe_layer: int, positions: np.ndarray, ids: np.ndarray,
+              weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """positions int64 [T]; ids int64 [T, k]; weights fp32 [T, k] → (ids, weights)."""
+
+
 class ExpertBackend(ABC):
     """Computes the routed experts of one MoE layer, exactly (nothing dropped or approximated)."""
 
+    routing: RoutingHook | None = None
+
     @abstractmethod
-    def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] fp32; ids [T, top_k] expert indices in the layer; weights [T, top_k] fp32.
+    def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                first_position: int = 0) -> torch.Tensor:
+        """x [T, hidden] fp32; ids [T, top_k] expert indices in the layer; weights [T, top_k] fp32;
+        the tokens sit at positions first_position, first_position + 1, ... of their sequence.
         Returns Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) as [T, hidden] fp32."""
 
     def end_of_prompt(self) -> None:  # noqa: B027 (an optional hook, empty by default)
         """Called once the prompt of a request has been processed (the static cache pins then)."""
+
+    def routed(self, moe_layer: int, first_position: int, ids: np.ndarray,
+               weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The routing hook's choice (the router's when there is no hook), on the host."""
+        if self.routing is None:
+            return ids, weights
+        positions = np.arange(first_position, first_position + ids.shape[0])
+        ids, weights = self.routing.route(moe_layer, positions, ids, weights)
+        return np.asarray(ids, dtype=np.int64), np.asarray(weights, dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -35,15 +58,18 @@ class Routing:
     tok_w: np.ndarray  # float32 [pairs] router weight
 
     @classmethod
-    def build(cls, base: int, ids: torch.Tensor, weights: torch.Tensor) -> Routing:
+    def build(cls, base: int, ids: np.ndarray, weights: np.ndarray) -> Routing:
+        """ids int [T, k] expert indices in the layer, weights [T, k], on the host."""
         k = ids.shape[1]
-        flat = ids.reshape(-1).cpu().numpy().astype(np.int64) + base
+        flat = ids.reshape(-1).astype(np.int64) + base
         order = np.argsort(flat, kind="stable")
+        w = weights.reshape(-1).astype(np.float32)[order]
+        if ids.shape[0] == 1:  # one token: its k ids are distinct already (decode's common case)
+            return cls(flat[order], np.arange(k + 1, dtype=np.int32), np.zeros(k, dtype=np.int32), w)
         uniq, counts = np.unique(flat[order], return_counts=True)
         offsets = np.zeros(uniq.size + 1, dtype=np.int32)
         np.cumsum(counts, out=offsets[1:])
-        w = weights.reshape(-1).float().cpu().numpy()[order]
-        return cls(uniq, offsets, (order // k).astype(np.int32), w.astype(np.float32))
+        return cls(uniq, offsets, (order // k).astype(np.int32), w)
 
     def counts(self) -> np.ndarray:
         return np.diff(self.offsets)
@@ -66,7 +92,7 @@ class Routing:
 def group_by_expert(base_id: int, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The CPU kernel's arguments for routed `ids` [T, k] of the MoE layer whose first FTW row is
     `base_id`: expert ids int64 [m], offsets int32 [m+1], token rows int32, router weights fp32."""
-    return Routing.build(base_id, ids, weights).tensors()
+    return Routing.build(base_id, ids.cpu().numpy(), weights.float().cpu().numpy()).tensors()
 
 
 class CpuExperts(ExpertBackend):
@@ -77,9 +103,11 @@ class CpuExperts(ExpertBackend):
         self.num_experts = pool.header.num_experts
         self.gate_up, self.down = pool.bank("gate_up"), pool.bank("down")
 
-    def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                first_position: int = 0) -> torch.Tensor:
         x = x.contiguous()
         out = torch.zeros_like(x)
-        expert_ids, offsets, tok_idx, tok_w = group_by_expert(moe_layer * self.num_experts, ids, weights)
-        self.kernel.run(self.gate_up, self.down, x, out, expert_ids, offsets, tok_idx, tok_w)
+        ids, w = self.routed(moe_layer, first_position, ids.numpy().astype(np.int64), weights.float().numpy())
+        routing = Routing.build(moe_layer * self.num_experts, ids, w)
+        self.kernel.run(self.gate_up, self.down, x, out, *routing.tensors())
         return out

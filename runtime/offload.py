@@ -76,6 +76,9 @@ class OffloadStats:
     cpu: int = 0
     miss_bound_s: float = 0.0  # Σ MissPlanner.bound_s(m, q) over the calls
     cpu_s: float = 0.0
+    # Host time of each phase of a call: waiting for the device's routing, planning (cache, split,
+    # CPU start, copies), launching the device's experts, then waiting for the CPU's.
+    host_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("sync", "plan", "launch", "cpu_wait"), 0.0))
     copy: _Timer = field(init=False)
     compute: _Timer = field(init=False)
 
@@ -92,15 +95,18 @@ class OffloadStats:
                 "misses": self.misses, "miss_rate": self.misses / self.unique if self.unique else 0.0,
                 "mean_m": self.misses / n, "mean_q": self.fills / n,
                 "ms_per_call": {"cpu": 1e3 * self.cpu_s / n, "copy": 1e3 * self.copy.seconds() / n,
-                                "device": 1e3 * self.compute.seconds() / n}}
+                                "device": 1e3 * self.compute.seconds() / n},
+                "host_ms_per_call": {k: round(1e3 * v / n, 4) for k, v in self.host_s.items()}}
 
 
 class OffloadedExperts(ExpertBackend):
-    """Per MoE layer call: one device→host copy of the layer's input and routing (one sync), the
-    cache lookup and miss split on the host, the CPU experts started in the background at once,
-    the fills copied on a copy stream, the hits and then the fills computed on the device, and the
-    CPU part added when it is done. The pinned staging buffers are reused by the next call only
-    after that call's sync, which orders it after every copy of this one."""
+    """Per MoE layer call: `stage` queues one device→host copy of the layer's input and routing
+    (CUDA graphs capture it), `forward_staged` waits for it (the one sync), looks the experts up,
+    splits the misses, starts the CPU experts in the background at once, queues the fills on a
+    copy stream and the hits + fills on the device, and adds the CPU part when it is done.
+    Staging buffers for one token are sized once and never move (graphs hold their addresses);
+    a buffer is reused by the next call only after that call's sync, which orders it after every
+    copy of this one."""
 
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
                  planner: MissPlanner, cache_policy: str = "lru", device_kernel: Callable | None = None):
@@ -113,6 +119,7 @@ class OffloadedExperts(ExpertBackend):
         # The slots keep FTW's expert-major row layout, so a fill is one contiguous copy.
         self.slots = torch.empty(n_slots, h.expert_stride, dtype=torch.uint8, device=self.device)
         self.banks = {b.name: (b.offset, b.row_bytes, b.row_shape) for b in h.banks}
+        self.hidden = self.banks["gate_up"][2][1]  # gate_up rows are [2I, hidden]
         self.stats = OffloadStats(self.device)
         # The engine's generated GPU kernel (x, slots, pair_slot, pair_tok, pair_w, out); None: torch.
         self.device_kernel = device_kernel
@@ -120,28 +127,60 @@ class OffloadedExperts(ExpertBackend):
         self.on_gpu = self.device.type == "cuda"
         self.pinned = self.on_gpu and pin_in_place(pool.buffer)
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
-        self._staging: dict[str, torch.Tensor] = {}
+        self._buffers: dict[tuple[str, bool], torch.Tensor] = {}
 
-    def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        hidden = x.shape[1]
-        host = self._to_host(x, ids, weights)
-        hx, k = host[:, :hidden].contiguous(), ids.shape[1]
-        r = Routing.build(moe_layer * self.num_experts, host[:, hidden:hidden + k].long(), host[:, hidden + k:])
+    def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                first_position: int = 0) -> torch.Tensor:
+        self.stage(x, ids, weights)
+        return self.forward_staged(moe_layer, ids.shape[0], ids.shape[1], first_position)
+
+    def stage(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Queues x (fp32), ids and weights into one device buffer [T, hidden + 2k] and its copy to
+        the host (ids are exact in fp32 below 2^24). Capturable in a CUDA graph."""
+        (t, hidden), k = x.shape, ids.shape[1]
+        packed = self._buffer("in", t, hidden + 2 * k, self.device)
+        packed[:, :hidden].copy_(x)
+        packed[:, hidden:hidden + k].copy_(ids)
+        packed[:, hidden + k:].copy_(weights)
+        if self.on_gpu:
+            self._buffer("in_host", t, hidden + 2 * k).copy_(packed, non_blocking=True)
+
+    def forward_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> torch.Tensor:
+        """The routed experts of the call that `stage` queued: T tokens, k experts each."""
+        clock, hidden = self.stats.host_s, self.hidden
+        t0 = time.perf_counter()
+        packed = self._buffer("in", t, hidden + 2 * k, self.device)
+        host = packed
+        if self.on_gpu:
+            host = self._buffer("in_host", t, hidden + 2 * k)
+            torch.cuda.current_stream(self.device).synchronize()
+        t1 = time.perf_counter()
+        clock["sync"] += t1 - t0
+        arr = host.numpy()
+        ids, w = self.routed(moe_layer, first_position, arr[:, hidden:hidden + k].astype(np.int64),
+                             arr[:, hidden + k:])
+        r = Routing.build(moe_layer * self.num_experts, ids, w)
         slots = self.cache.lookup(r.ids)
         hit, miss = np.flatnonzero(slots >= 0), np.flatnonzero(slots < 0)
         if self.cache.policy == "static" and not self.cache.frozen:
             self.prompt_counts[r.ids] += r.counts()
-        # The busiest misses are the ones worth a copy: they carry the most tokens.
-        miss = miss[np.argsort(-r.counts()[miss], kind="stable")]
+        if t > 1:  # the busiest misses are the ones worth a copy: they carry the most tokens
+            miss = miss[np.argsort(-r.counts()[miss], kind="stable")]
         victims = self.cache.victims(self.planner.fills(miss.size), in_use=slots[hit])
         fill, cpu = miss[: victims.size], miss[victims.size:]
-        cpu_out = self._start_cpu(hx, r, cpu)
+        cpu_out = self._start_cpu(host[:, :hidden].contiguous(), r, cpu)
         self.cache.install(victims, r.ids[fill])
         self._copy_rows(victims, r.ids[fill])
-        self.cache.touch(np.concatenate([slots[hit], victims]))
+        on_device, device_slots = np.concatenate([hit, fill]), np.concatenate([slots[hit], victims])
+        self.cache.touch(device_slots)
         self._count(r, hit, fill, cpu)
-        out = self._device_part(x.float(), r, hit, slots[hit], fill, victims)
+        t2 = time.perf_counter()
+        clock["plan"] += t2 - t1
+        out = self._device_part(packed[:, :hidden], r, on_device, device_slots, bool(fill.size))
+        t3 = time.perf_counter()
+        clock["launch"] += t3 - t2
         self._finish_cpu()
+        clock["cpu_wait"] += time.perf_counter() - t3
         return out + cpu_out.to(self.device, non_blocking=True)
 
     def end_of_prompt(self) -> None:
@@ -154,25 +193,18 @@ class OffloadedExperts(ExpertBackend):
         slots = self.cache.pin(chosen)
         self._copy_rows(slots, chosen)
 
-    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A reused host buffer (pinned with a GPU), grown when a call needs more."""
-        n = int(np.prod(shape))
-        buf = self._staging.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=self.on_gpu)
-            self._staging[name] = buf
-        return buf[:n].view(shape)
-
-    def _to_host(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """[T, hidden + 2k] fp32 on the host: x, the ids (exact in fp32 below 2^24) and the weights,
-        in one copy and one sync."""
-        packed = torch.cat([x.float(), ids.float(), weights.float()], dim=1)
-        if not self.on_gpu:
-            return packed
-        host = self._buffer("in", tuple(packed.shape), torch.float32)
-        host.copy_(packed, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return host
+    def _buffer(self, name: str, t: int, width: int, device: torch.device | None = None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A reused buffer [t, width] on `device` (None: the host, pinned beside a GPU). One-token
+        buffers are sized once; others grow when a call needs more."""
+        key = (name, t == 1)
+        n = t * width
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            on_host = device is None or device.type == "cpu"
+            buf = torch.empty(n, dtype=dtype, device=device or "cpu", pin_memory=on_host and self.on_gpu)
+            self._buffers[key] = buf
+        return buf[:n].view(t, width)
 
     def _count(self, r: Routing, hit: np.ndarray, fill: np.ndarray, cpu: np.ndarray) -> None:
         s = self.stats
@@ -199,7 +231,7 @@ class OffloadedExperts(ExpertBackend):
     def _start_cpu(self, x: torch.Tensor, r: Routing, which: np.ndarray) -> torch.Tensor:
         """Starts the CPU experts at `which` (in the background where the kernel has its own
         workers); returns their output buffer, complete after `_finish_cpu`."""
-        out = self._buffer("cpu_out", tuple(x.shape), torch.float32).zero_()
+        out = self._buffer("cpu_out", *x.shape).zero_()
         self._cpu_t0 = time.perf_counter()
         if which.size:
             self.kernel.start(self.gate_up, self.down, x, out, *r.tensors(which))
@@ -209,25 +241,24 @@ class OffloadedExperts(ExpertBackend):
         self.kernel.wait()
         self.stats.cpu_s += time.perf_counter() - self._cpu_t0
 
-    def _device_part(self, x: torch.Tensor, r: Routing, hit: np.ndarray, hit_slots: np.ndarray, fill: np.ndarray,
-                     fill_slots: np.ndarray) -> torch.Tensor:
-        """Hits, then (once their copies have landed) fills, on the device from the slot rows."""
+    def _device_part(self, x: torch.Tensor, r: Routing, which: np.ndarray, slots: np.ndarray,
+                     filled: bool) -> torch.Tensor:
+        """Hits and fills on the device from the slot rows, once the fills' copies have landed."""
+        x = x.contiguous()
         out = torch.zeros_like(x)
-        pairs = self._pairs(r, hit, hit_slots, fill, fill_slots)
+        if not which.size:
+            return out
+        pairs = self._pairs(r, which, slots)
         with self.stats.compute.measure():
-            n_hit = int(r.offsets[hit + 1].sum() - r.offsets[hit].sum())
-            self._experts_on_device(x, pairs[:, :n_hit], out)
-            if self.copy_stream is not None and fill.size:
+            if self.copy_stream is not None and filled:
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-            self._experts_on_device(x, pairs[:, n_hit:], out)
+            self._experts_on_device(x, pairs, out)
         return out
 
-    def _pairs(self, r: Routing, hit: np.ndarray, hit_slots: np.ndarray, fill: np.ndarray,
-               fill_slots: np.ndarray) -> torch.Tensor:
-        """int32 [3, pairs] on the device, hits first: slot, token row, router weight (its bits)."""
-        which, slots = np.concatenate([hit, fill]), np.concatenate([hit_slots, fill_slots])
+    def _pairs(self, r: Routing, which: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        """int32 [3, pairs] on the device: slot, token row, router weight (its bits)."""
         _, offsets, tok_idx, tok_w = r.subset(which)
-        host = self._buffer("pairs", (3, tok_idx.size), torch.int32)
+        host = self._buffer("pairs", 3, tok_idx.size, dtype=torch.int32)
         arr = host.numpy()
         arr[0] = np.repeat(slots, np.diff(offsets))
         arr[1] = tok_idx
@@ -235,8 +266,6 @@ class OffloadedExperts(ExpertBackend):
         return host.to(self.device, non_blocking=True)
 
     def _experts_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
-        if not pairs.shape[1]:
-            return
         pair_slot, pair_tok, pair_w = pairs[0], pairs[1], pairs[2].view(torch.float32)
         if self.device_kernel is not None:
             self.device_kernel(x, self.slots, pair_slot, pair_tok, pair_w, out)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 
 class TraceError(ValueError):
@@ -88,23 +87,22 @@ class TraceReplay:
     """Routes token position p of MoE layer l as trace row p mod T. When the trace's k is smaller
     than the model's, the trace's experts take the top ranks and the model's own ranking fills the
     remaining ones (skipping duplicates); when it is larger, its first k ranks are used. Weights
-    are uniform: a replay measures speed, its output means nothing."""
+    are uniform: a replay measures speed, its output means nothing. Runs on the host
+    (`ExpertBackend.routing`), where the routed ids already are."""
 
     def __init__(self, trace: RoutingTrace):
         self.trace = trace
 
-    def route(self, moe_layer: int, positions: torch.Tensor, ids: torch.Tensor,
-              weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, moe_layer: int, positions: np.ndarray, ids: np.ndarray,
+              weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         k = ids.shape[1]
-        rows = self.trace.experts[positions.cpu().numpy() % self.trace.shape[0], moe_layer]
-        own = ids.cpu().numpy()
-        chosen = np.empty_like(own)
-        for t in range(own.shape[0]):
+        rows = self.trace.experts[positions % self.trace.shape[0], moe_layer]
+        chosen = np.empty_like(ids)
+        for t in range(ids.shape[0]):
             picks = [int(e) for e in rows[t] if e >= 0][:k]
-            picks += [int(e) for e in own[t] if e not in picks][: k - len(picks)]
+            picks += [int(e) for e in ids[t] if e not in picks][: k - len(picks)]
             chosen[t] = picks
-        out = torch.from_numpy(chosen).to(ids.device)
-        return out, torch.full_like(weights, 1.0 / k)
+        return chosen, np.full(weights.shape, 1.0 / k, dtype=np.float32)
 
 
 class TraceRecorder:
@@ -114,10 +112,10 @@ class TraceRecorder:
         self.layers = layers
         self.rows: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
 
-    def route(self, moe_layer: int, positions: torch.Tensor, ids: torch.Tensor,
-              weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        for p, i, w in zip(positions.tolist(), ids.cpu().numpy(), weights.float().cpu().numpy(), strict=True):
-            self.rows.setdefault(p, {})[moe_layer] = (i, w)
+    def route(self, moe_layer: int, positions: np.ndarray, ids: np.ndarray,
+              weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        for p, i, w in zip(positions.tolist(), ids, weights, strict=True):
+            self.rows.setdefault(p, {})[moe_layer] = (i.copy(), w.copy())
         return ids, weights
 
     def trace(self, prompt_tokens: int) -> RoutingTrace:

@@ -263,7 +263,7 @@ def trace(
         eng = Engine.load(engine)
         ids = given if given is not None else eng.tokenizer.encode(prompt)
         recorder = TraceRecorder(len(eng.spec.moe_layers))
-        eng.model.routing = recorder
+        eng.model.experts.routing = recorder
         for _ in eng.generate(ids, max_new_tokens, SamplingParams(0.0), stop_at_eos=False):
             pass
         recorder.trace(len(ids)).save(output)

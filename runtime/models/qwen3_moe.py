@@ -115,9 +115,6 @@ class Qwen3MoeModel:
         self._fuse_qkv()
         self.lm_head = self.embed.to(self.dtype) if spec.tie_word_embeddings else self.w["lm_head.weight"]
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
-        # Benchmarks may observe or replace the router's choice (routing_trace.TraceReplay/Recorder).
-        self.routing = None
-        self._positions = torch.empty(0, dtype=torch.long)
         a = spec.attention
         self.heads = (a.num_heads, a.num_kv_heads, a.head_dim)
         rot = int(a.head_dim * spec.rope.partial_rotary_factor) // 2 * 2
@@ -150,7 +147,7 @@ class Qwen3MoeModel:
             q, k, v = attention_in(x, *self.attention_in_weights(i), cos, sin, self.spec.norm.eps, self.heads)
             x, h = attention_out(x, self.attend(i, q, k, v, cache), *self.attention_out_weights(i),
                                  self.spec.norm.eps)
-            x = x + self.mlp(i, h)
+            x = x + self.mlp(i, h, start)
         cache.length = start + ids.numel()
         if not all_logits:
             x = x[-1:]
@@ -160,9 +157,8 @@ class Qwen3MoeModel:
         return F.linear(rms_norm(x, self.w["model.norm.weight"], self.spec.norm.eps), self.lm_head).float()
 
     def rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [n, 1, rotary dim] of positions start .. start+n-1 (also kept for `routing`)."""
+        """cos and sin [n, 1, rotary dim] of positions start .. start+n-1."""
         positions = torch.arange(start, start + n, device=self.device)
-        self._positions = positions
         freqs = positions[:, None].double() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
@@ -206,16 +202,15 @@ class Qwen3MoeModel:
         m = self.spec.moe
         return route(h, self.w[f"model.layers.{i}.mlp.gate.weight"], m.top_k, m.norm_topk_prob)
 
-    def routed_experts(self, i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.routing is not None:
-            ids, weights = self.routing.route(self.moe_index[i], self._positions, ids, weights)
-        return self.experts.forward(self.moe_index[i], h.float(), ids, weights).to(self.dtype)
+    def routed_experts(self, i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       first_position: int) -> torch.Tensor:
+        return self.experts.forward(self.moe_index[i], h.float(), ids, weights, first_position).to(self.dtype)
 
     def dense_mlp_weights(self, i: int) -> tuple:
         p = f"model.layers.{i}.mlp."
         return self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"], self.w[p + "down_proj.weight"]
 
-    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, i: int, h: torch.Tensor, first_position: int) -> torch.Tensor:
         if self.is_moe(i):
-            return self.routed_experts(i, h, *self.router(i, h))
+            return self.routed_experts(i, h, *self.router(i, h), first_position)
         return dense_mlp(h, *self.dense_mlp_weights(i))
