@@ -56,3 +56,12 @@ def worker_cpus(threads: int | None = None) -> list[int]:
     when None), never more than this machine has."""
     cpus = physical_cpus()
     return cpus[: max(1, min(threads or len(cpus), len(cpus)))]
+
+
+def pin_this_thread(cpu: int) -> None:
+    """Keeps the calling thread on `cpu` (best effort): off the cores of pinned expert workers,
+    which spin between MoE layers and would take its time slices."""
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except (OSError, AttributeError):
+        pass

@@ -25,7 +25,7 @@ from .artifact import (
     ArtifactError,
     EngineManifest,
 )
-from .cpu_info import worker_cpus
+from .cpu_info import pin_this_thread, worker_cpus
 from .decode_graphs import decode_graphs_for
 from .experts import CpuExperts
 from .kernels import CpuExpertKernel
@@ -101,6 +101,7 @@ class Engine:
             # The thread that drives the GPU needs a core of its own: a worker sharing it waits a
             # scheduler time slice at every barrier (seen on the device: 8-16× slower CPU experts).
             # The others run the CPU experts in the background while it launches the GPU's work.
+            pin_this_thread(cpus[0])
             cpus = cpus[1:]
             # That thread's own torch CPU ops (staging, small copies) stay on its core: spread over
             # torch's threads they waited a time slice for each of the busy cores (9 ms per op).
