@@ -34,9 +34,14 @@ def missing_flags(isa: str) -> list[str]:
     return [f for f in ISA_FLAGS[isa] if f not in cpu_flags()]
 
 
+# The CPUs this process may use, read once before any thread is pinned (the GPU-driving thread
+# pins itself to one core: asked later, sched_getaffinity would answer that one core).
+_PROCESS_CPUS = sorted(os.sched_getaffinity(0))
+
+
 def physical_cpus() -> list[int]:
     """One logical CPU per physical core that this process may run on (SMT siblings dropped)."""
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = _PROCESS_CPUS
     seen: set[tuple[str, str]] = set()
     chosen = []
     for cpu in allowed:

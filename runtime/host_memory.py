@@ -8,6 +8,7 @@ it at its next kernel launch, so a failure is read back and cleared here.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from functools import lru_cache
 from pathlib import Path
 
@@ -30,14 +31,22 @@ def _cudart() -> ctypes.CDLL | None:
 
 
 def pin_in_place(buffer: torch.Tensor) -> bool:
-    """Pins `buffer` (contiguous, on the host) once per process; True when it is pinned."""
+    """Pins `buffer` (contiguous, on the host) once per process, until the tensor is freed; True
+    when it is pinned. Unpinned at free: a later buffer at the same addresses must not find a
+    stale registration of pages that are gone."""
     ptr = buffer.data_ptr()
     if ptr in _REGISTERED:
         return True
     if torch.cuda.cudart().cudaHostRegister(ptr, buffer.numel() * buffer.element_size(), 0) == 0:
         _REGISTERED.add(ptr)
+        weakref.finalize(buffer, _unpin, ptr)
         return True
     lib = _cudart()
     if lib is not None:
         lib.cudaGetLastError()
     return False
+
+
+def _unpin(ptr: int) -> None:
+    _REGISTERED.discard(ptr)
+    torch.cuda.cudart().cudaHostUnregister(ptr)
