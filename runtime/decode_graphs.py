@@ -10,7 +10,8 @@ Per layer two graphs, cut where the step must leave the GPU's stream of fixed-sh
 and one graph for the final norm and lm_head. Graphs are captured lazily in the second decode
 step (the first runs the same functions eagerly, which also compiles them) and replayed after;
 they read and write only the static buffers allocated here, never the KV cache, so they stay
-valid for every sequence. With torch.compile (settings) the functions are fused first.
+valid for every sequence. With FTC_TORCH_COMPILE=1 the functions are fused by torch.compile
+first (off by default: its speed on the device is not yet measured).
 """
 
 from __future__ import annotations
