@@ -77,14 +77,14 @@ def main() -> None:
         print(f"engine with {pool.buffer.numel() / 1e9:.1f} GB of experts in memory in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         spec = EngineManifest.read(engine).spec
+        profile_to = a.output / "profile.txt" if a.profile else None  # the first run only
         for name in a.routings.split(","):
             trace, label, temperature = routing(name, spec)
             for policy in a.policies.split(","):
                 cfg = OffloadConfig(device=a.device, vram_budget=parse_size(a.vram_budget), miss_policy=policy)
-                profile_to = a.output / "profile.txt" if a.profile else None
-                a.profile = False
                 r = bench_decode(engine, cfg, trace, label, a.prompt_tokens, a.new_tokens, pool=pool,
                                  profile_to=profile_to, temperature=temperature)
+                profile_to = None
                 tag = name.split(":")[0] + (name.split(":")[1] if name.startswith("synthetic") else "")
                 with open(a.output / "decode.jsonl", "a") as f:
                     f.write(json.dumps(r | {"tag": f"{tag}_{policy}"}) + "\n")

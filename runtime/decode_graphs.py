@@ -84,8 +84,7 @@ class DecodeGraphs:
         _, h = self.fns["attention_out"](self.x, self.attn, *m.attention_out_weights(0), eps)
         kinds = {m.is_moe(i): i for i in reversed(range(m.spec.num_layers))}
         if True in kinds:
-            self.fns["route"](h, m.w[f"model.layers.{kinds[True]}.mlp.gate.weight"], m.spec.moe.top_k,
-                              m.spec.moe.norm_topk_prob)
+            self.fns["route"](h, *m.router_args(kinds[True]))
         if False in kinds:
             self.fns["dense_mlp"](h, *m.dense_mlp_weights(kinds[False]))
 
@@ -115,8 +114,7 @@ class DecodeGraphs:
         x, h = self.fns["attention_out"](self.x, self.attn, *m.attention_out_weights(i), m.spec.norm.eps)
         self.x.copy_(x)
         if m.is_moe(i):
-            ids, weights = self.fns["route"](h, m.w[f"model.layers.{i}.mlp.gate.weight"], m.spec.moe.top_k,
-                                             m.spec.moe.norm_topk_prob)
+            ids, weights = self.fns["route"](h, *m.router_args(i))
             m.experts.stage(h.float(), ids, weights)
         else:
             self.mlp.copy_(self.fns["dense_mlp"](h, *m.dense_mlp_weights(i)))

@@ -74,11 +74,8 @@ class CpuExpertKernel:
 
     def start(self, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
               expert_ids: torch.Tensor, offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
-        """`run` in the background (with `background`; else it runs now). Every tensor is kept
-        alive, and must not be touched, until `wait()`."""
-        if not self.background:
-            self.run(gate_up, down, x, out, expert_ids, offsets, tok_idx, tok_w)
-            return
+        """`run` in the background (with `background`; else the pool runs it now, the caller taking
+        part). Every tensor is kept alive, and must not be touched, until `wait()`."""
         self._lock.acquire()  # released by wait()
         self._in_flight = (gate_up, down, x, out, expert_ids, offsets, tok_idx, tok_w)
         self._call(self.lib.ftc_expert_ffn_start, *self._in_flight)

@@ -199,9 +199,13 @@ class Qwen3MoeModel:
     def is_moe(self, i: int) -> bool:
         return i in self.moe_index
 
-    def router(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def router_args(self, i: int) -> tuple:
+        """`route`'s arguments after h: gate weight, top-k, renormalize."""
         m = self.spec.moe
-        return route(h, self.w[f"model.layers.{i}.mlp.gate.weight"], m.top_k, m.norm_topk_prob)
+        return self.w[f"model.layers.{i}.mlp.gate.weight"], m.top_k, m.norm_topk_prob
+
+    def router(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(h, *self.router_args(i))
 
     def routed_experts(self, i: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        first_position: int) -> torch.Tensor:
