@@ -15,7 +15,7 @@ from ftc_runtime.spec import ModelSpec
 
 TEMPLATE_DIR = Path(str(files("ftc_templates")))
 CSRC_DIR = Path(str(files("ftc_runtime") / "csrc"))
-RUNTIME_SOURCES = ("worker_pool.h", "worker_pool.cpp")
+RUNTIME_SOURCES = ("worker_pool.h", "worker_pool.cpp", "token_plan.cpp")
 
 CPU_KERNELS = {
     "avx512_bf16": ("cpu/expert_ffn_avx512.cpp.j2", 32,
@@ -51,7 +51,7 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
     for name in RUNTIME_SOURCES:
         shutil.copyfile(CSRC_DIR / name, kernels_dir / name)
     (kernels_dir / "CMakeLists.txt").write_text(env.get_template("CMakeLists.txt.j2").render(
-        isa=plan.isa, sources=[source, "worker_pool.cpp"], isa_flags=flags))
+        isa=plan.isa, sources=[source, "worker_pool.cpp", "token_plan.cpp"], isa_flags=flags))
     return [{"name": "expert_ffn", "symbol": "ftc_expert_ffn", "source": f"kernels/{source}",
              "isa": plan.isa, "shapes": {"hidden": h, "intermediate": i},
              "batch_buckets": list(plan.batch_buckets)}]

@@ -1,17 +1,19 @@
-"""`DecodeGraphs`: one decode step (one token) with the model's non-expert work replayed as CUDA
-graphs, so that a step costs a few launches per layer instead of ~60 kernel launches from Python.
+"""`DecodeGraphs`: one decode step (one token) with each layer's non-expert work replayed as one
+CUDA graph, so that a layer costs one launch instead of ~60 kernel launches from Python.
 
-Per layer two graphs, cut where the step must leave the GPU's stream of fixed-shape work:
-- `in`:  x += previous MLP output; input norm, q/k/v, q/k norms, RoPE  → static q, k, v;
-- (eager) the KV cache append and attention, whose shapes grow with the sequence;
-- `out`: x += o_proj(attention); post-attention norm; the router (ids, weights) or a dense MLP;
-- (eager) the routed experts: the `out` graph ends by staging their input and routing for the
-  host (`OffloadedExperts.stage`); then the host round trip, cache, miss split and CPU part;
-and one graph for the final norm and lm_head. Graphs are captured lazily in the second decode
-step (the first runs the same functions eagerly, which also compiles them) and replayed after;
-they read and write only the static buffers allocated here, never the KV cache, so they stay
-valid for every sequence. With FTC_TORCH_COMPILE=1 the functions are fused by torch.compile
-first (off by default: its speed on the device is not yet measured).
+Per layer one graph, cut where the step must leave the GPU for the routed experts:
+- the previous MoE layer's output (its device part plus the copy of its CPU part) joins x;
+- input norm, q/k/v, q/k norms, RoPE; k and v written into the KV cache at the step's position (a
+  device tensor); attention over the cache's whole capacity with the positions after this token
+  masked off (so the graph's shapes never change while the storage stays put);
+- o_proj and residual, post-attention norm, then the router and the staging of the experts' input
+  for the host (`OffloadedExperts.stage`), or a dense MLP;
+then, outside the graph, the host round trip of the experts (`launch_staged`, `finish_staged`),
+whose own device part is one more graph. One graph for the final norm and lm_head ends the step.
+Graphs are captured in the second step (the first runs the same code eagerly, which also warms up
+every kernel) and again whenever the KV storage moves (a new sequence, or growth by doubling).
+With FTC_TORCH_COMPILE=1 the model's functions are fused by torch.compile first (off by default:
+its speed on the device is not yet measured).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from .kv_cache import KVCache
-from .models.qwen3_moe import Qwen3MoeModel, attention_in, attention_out, dense_mlp, route
+from .models.qwen3_moe import Qwen3MoeModel, attention_in, attention_out, decode_attention, dense_mlp, route
 
 
 class DecodeGraphs:
@@ -31,66 +33,48 @@ class DecodeGraphs:
             raise ValueError("DecodeGraphs needs a CUDA device")
         self.model = model
         spec, dev, dt = model.spec, model.device, model.dtype
-        n_q, n_kv, d = model.heads
         hidden = spec.hidden_size
         self.x = torch.zeros(1, hidden, dtype=dt, device=dev)
         self.mlp = torch.zeros(1, hidden, dtype=dt, device=dev)
         self.cos = torch.zeros(1, 1, model.inv_freq.numel() * 2, dtype=dt, device=dev)
         self.sin = torch.zeros_like(self.cos)
-        self.q = torch.zeros(1, n_q, d, dtype=dt, device=dev)
-        self.k = torch.zeros(1, n_kv, d, dtype=dt, device=dev)
-        self.v = torch.zeros(1, n_kv, d, dtype=dt, device=dev)
-        self.attn = torch.zeros(1, n_q * d, dtype=dt, device=dev)
+        self.position = torch.zeros(1, dtype=torch.long, device=dev)
         self.logits = torch.zeros(1, spec.vocab_size, dtype=torch.float32, device=dev)
-        self.fns = {f.__name__: f for f in (attention_in, attention_out, route, dense_mlp)}
+        self.cpu_part = torch.zeros(1, hidden, dtype=torch.float32, device=dev)  # a CPU part, copied in
+        self.fns = {f.__name__: f for f in (attention_in, attention_out, decode_attention, route, dense_mlp)}
         if compile_fns:
-            eager, self.fns = self.fns, {name: torch.compile(f, dynamic=False, fullgraph=True)
-                                         for name, f in self.fns.items()}
-            try:
-                self._warm_up()
-            except Exception as e:  # noqa: BLE001 (any compiler failure: the same functions run uncompiled)
-                print(f"ftc: torch.compile failed for decode, running uncompiled ({type(e).__name__}: {e})",
-                      file=sys.stderr)
-                self.fns = eager
+            self.fns = {name: torch.compile(f, dynamic=False, fullgraph=True) for name, f in self.fns.items()}
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.graph_storage: int | None = None  # the KVCache.generation the graphs were captured on
         self.pool = torch.cuda.graph_pool_handle()
         self.steps = 0
 
     def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits [1, vocab] fp32 of the token `ids` (one) after the cache's tokens."""
         m, position = self.model, cache.length
+        cache.reserve(position + 1)
+        if cache.generation != self.graph_storage:
+            self.graphs.clear()
+            self.graph_storage = cache.generation
         cos, sin = m.rope(position, 1)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
+        self.position.fill_(position)
         self.x.copy_(m.embed[ids.to(m.device)].to(m.dtype))
         self.mlp.zero_()
         for i in range(m.spec.num_layers):
-            self._run(("in", i), lambda i=i: self._attention_in(i))
-            self.attn.copy_(m.attend(i, self.q, self.k, self.v, cache))
-            self._run(("out", i), lambda i=i: self._attention_out(i))
+            self._run(("layer", i), lambda i=i: self._layer(i, cache))
             if m.is_moe(i):
-                out = m.experts.forward_staged(m.moe_index[i], 1, m.spec.moe.top_k, position)
-                self.mlp.copy_(out)
+                m.experts.launch_staged(m.moe_index[i], 1, m.spec.moe.top_k, position)
+                m.experts.finish_staged()
         cache.length += 1
         self._run(("head", 0), self._head)
         self.steps += 1
         return self.logits.clone()
 
-    def _warm_up(self) -> None:
-        """Compiles every function once, on the static buffers and the weights of the first layer
-        of each kind (outputs are discarded)."""
-        m, eps = self.model, self.model.spec.norm.eps
-        self.fns["attention_in"](self.x, *m.attention_in_weights(0), self.cos, self.sin, eps, m.heads)
-        _, h = self.fns["attention_out"](self.x, self.attn, *m.attention_out_weights(0), eps)
-        kinds = {m.is_moe(i): i for i in reversed(range(m.spec.num_layers))}
-        if True in kinds:
-            self.fns["route"](h, *m.router_args(kinds[True]))
-        if False in kinds:
-            self.fns["dense_mlp"](h, *m.dense_mlp_weights(kinds[False]))
-
     def _run(self, key: tuple[str, int], fn: Callable[[], None]) -> None:
         graph = self.graphs.get(key)
-        if graph is None and self.steps == 0:  # the first step runs eagerly (and compiles)
+        if graph is None and self.steps == 0:  # the first step runs eagerly (and warms up kernels)
             fn()
             return
         if graph is None:
@@ -100,34 +84,41 @@ class DecodeGraphs:
             self.graphs[key] = graph
         graph.replay()
 
-    def _attention_in(self, i: int) -> None:
+    def _join_previous(self, i: int) -> None:
+        """x += the previous layer's MLP output; a MoE layer's is its device part plus its CPU part."""
         m = self.model
+        if i > 0 and m.is_moe(i - 1):
+            on_device, on_host = m.experts.token_outputs()
+            self.cpu_part.copy_(on_host, non_blocking=True)
+            self.mlp.copy_(on_device + self.cpu_part)
         self.x.add_(self.mlp)
-        q, k, v = self.fns["attention_in"](self.x, *m.attention_in_weights(i), self.cos, self.sin,
-                                           m.spec.norm.eps, m.heads)
-        self.q.copy_(q)
-        self.k.copy_(k)
-        self.v.copy_(v)
 
-    def _attention_out(self, i: int) -> None:
-        m = self.model
-        x, h = self.fns["attention_out"](self.x, self.attn, *m.attention_out_weights(i), m.spec.norm.eps)
+    def _layer(self, i: int, cache: KVCache) -> None:
+        m, f, eps = self.model, self.fns, self.model.spec.norm.eps
+        self._join_previous(i)
+        q, k, v = f["attention_in"](self.x, *m.attention_in_weights(i), self.cos, self.sin, eps, m.heads)
+        keys, values = cache.storage(i)
+        keys.index_copy_(0, self.position, k)
+        values.index_copy_(0, self.position, v)
+        valid = torch.arange(keys.shape[0], device=keys.device) <= self.position
+        attn = f["decode_attention"](q, keys, values, valid, m.heads)
+        x, h = f["attention_out"](self.x, attn, *m.attention_out_weights(i), eps)
         self.x.copy_(x)
         if m.is_moe(i):
-            ids, weights = self.fns["route"](h, *m.router_args(i))
+            ids, weights = f["route"](h, *m.router_args(i))
             m.experts.stage(h.float(), ids, weights)
         else:
-            self.mlp.copy_(self.fns["dense_mlp"](h, *m.dense_mlp_weights(i)))
+            self.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
 
     def _head(self) -> None:
-        self.x.add_(self.mlp)
+        self._join_previous(self.model.spec.num_layers)
         self.logits.copy_(self.model.head(self.x))
 
 
 def decode_graphs_for(model: Qwen3MoeModel, enabled: bool, compile_fns: bool) -> DecodeGraphs | None:
     """DecodeGraphs on a CUDA device with an expert backend that stages its input (`stage`,
-    `forward_staged`) when enabled; None elsewhere (the eager path serves)."""
-    if not enabled or model.device.type != "cuda" or not hasattr(model.experts, "forward_staged"):
+    `launch_staged`, `finish_staged`, `token_outputs`) when enabled; None elsewhere (eager)."""
+    if not enabled or model.device.type != "cuda" or not hasattr(model.experts, "launch_staged"):
         return None
     try:
         return DecodeGraphs(model, compile_fns)

@@ -101,7 +101,10 @@ class Engine:
             # The thread that drives the GPU needs a core of its own: a worker sharing it waits a
             # scheduler time slice at every barrier (seen on the device: 8-16× slower CPU experts).
             # The others run the CPU experts in the background while it launches the GPU's work.
-            pin_this_thread(cpus[0])
+            # Left to the scheduler, it finds that free core: pinning it there made decode 1.4-2×
+            # slower on the device (not yet understood; threads started later inherit the pin).
+            if settings().pin_gpu_thread:
+                pin_this_thread(cpus[0])
             cpus = cpus[1:]
             # That thread's own torch CPU ops (staging, small copies) stay on its core: spread over
             # torch's threads they waited a time slice for each of the busy cores (9 ms per op).

@@ -36,6 +36,7 @@ class CpuExpertKernel:
         if lacking:
             raise KernelError(f"{lib_path}: built for {isa}, but this CPU lacks {', '.join(lacking)}; "
                               "compile the engine for this machine (`ftc compile ... --target auto`)")
+        self.lib_path = lib_path
         self.lib = ctypes.CDLL(str(lib_path))
         self.lib.ftc_kernel_isa.restype = ctypes.c_char_p
         got = (self.lib.ftc_kernel_isa().decode(), self.lib.ftc_kernel_hidden(),
@@ -80,6 +81,24 @@ class CpuExpertKernel:
         self._in_flight = (gate_up, down, x, out, expert_ids, offsets, tok_idx, tok_w)
         self._call(self.lib.ftc_expert_ffn_start, *self._in_flight)
 
+    def on_cpus(self, cpus: list[int], background: bool) -> CpuExpertKernel:
+        """The same kernel library on another worker pool."""
+        return CpuExpertKernel(self.lib_path, self.isa, self.hidden, self.intermediate, cpus, background)
+
+    @property
+    def pool_handle(self) -> int:
+        """The native worker pool, for other functions of this library that start jobs on it."""
+        return self._pool
+
+    def workspace_bytes(self, n_tokens: int, n_pairs: int) -> int:
+        return self.lib.ftc_expert_ffn_workspace_bytes(n_tokens, n_pairs)
+
+    def hold(self, keep: tuple) -> None:
+        """Takes the pool for a job that a native function of this library starts itself (as
+        `start` does), keeping `keep` alive; `wait()` joins the job, if any, and frees the pool."""
+        self._lock.acquire()  # released by wait()
+        self._in_flight = keep
+
     def wait(self) -> None:
         """Returns when the job that `start` began has finished (at once when there is none)."""
         if self._in_flight is None:
@@ -98,7 +117,7 @@ class CpuExpertKernel:
                 raise ValueError(f"CpuExpertKernel: {name} must be contiguous {dt}, got {t.dtype}")
         if x.shape[1] != self.hidden or out.shape != x.shape:
             raise ValueError(f"CpuExpertKernel: x/out must be [T, {self.hidden}], got {tuple(x.shape)}")
-        need = self.lib.ftc_expert_ffn_workspace_bytes(n_tokens, n_pairs)
+        need = self.workspace_bytes(n_tokens, n_pairs)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(need, dtype=torch.uint8)
         fn(self._pool, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0), n_tokens,

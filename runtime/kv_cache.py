@@ -2,29 +2,53 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+
+_GENERATIONS = itertools.count()
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", capacity: int = 256):
         self.length = 0  # tokens whose keys and values every layer holds
+        # Unique in the process, renewed when the storage moves: what CUDA graphs that hold the
+        # storage's addresses are keyed on.
+        self.generation = next(_GENERATIONS)
+        # Zeros, not empty: one-token decode graphs attend over the whole capacity with the tail
+        # masked off, and a masked NaN would still poison the probabilities' product with values.
         shape = (capacity, num_kv_heads, head_dim)
-        self._k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self._k[0].shape[0] if self._k else 0
+
+    def reserve(self, n: int) -> None:
+        """Makes room for n tokens in every layer (storage moves when it grows)."""
+        if n <= self.capacity:
+            return
+        cap = max(n, 2 * self.capacity)
+        for store in (self._k, self._v):
+            for layer, old in enumerate(store):
+                grown = old.new_zeros(cap, *old.shape[1:])
+                grown[: self.length] = old[: self.length]
+                store[layer] = grown
+        self.generation = next(_GENERATIONS)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores k/v [T, kv_heads, head_dim] after `length`; returns all keys and values so far."""
         end = self.length + k.shape[0]
-        if end > self._k[layer].shape[0]:
-            cap = max(end, 2 * self._k[layer].shape[0])
-            for store in (self._k, self._v):
-                grown = store[layer].new_empty(cap, *store[layer].shape[1:])
-                grown[: self.length] = store[layer][: self.length]
-                store[layer] = grown
+        self.reserve(end)
         self._k[layer][self.length:end] = k
         self._v[layer][self.length:end] = v
         return self._k[layer][:end], self._v[layer][:end]
+
+    def storage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's whole key and value storage [capacity, kv_heads, head_dim]."""
+        return self._k[layer], self._v[layer]
 
     def keys(self, layer: int) -> torch.Tensor:
         return self._k[layer][: self.length]

@@ -22,6 +22,7 @@ from .ftw import ExpertPool
 from .host_memory import pin_in_place
 from .kernels import CpuExpertKernel
 from .miss_planner import MissPlanner
+from .token_plan import TokenPlanner
 
 
 class _Timer:
@@ -101,12 +102,14 @@ class OffloadStats:
 
 class OffloadedExperts(ExpertBackend):
     """Per MoE layer call: `stage` queues one device→host copy of the layer's input and routing
-    (CUDA graphs capture it), `forward_staged` waits for it (the one sync), looks the experts up,
-    splits the misses, starts the CPU experts in the background at once, queues the fills on a
-    copy stream and the hits + fills on the device, and adds the CPU part when it is done.
-    Staging buffers for one token are sized once and never move (graphs hold their addresses);
-    a buffer is reused by the next call only after that call's sync, which orders it after every
-    copy of this one."""
+    (CUDA graphs capture it); `launch_staged` waits for it (the one sync: the device's queue is
+    then empty, so fills need no stream of their own), looks the experts up, splits the misses,
+    starts the CPU experts in the background at once, and queues the fills and then the hits +
+    fills on the device; `finish_staged` waits for the CPU part. One token (decode) is planned by
+    one native call (`TokenPlanner`) and its device part is one CUDA graph; several tokens take
+    the general path here. Buffers for one token are sized once and never move (graphs hold their
+    addresses); a buffer is reused by the next call only after that call's sync, which orders it
+    after every copy of this one."""
 
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
                  planner: MissPlanner, cache_policy: str = "lru", device_kernel: Callable | None = None):
@@ -121,13 +124,18 @@ class OffloadedExperts(ExpertBackend):
         self.banks = {b.name: (b.offset, b.row_bytes, b.row_shape) for b in h.banks}
         self.hidden = self.banks["gate_up"][2][1]  # gate_up rows are [2I, hidden]
         self.stats = OffloadStats(self.device)
-        # The engine's generated GPU kernel (x, slots, pair_slot, pair_tok, pair_w, out); None: torch.
+        # The engine's generated GPU kernel (x, slots, pair_slot, pair_tok, pair_w, out; pairs with
+        # a negative slot are skipped); None: torch.
         self.device_kernel = device_kernel
         self.prompt_counts = np.zeros(h.num_rows, dtype=np.int64)  # static policy: routed ids of the prompt
         self.on_gpu = self.device.type == "cuda"
         self.pinned = self.on_gpu and pin_in_place(pool.buffer)
-        self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
+        self.token_planner: TokenPlanner | None = None  # built at the first one-token call
+        self.native_token_plan = True  # False: one-token calls take the general path (tests compare both)
+        self._token_graph: torch.cuda.CUDAGraph | None = None
+        self._token_device_calls = 0
         self._buffers: dict[tuple[str, bool], torch.Tensor] = {}
+        self._outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 first_position: int = 0) -> torch.Tensor:
@@ -147,15 +155,110 @@ class OffloadedExperts(ExpertBackend):
 
     def forward_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> torch.Tensor:
         """The routed experts of the call that `stage` queued: T tokens, k experts each."""
-        clock, hidden = self.stats.host_s, self.hidden
+        self.launch_staged(moe_layer, t, k, first_position)
+        on_device, on_cpu = self.finish_staged()
+        return on_device + on_cpu.to(self.device, non_blocking=True)
+
+    def token_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where one-token calls leave their two parts ([1, hidden] fp32, on the device and on the
+        host): their sum is the layer's output. Fixed buffers, for CUDA graphs to read."""
+        return self._buffer("device_out", 1, self.hidden, self.device), self._buffer("cpu_out", 1, self.hidden)
+
+    def launch_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> None:
+        """Plans the staged call and starts both parts; `finish_staged` returns them."""
+        clock = self.stats.host_s
         t0 = time.perf_counter()
-        packed = self._buffer("in", t, hidden + 2 * k, self.device)
-        host = packed
         if self.on_gpu:
-            host = self._buffer("in_host", t, hidden + 2 * k)
             torch.cuda.current_stream(self.device).synchronize()
         t1 = time.perf_counter()
         clock["sync"] += t1 - t0
+        static_counting = self.cache.policy == "static" and not self.cache.frozen
+        if t == 1 and self.native_token_plan and not static_counting:
+            self._launch_token(moe_layer, k, first_position)
+        else:
+            self._launch_general(moe_layer, t, k, first_position)
+        clock["launch"] += time.perf_counter() - t1 - self._plan_s
+
+    def finish_staged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device part, CPU part) of the launched call, once the CPU part is done."""
+        t0 = time.perf_counter()
+        self.kernel.wait()
+        t1 = time.perf_counter()
+        self.stats.host_s["cpu_wait"] += t1 - t0
+        self.stats.cpu_s += t1 - self._cpu_t0
+        return self._outputs
+
+    def end_of_prompt(self) -> None:
+        """Static policy: pins the experts the prompt routed to most, once."""
+        if self.cache.policy != "static" or self.cache.frozen:
+            return
+        order = np.argsort(-self.prompt_counts, kind="stable")
+        chosen = order[: self.cache.n_slots]
+        chosen = chosen[self.prompt_counts[chosen] > 0]
+        slots = self.cache.pin(chosen)
+        self._copy_rows(slots, chosen)
+
+    def _launch_token(self, moe_layer: int, k: int, first_position: int) -> None:
+        t0 = time.perf_counter()
+        staged = self._staged_host(1, k)
+        planner = self.token_planner or self._make_token_planner(k)
+        if self.routing is not None:
+            arr, h = staged.numpy(), self.hidden
+            ids, w = self.routed(moe_layer, first_position, arr[:, h:h + k].astype(np.int64), arr[:, h + k:])
+            arr[:, h:h + k], arr[:, h + k:] = ids, w
+        self._cpu_t0 = time.perf_counter()
+        n_fill = planner.plan(moe_layer * self.num_experts, allow_fills=self.cache.policy == "lru")
+        hits, fills, cpu = planner.counts.tolist()
+        self._count(hits + fills + cpu, hits, fills, cpu)
+        self._plan_s = time.perf_counter() - t0
+        self.stats.host_s["plan"] += self._plan_s
+        self._copy_rows(planner.fills[1, :n_fill], planner.fills[0, :n_fill])
+        self._outputs = self.token_outputs()
+        with self.stats.compute.measure():
+            self._token_device_part(hits + fills)
+
+    def _make_token_planner(self, k: int) -> TokenPlanner:
+        cpu_out = self.token_outputs()[1]
+        self.token_planner = TokenPlanner(self.kernel, self.gate_up, self.down, self.cache, self.planner, k,
+                                          self._staged_host(1, k), cpu_out, self.on_gpu)
+        return self.token_planner
+
+    def _token_device_part(self, n_pairs: int) -> None:
+        """One token's hits and fills from the slots into `device_out`: on a GPU with the engine's
+        kernel, one CUDA graph over all k pair entries (unused ones skipped), captured at the
+        second call (the first compiles the kernel); elsewhere torch over the n_pairs used."""
+        planner = self.token_planner
+        out = self.token_outputs()[0]
+        x = self._buffer("in", 1, self.hidden + 2 * planner.k, self.device)[:, :self.hidden]
+        if not self.on_gpu or self.device_kernel is None:
+            out.zero_()
+            if n_pairs:
+                self._experts_on_device(x, planner.pairs[:, :n_pairs].to(self.device), out)
+            return
+        pairs = self._buffer("pairs", 3, planner.k, self.device, torch.int32)
+
+        def work() -> None:
+            pairs.copy_(planner.pairs, non_blocking=True)
+            out.zero_()
+            self.device_kernel(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), out)
+
+        if self._token_graph is not None:
+            self._token_graph.replay()
+            return
+        self._token_device_calls += 1
+        if self._token_device_calls == 1:
+            work()
+            return
+        self._token_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._token_graph):
+            work()
+        self._token_graph.replay()
+
+    def _launch_general(self, moe_layer: int, t: int, k: int, first_position: int) -> None:
+        t0 = time.perf_counter()
+        hidden = self.hidden
+        packed = self._buffer("in", t, hidden + 2 * k, self.device)
+        host = self._staged_host(t, k)
         arr = host.numpy()
         ids, w = self.routed(moe_layer, first_position, arr[:, hidden:hidden + k].astype(np.int64),
                              arr[:, hidden + k:])
@@ -168,30 +271,27 @@ class OffloadedExperts(ExpertBackend):
             miss = miss[np.argsort(-r.counts()[miss], kind="stable")]
         victims = self.cache.victims(self.planner.fills(miss.size), in_use=slots[hit])
         fill, cpu = miss[: victims.size], miss[victims.size:]
-        cpu_out = self._start_cpu(host[:, :hidden].contiguous(), r, cpu)
+        cpu_out = self._buffer("cpu_out", t, hidden).zero_()
+        self._cpu_t0 = time.perf_counter()
+        if cpu.size:
+            self.kernel.start(self.gate_up, self.down, host[:, :hidden].contiguous(), cpu_out, *r.tensors(cpu))
         self.cache.install(victims, r.ids[fill])
-        self._copy_rows(victims, r.ids[fill])
         on_device, device_slots = np.concatenate([hit, fill]), np.concatenate([slots[hit], victims])
         self.cache.touch(device_slots)
-        self._count(r, hit, fill, cpu)
-        t2 = time.perf_counter()
-        clock["plan"] += t2 - t1
-        out = self._device_part(packed[:, :hidden], r, on_device, device_slots, bool(fill.size))
-        t3 = time.perf_counter()
-        clock["launch"] += t3 - t2
-        self._finish_cpu()
-        clock["cpu_wait"] += time.perf_counter() - t3
-        return out + cpu_out.to(self.device, non_blocking=True)
+        self._count(r.ids.size, hit.size, fill.size, cpu.size)
+        self._plan_s = time.perf_counter() - t0
+        self.stats.host_s["plan"] += self._plan_s
+        self._copy_rows(victims, r.ids[fill])
+        out = self._buffer("device_out", t, hidden, self.device).zero_()
+        self._outputs = (out, cpu_out)
+        if on_device.size:
+            with self.stats.compute.measure():
+                self._experts_on_device(packed[:, :hidden].contiguous(), self._pairs(r, on_device, device_slots), out)
 
-    def end_of_prompt(self) -> None:
-        """Static policy: pins the experts the prompt routed to most, once."""
-        if self.cache.policy != "static" or self.cache.frozen:
-            return
-        order = np.argsort(-self.prompt_counts, kind="stable")
-        chosen = order[: self.cache.n_slots]
-        chosen = chosen[self.prompt_counts[chosen] > 0]
-        slots = self.cache.pin(chosen)
-        self._copy_rows(slots, chosen)
+    def _staged_host(self, t: int, k: int) -> torch.Tensor:
+        """The staged call on the host: its pinned copy beside a GPU, else the buffer itself."""
+        return self._buffer("in_host" if self.on_gpu else "in", t, self.hidden + 2 * k,
+                            None if self.on_gpu else self.device)
 
     def _buffer(self, name: str, t: int, width: int, device: torch.device | None = None,
                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -206,59 +306,31 @@ class OffloadedExperts(ExpertBackend):
             self._buffers[key] = buf
         return buf[:n].view(t, width)
 
-    def _count(self, r: Routing, hit: np.ndarray, fill: np.ndarray, cpu: np.ndarray) -> None:
+    def _count(self, unique: int, hits: int, fills: int, cpu: int) -> None:
         s = self.stats
         s.calls += 1
-        s.unique += r.ids.size
-        s.hits += hit.size
-        s.fills += fill.size
-        s.cpu += cpu.size
-        s.miss_bound_s += self.planner.bound_s(fill.size + cpu.size, fill.size, self.host_rows.shape[1])
+        s.unique += unique
+        s.hits += hits
+        s.fills += fills
+        s.cpu += cpu
+        s.miss_bound_s += self.planner.bound_s(fills + cpu, fills, self.host_rows.shape[1])
 
     def _copy_rows(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        """Copies FTW rows `ids` into `slots` on the current stream, which is idle here (every call
+        begins with a sync), so no earlier kernel can still read a victim."""
         if not slots.size:
             return
-        if self.copy_stream is None:
-            with self.stats.copy.measure():
+        with self.stats.copy.measure():
+            if not self.on_gpu:
                 self.slots[torch.from_numpy(slots)] = self.host_rows[torch.from_numpy(ids)]
-            return
-        # A victim may still be read by kernels queued before this step: copy after them.
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream), self.stats.copy.measure(self.copy_stream):
+                return
             for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
                 self.slots[s].copy_(self.host_rows[i], non_blocking=True)
-
-    def _start_cpu(self, x: torch.Tensor, r: Routing, which: np.ndarray) -> torch.Tensor:
-        """Starts the CPU experts at `which` (in the background where the kernel has its own
-        workers); returns their output buffer, complete after `_finish_cpu`."""
-        out = self._buffer("cpu_out", *x.shape).zero_()
-        self._cpu_t0 = time.perf_counter()
-        if which.size:
-            self.kernel.start(self.gate_up, self.down, x, out, *r.tensors(which))
-        return out
-
-    def _finish_cpu(self) -> None:
-        self.kernel.wait()
-        self.stats.cpu_s += time.perf_counter() - self._cpu_t0
-
-    def _device_part(self, x: torch.Tensor, r: Routing, which: np.ndarray, slots: np.ndarray,
-                     filled: bool) -> torch.Tensor:
-        """Hits and fills on the device from the slot rows, once the fills' copies have landed."""
-        x = x.contiguous()
-        out = torch.zeros_like(x)
-        if not which.size:
-            return out
-        pairs = self._pairs(r, which, slots)
-        with self.stats.compute.measure():
-            if self.copy_stream is not None and filled:
-                torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-            self._experts_on_device(x, pairs, out)
-        return out
 
     def _pairs(self, r: Routing, which: np.ndarray, slots: np.ndarray) -> torch.Tensor:
         """int32 [3, pairs] on the device: slot, token row, router weight (its bits)."""
         _, offsets, tok_idx, tok_w = r.subset(which)
-        host = self._buffer("pairs", 3, tok_idx.size, dtype=torch.int32)
+        host = self._buffer("pair_list", 3, tok_idx.size, dtype=torch.int32)
         arr = host.numpy()
         arr[0] = np.repeat(slots, np.diff(offsets))
         arr[1] = tok_idx

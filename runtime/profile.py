@@ -1,7 +1,10 @@
 """`HardwareProfile`: what the miss split needs to know about a machine, measured.
 
 B_P is pinned host→GPU bandwidth at one expert's size; B_H is the engine's own CPU expert kernel
-on all its workers, over a pool far larger than the caches. Both are also measured while the other
+on all its workers, over a pool far larger than the caches. With a GPU, those are the workers of
+the GPU engine: every physical core but one, which the thread driving the GPU keeps (with all
+cores busy, that thread's copies stalled the kernel's barriers: 14.7 GB/s instead of 90 on the
+device). Both are also measured while the other
 runs: the paper assumes the CPU keeps B_H − B_P during copies, but where the cores rather than DRAM
 limit the kernel, DMA and CPU reads may add up, and the split should follow what is measured.
 """
@@ -72,10 +75,14 @@ def pinned_copy_gbps(device: torch.device, nbytes: int, seconds: float = 0.5, st
 def measure_profile(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, device: str | None,
                     seconds: float = 2.0) -> HardwareProfile:
     """Measures this machine with the engine's own kernel and pool (and `device`, a CUDA GPU)."""
+    gpu = device is not None and torch.device(device).type == "cuda"
+    cpus = physical_cpus()
+    if gpu and len(cpus) > 1 and not kernel.background:  # the GPU engine's workers (see above)
+        kernel = kernel.on_cpus(cpus[1:], background=True)
     b_h = expert_kernel_gbps(spec, pool, kernel, 1, seconds)["gbps"]
     base = dict(isa=kernel.isa, physical_cores=len(physical_cpus()), host_read_gbps=round(torch_read_gbps(), 2),
                 b_h=round(b_h, 2), pool_bytes=pool.nbytes, l3_bytes=l3_bytes())
-    if device is None or torch.device(device).type != "cuda":
+    if not gpu:
         return HardwareProfile(**base)
     dev = torch.device(device)
     props = torch.cuda.get_device_properties(dev)

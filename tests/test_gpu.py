@@ -70,12 +70,32 @@ def test_triton_expert_kernel_matches_the_torch_path(engine_dir):
     fast = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), n_slots, planner,
                             device_kernel=_gpu_expert_kernel(engine_dir, "cuda"))
     ref = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), n_slots, planner)
-    for t in (1, 1, 2, 3, 9, 33):
+    for t in (1, 1, 2, 1, 3, 1, 9, 1, 33, 1):  # one-token calls: eager, then captured, then replayed
         layer = random.randrange(cpu.pool.header.num_moe_layers)
         ids = torch.stack([torch.randperm(cpu.num_experts)[:4] for _ in range(t)]).cuda()
         w, x = torch.rand(t, 4, device="cuda"), torch.randn(t, 256, device="cuda")
         got, want = fast.forward(layer, x, ids, w), ref.forward(layer, x, ids, w)
         assert float((got - want).norm() / want.norm()) < 1e-5, f"{t} tokens"
+
+
+def test_triton_expert_kernel_skips_negative_slots(engine_dir):
+    """A one-token graph launches for all top-k pair entries; the unused ones carry slot -1."""
+    from ftc_runtime.engine import _gpu_expert_kernel
+
+    cpu = Engine.load(engine_dir).model.experts
+    ref = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), 8, MissPlanner("gpu"))
+    ref.slots.copy_(ref.host_rows[torch.randperm(ref.host_rows.shape[0])[:8]].cuda())
+    kernel = _gpu_expert_kernel(engine_dir, "cuda")
+    x = torch.randn(1, 256, device="cuda")
+    slot = torch.tensor([3, -1, 5, 0, -1], dtype=torch.int32, device="cuda")
+    w = torch.rand(5, device="cuda")
+    got = torch.zeros(1, 256, device="cuda")
+    kernel(x, ref.slots, slot, torch.zeros_like(slot), w, got)
+    used = slot >= 0
+    pairs = torch.stack([slot[used], torch.zeros_like(slot[used]), w[used].view(torch.int32)])
+    want = torch.zeros(1, 256, device="cuda")
+    ref._experts_on_device(x, pairs, want)
+    assert float((got - want).norm() / want.norm()) < 1e-5
 
 
 def _teacher_forced_logits(engine: Engine, ids: list[int], prompt: int) -> list[torch.Tensor]:
@@ -101,9 +121,13 @@ def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled):
     monkeypatch.setenv("FTC_DECODE_GRAPHS", "0")
     eager = Engine.load(engine_dir, offload=cfg)
     assert eager.model.decode_graphs is None
+    # Two sequences: the second one's KV storage is new, and it grows past its first 256 tokens,
+    # so the graphs are captured again twice.
     ids = [random.randrange(256) for _ in range(30)]
-    got, want = _teacher_forced_logits(graphs, ids, 7), _teacher_forced_logits(eager, ids, 7)
-    assert len(graphs.model.decode_graphs.graphs) == 2 * graphs.spec.num_layers + 1
+    long_ids = [random.randrange(256) for _ in range(270 if not compiled else 30)]
+    got = _teacher_forced_logits(graphs, ids, 7) + _teacher_forced_logits(graphs, long_ids, 5)
+    want = _teacher_forced_logits(eager, ids, 7) + _teacher_forced_logits(eager, long_ids, 5)
+    assert len(graphs.model.decode_graphs.graphs) == graphs.spec.num_layers + 1
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).norm() / b.norm())
@@ -112,7 +136,8 @@ def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled):
         for step, (a, b) in enumerate(zip(got, want, strict=True)):
             assert rel(a, b) < 1e-3, f"step {step}: {rel(a, b):.2e}"
         return
-    ref = _teacher_forced_logits(Engine.load(engine_dir), ids, 7)
+    cpu_engine = Engine.load(engine_dir)
+    ref = _teacher_forced_logits(cpu_engine, ids, 7) + _teacher_forced_logits(cpu_engine, long_ids, 5)
     err_graphs = sum(rel(a, r) for a, r in zip(got, ref, strict=True)) / len(ref)
     err_eager = sum(rel(b, r) for b, r in zip(want, ref, strict=True)) / len(ref)
     assert err_graphs < 4 * err_eager + 2e-3, f"compiled {err_graphs:.2e}, eager bf16 {err_eager:.2e}"

@@ -72,6 +72,39 @@ def test_offloaded_experts_equal_cpu_experts(cpu_engine, seed):
         assert s.cpu == 0
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_native_one_token_plan_equals_the_general_path(cpu_engine, seed):
+    """One-token calls planned natively (TokenPlanner) leave the same outputs, cache state and
+    counts as the general numpy path, step after step, prompts (several tokens) in between."""
+    rng = random.Random(seed * 104729 + random.randrange(10**6))
+    cpu = cpu_engine.model.experts
+    e, k, layers = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, len(cpu_engine.spec.moe_layers)
+    n_slots = rng.choice([0, 1, k - 1, k, 2 * k + 1, e * layers])
+    planner = MissPlanner(rng.choice(MISS_POLICIES), rng.uniform(5, 60), rng.uniform(5, 120))
+    policy = rng.choice(["lru", "lru", "static"])
+    native, general = (OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cpu"), n_slots, planner, policy)
+                       for _ in range(2))
+    general.native_token_plan = False
+    for step in range(40):
+        t = rng.choice([1, 1, 1, 1, 3])
+        layer = rng.randrange(layers)
+        hot = range(min(e, k + 4))
+        ids = torch.stack([torch.tensor(rng.sample(hot if rng.random() < 0.7 else range(e), k)) for _ in range(t)])
+        w, x = torch.rand(t, k), torch.randn(t, cpu_engine.spec.hidden_size)
+        got, want = native.forward(layer, x, ids, w), general.forward(layer, x, ids, w)
+        assert torch.equal(got, want), f"step {step}"
+        for name in ("slot_of", "id_of", "last_used"):
+            assert np.array_equal(getattr(native.cache, name), getattr(general.cache, name)), f"step {step}: {name}"
+        assert native.cache.step == general.cache.step
+        if step == 6:
+            native.end_of_prompt()
+            general.end_of_prompt()
+    counts = ("calls", "unique", "hits", "fills", "cpu")
+    assert [native.stats.to_dict()[c] for c in counts] == [general.stats.to_dict()[c] for c in counts]
+    assert native.token_planner is not None and general.token_planner is None
+    _check_slots_hold_their_rows(native)
+
+
 def test_adaptive_split_sends_q_misses_to_the_device(cpu_engine):
     cpu = cpu_engine.model.experts
     e, k = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k

@@ -96,6 +96,21 @@ def route(h: torch.Tensor, gate_w: torch.Tensor, top_k: int, renormalize: bool) 
     return ids, weights
 
 
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+                     heads: tuple[int, int, int]) -> torch.Tensor:
+    """One query q [1, heads, d] over keys/values [C, kv, d] (`valid` bool [C] marks the keys it
+    may see; None: all): [1, heads · d]. Decode passes the cache's whole storage with the tail
+    masked off, so that the shapes stay fixed for CUDA graphs. The query heads of one KV head form its rows, so two
+    batched matmuls do it: SDPA's backend choice costs more than the work here (its cuDNN backend
+    built a graph per new key length, 1.6 ms of host time per layer and token on the device)."""
+    n_q, n_kv, d = heads
+    scores = torch.matmul(q.view(n_kv, n_q // n_kv, d), keys.permute(1, 2, 0)) * d ** -0.5
+    if valid is not None:
+        scores = scores.masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values.transpose(0, 1)).reshape(1, n_q * d)
+
+
 def dense_mlp(h: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
 
@@ -179,13 +194,10 @@ class Qwen3MoeModel:
         n_q, n_kv, d = self.heads
         t = q.shape[0]
         keys, values = cache.append(i, k, v)
-        if t == 1:
-            # One query sees every key; the query heads of one KV head form its rows. Plain batched
-            # matmuls: SDPA's backend choice costs more than the work here (its cuDNN backend built
-            # a graph per new key length, 1.6 ms of host time per layer and token on the device).
-            scores = torch.matmul(q.view(n_kv, n_q // n_kv, d), keys.permute(1, 2, 0)) * d ** -0.5
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-            return torch.matmul(probs, values.transpose(0, 1)).reshape(1, n_q * d)
+        if t == 1:  # over the whole storage, tail masked: the very kernels that decode graphs replay
+            stored_k, stored_v = cache.storage(i)
+            valid = torch.arange(stored_k.shape[0], device=self.device) < keys.shape[0]
+            return decode_attention(q, stored_k, stored_v, valid, self.heads)
         q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         start = keys.shape[2] - t
         if start == 0:
