@@ -5,7 +5,8 @@ generated into memory once (a 48-layer pool takes most of a minute to draw and p
         --policies adaptive,gpu,cpu --routings own,trace:bench/traces/qwen3-30b-a3b-k6.npz,synthetic:0.8 \
         -o OUT_DIR [--profile]
 
-Appends one JSON line per run to `decode.jsonl` and prints one summary line each;
+Appends one JSON line per run to `decode.jsonl` and prints one summary line each; `--variant`
+(repeatable) runs the matrix again under other environment settings (FTC_NUM_THREADS=15, ...);
 `--profile` also writes a torch profiler table of a few decode steps of the first run.
 """
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -67,6 +70,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--override", action="append", default=[])
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="environment settings for one more pass over the matrix, e.g. FTC_NUM_THREADS=15,"
+                         "FTC_TORCH_COMPILE=1 (each engine reads them when it loads); default: one pass as is")
     ap.add_argument("-o", "--output", type=Path, required=True)
     a = ap.parse_args()
     a.output.mkdir(parents=True, exist_ok=True)
@@ -78,8 +84,11 @@ def main() -> None:
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         spec = EngineManifest.read(engine).spec
         profile_to = a.output / "profile.txt" if a.profile else None  # the first run only
-        for name in a.routings.split(","):
+        base_env = dict(os.environ)
+        for variant, name in itertools.product(a.variant or [""], a.routings.split(",")):
             trace, label, temperature = routing(name, spec)
+            os.environ.clear()  # each variant on the environment the script started with, plus its own
+            os.environ.update(base_env | dict(kv.split("=", 1) for kv in variant.split(",") if kv))
             for policy in a.policies.split(","):
                 cfg = OffloadConfig(device=a.device, vram_budget=parse_size(a.vram_budget), miss_policy=policy)
                 r = bench_decode(engine, cfg, trace, label, a.prompt_tokens, a.new_tokens, pool=pool,
@@ -87,8 +96,8 @@ def main() -> None:
                 profile_to = None
                 tag = name.split(":")[0] + (name.split(":")[1] if name.startswith("synthetic") else "")
                 with open(a.output / "decode.jsonl", "a") as f:
-                    f.write(json.dumps(r | {"tag": f"{tag}_{policy}"}) + "\n")
-                print(summary(r), flush=True)
+                    f.write(json.dumps(r | {"tag": f"{tag}_{policy}", "variant": variant}) + "\n")
+                print(variant, summary(r), flush=True)
                 gc.collect()  # the engine's slots must be free before the next one allocates its own
                 torch.cuda.empty_cache()
     sys.exit(0)

@@ -42,15 +42,22 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
     sampling = SamplingParams(temperature, seed=seed)
     if profile_to is not None:
         _profile(engine, prompt, profile_to, sampling)
+    # The first decode steps of a sequence run eagerly, then capture the CUDA graphs: timed apart.
+    warmup = 2 if engine.model.decode_graphs is not None else 0
+    if new_tokens < warmup + 2:
+        raise ValueError(f"new_tokens = {new_tokens}: decode benchmarks need at least {warmup + 2}")
     gen = engine.generate(prompt, new_tokens, sampling, stop_at_eos=False)
-    t0 = 0.0
+    t0 = warm_t0 = 0.0
     for n, _ in enumerate(gen):
-        if n == 0:  # decode statistics only: the prompt's are dropped
+        if n == 0:  # the prompt's token: prefill done
+            warm_t0 = time.perf_counter()
+        if n == warmup:  # decode statistics only, after the warm-up steps
             experts.stats = OffloadStats(experts.device)
             t0 = time.perf_counter()
     decode_s = time.perf_counter() - t0
+    warmup_s = t0 - warm_t0
     s = experts.stats
-    steps = new_tokens - 1
+    steps = new_tokens - 1 - warmup
     planner = experts.planner
     device_bytes = engine.vram.dense + (s.hits + s.fills) * engine.vram.expert_stride / steps
     miss_bound = s.miss_bound_s / steps
@@ -62,6 +69,7 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
         "rates_while_both_run": planner.rates(), "measured_concurrency": planner.measured_concurrency,
         "slots": experts.cache.n_slots, "pool_experts": engine.pool.header.num_rows,
         "vram": engine.vram.to_dict(), "prompt_tokens": prompt_tokens, "decode_tokens": steps,
+        "warmup_steps": warmup, "warmup_ms": round(1e3 * warmup_s, 1),
         "decode_tok_s": round(steps / decode_s, 3), "ms_per_token": round(1e3 * measured, 3),
         "miss_bound_ms_per_token": round(1e3 * miss_bound, 3), "device_read_gbps": round(device_gbps, 1),
         "device_bytes_per_token": int(device_bytes), "bound_ms_per_token": round(1e3 * bound, 3),

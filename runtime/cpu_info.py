@@ -63,6 +63,12 @@ def worker_cpus(threads: int | None = None) -> list[int]:
     return cpus[: max(1, min(threads or len(cpus), len(cpus)))]
 
 
+def gpu_engine_worker_cpus(cpus: list[int]) -> list[int]:
+    """The CPU expert workers of a GPU engine: all of `cpus` but the first one (8 or more: two),
+    left free for the thread that drives the GPU and for the rest (CUDA driver threads, the OS)."""
+    return cpus[2 if len(cpus) >= 8 else 1:]
+
+
 def pin_this_thread(cpu: int) -> None:
     """Keeps the calling thread on `cpu` (best effort): off the cores of pinned expert workers,
     which spin between MoE layers and would take its time slices."""

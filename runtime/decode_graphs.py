@@ -10,8 +10,9 @@ Per layer one graph, cut where the step must leave the GPU for the routed expert
   for the host (`OffloadedExperts.stage`), or a dense MLP;
 then, outside the graph, the host round trip of the experts (`launch_staged`, `finish_staged`),
 whose own device part is one more graph. One graph for the final norm and lm_head ends the step.
-Graphs are captured in the second step (the first runs the same code eagerly, which also warms up
-every kernel) and again whenever the KV storage moves (a new sequence, or growth by doubling).
+Graphs are captured in the second step on a KV storage (the first runs the same code eagerly,
+which warms up every kernel), and again whenever the storage moves (a new sequence, or growth by
+doubling).
 With FTC_TORCH_COMPILE=1 the model's functions are fused by torch.compile first (off by default:
 its speed on the device is not yet measured).
 """
@@ -43,19 +44,31 @@ class DecodeGraphs:
         self.cpu_part = torch.zeros(1, hidden, dtype=torch.float32, device=dev)  # a CPU part, copied in
         self.fns = {f.__name__: f for f in (attention_in, attention_out, decode_attention, route, dense_mlp)}
         if compile_fns:
+            # Compiled in this process, without a pool of compile workers: with one, the CPU experts
+            # of the run right after compiling were 5× slower on the device (probably those
+            # workers, still busy, on the cores of the expert workers).
+            import torch._inductor.config as inductor_config
+
+            inductor_config.compile_threads = 1
             self.fns = {name: torch.compile(f, dynamic=False, fullgraph=True) for name, f in self.fns.items()}
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.graph_storage: int | None = None  # the KVCache.generation the graphs were captured on
         self.pool = torch.cuda.graph_pool_handle()
-        self.steps = 0
+        self.warm = False  # a step ran eagerly on the current storage
 
     def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits [1, vocab] fp32 of the token `ids` (one) after the cache's tokens."""
         m, position = self.model, cache.length
         cache.reserve(position + 1)
         if cache.generation != self.graph_storage:
+            # New storage: the next graphs capture new addresses (and new shapes, after growth),
+            # into a new memory pool (a pool whose graphs are all freed cannot take new ones).
+            # This step runs eagerly first, so that every kernel is warmed up (and compiled) for
+            # the new shapes outside a capture.
             self.graphs.clear()
+            self.pool = torch.cuda.graph_pool_handle()
             self.graph_storage = cache.generation
+            self.warm = False
         cos, sin = m.rope(position, 1)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
@@ -69,12 +82,12 @@ class DecodeGraphs:
                 m.experts.finish_staged()
         cache.length += 1
         self._run(("head", 0), self._head)
-        self.steps += 1
+        self.warm = True
         return self.logits.clone()
 
     def _run(self, key: tuple[str, int], fn: Callable[[], None]) -> None:
         graph = self.graphs.get(key)
-        if graph is None and self.steps == 0:  # the first step runs eagerly (and warms up kernels)
+        if graph is None and not self.warm:
             fn()
             return
         if graph is None:

@@ -25,7 +25,7 @@ from .artifact import (
     ArtifactError,
     EngineManifest,
 )
-from .cpu_info import pin_this_thread, worker_cpus
+from .cpu_info import gpu_engine_worker_cpus, pin_this_thread, worker_cpus
 from .decode_graphs import decode_graphs_for
 from .experts import CpuExperts
 from .kernels import CpuExpertKernel
@@ -100,12 +100,14 @@ class Engine:
         if background:
             # The thread that drives the GPU needs a core of its own: a worker sharing it waits a
             # scheduler time slice at every barrier (seen on the device: 8-16× slower CPU experts).
-            # The others run the CPU experts in the background while it launches the GPU's work.
-            # Left to the scheduler, it finds that free core: pinning it there made decode 1.4-2×
-            # slower on the device (not yet understood; threads started later inherit the pin).
+            # On a machine of 8 cores or more a second one stays free for everything else that
+            # runs (the CUDA driver's threads, the OS): with only one free, adaptive decode was
+            # 14-22% slower on the device. The rest run the CPU experts in the background.
+            # Left to the scheduler, the thread finds a free core: pinning it there made decode
+            # 1.4-2× slower on the device (not yet understood; threads started later inherit the pin).
             if settings().pin_gpu_thread:
                 pin_this_thread(cpus[0])
-            cpus = cpus[1:]
+            cpus = gpu_engine_worker_cpus(cpus)
             # That thread's own torch CPU ops (staging, small copies) stay on its core: spread over
             # torch's threads they waited a time slice for each of the busy cores (9 ms per op).
             torch.set_num_threads(1)

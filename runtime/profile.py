@@ -2,11 +2,11 @@
 
 B_P is pinned host→GPU bandwidth at one expert's size; B_H is the engine's own CPU expert kernel
 on all its workers, over a pool far larger than the caches. With a GPU, those are the workers of
-the GPU engine: every physical core but one, which the thread driving the GPU keeps (with all
+the GPU engine: the physical cores but one or two, left to the thread driving the GPU (with all
 cores busy, that thread's copies stalled the kernel's barriers: 14.7 GB/s instead of 90 on the
-device). Both are also measured while the other
-runs: the paper assumes the CPU keeps B_H − B_P during copies, but where the cores rather than DRAM
-limit the kernel, DMA and CPU reads may add up, and the split should follow what is measured.
+device). Both are also measured while the other runs: the paper assumes the CPU keeps B_H − B_P
+during copies, but where the cores rather than DRAM limit the kernel, DMA and CPU reads may add
+up, and the split should follow what is measured.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .cpu_info import physical_cpus
+from .cpu_info import gpu_engine_worker_cpus, physical_cpus
 from .ftw import ExpertPool
 from .kernels import CpuExpertKernel
 from .spec import ModelSpec
@@ -78,7 +78,7 @@ def measure_profile(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, 
     gpu = device is not None and torch.device(device).type == "cuda"
     cpus = physical_cpus()
     if gpu and len(cpus) > 1 and not kernel.background:  # the GPU engine's workers (see above)
-        kernel = kernel.on_cpus(cpus[1:], background=True)
+        kernel = kernel.on_cpus(gpu_engine_worker_cpus(cpus), background=True)
     b_h = expert_kernel_gbps(spec, pool, kernel, 1, seconds)["gbps"]
     base = dict(isa=kernel.isa, physical_cores=len(physical_cpus()), host_read_gbps=round(torch_read_gbps(), 2),
                 b_h=round(b_h, 2), pool_bytes=pool.nbytes, l3_bytes=l3_bytes())
