@@ -7,11 +7,12 @@ import itertools
 import torch
 
 _GENERATIONS = itertools.count()
+INITIAL_CAPACITY = 256  # tokens per layer before the first doubling
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", capacity: int = 256):
+                 device: torch.device | str = "cpu", capacity: int = INITIAL_CAPACITY):
         self.length = 0  # tokens whose keys and values every layer holds
         # Unique in the process, renewed when the storage moves: what CUDA graphs that hold the
         # storage's addresses are keyed on.

@@ -100,6 +100,18 @@ class OffloadStats:
                 "host_ms_per_call": {k: round(1e3 * v / n, 4) for k, v in self.host_s.items()}}
 
 
+@dataclass(frozen=True)
+class _TokenPath:
+    """The fixed buffers of one-token calls (CUDA graphs hold their addresses) and their planner."""
+
+    planner: TokenPlanner
+    staged: torch.Tensor  # [1, hidden + 2k] fp32 on the host: x, ids, weights
+    x: torch.Tensor  # [1, hidden] fp32 on the device
+    device_out: torch.Tensor  # [1, hidden] fp32 on the device: the hits and fills
+    cpu_out: torch.Tensor  # [1, hidden] fp32 on the host: the CPU experts
+    pairs: torch.Tensor  # [3, k] int32 on the device: the planner's pairs, copied
+
+
 class OffloadedExperts(ExpertBackend):
     """Per MoE layer call: `stage` queues one device→host copy of the layer's input and routing
     (CUDA graphs capture it); `launch_staged` waits for it (the one sync: the device's queue is
@@ -130,7 +142,7 @@ class OffloadedExperts(ExpertBackend):
         self.prompt_counts = np.zeros(h.num_rows, dtype=np.int64)  # static policy: routed ids of the prompt
         self.on_gpu = self.device.type == "cuda"
         self.pinned = self.on_gpu and pin_in_place(pool.buffer)
-        self.token_planner: TokenPlanner | None = None  # built at the first one-token call
+        self._token: _TokenPath | None = None  # built at the first one-token call
         self.native_token_plan = True  # False: one-token calls take the general path (tests compare both)
         self._token_graph: torch.cuda.CUDAGraph | None = None
         self._token_device_calls = 0
@@ -200,51 +212,52 @@ class OffloadedExperts(ExpertBackend):
 
     def _launch_token(self, moe_layer: int, k: int, first_position: int) -> None:
         t0 = time.perf_counter()
-        staged = self._staged_host(1, k)
-        planner = self.token_planner or self._make_token_planner(k)
+        tok = self._token or self._make_token_path(k)
         if self.routing is not None:
-            arr, h = staged.numpy(), self.hidden
+            arr, h = tok.staged.numpy(), self.hidden
             ids, w = self.routed(moe_layer, first_position, arr[:, h:h + k].astype(np.int64), arr[:, h + k:])
             arr[:, h:h + k], arr[:, h + k:] = ids, w
         self._cpu_t0 = time.perf_counter()
-        n_fill = planner.plan(moe_layer * self.num_experts, allow_fills=self.cache.policy == "lru")
-        hits, fills, cpu = planner.counts.tolist()
+        n_fill = tok.planner.plan(moe_layer * self.num_experts, allow_fills=self.cache.policy == "lru")
+        hits, fills, cpu = tok.planner.counts.tolist()
         self._count(hits + fills + cpu, hits, fills, cpu)
         self._plan_s = time.perf_counter() - t0
         self.stats.host_s["plan"] += self._plan_s
-        self._copy_rows(planner.fills[1, :n_fill], planner.fills[0, :n_fill])
-        self._outputs = self.token_outputs()
+        if n_fill:
+            self._copy_rows(tok.planner.fills[1, :n_fill], tok.planner.fills[0, :n_fill])
+        self._outputs = (tok.device_out, tok.cpu_out)
         with self.stats.compute.measure():
-            self._token_device_part(hits + fills)
+            self._token_device_part(tok, hits + fills)
 
-    def _make_token_planner(self, k: int) -> TokenPlanner:
-        cpu_out = self.token_outputs()[1]
-        self.token_planner = TokenPlanner(self.kernel, self.gate_up, self.down, self.cache, self.planner, k,
-                                          self._staged_host(1, k), cpu_out, self.on_gpu)
-        return self.token_planner
+    def _make_token_path(self, k: int) -> _TokenPath:
+        staged = self._staged_host(1, k)
+        device_out, cpu_out = self.token_outputs()
+        planner = TokenPlanner(self.kernel, self.gate_up, self.down, self.cache, self.planner, k, staged, cpu_out,
+                               self.on_gpu)
+        x = self._buffer("in", 1, self.hidden + 2 * k, self.device)[:, :self.hidden]
+        pairs = torch.zeros(3, k, dtype=torch.int32, device=self.device)
+        self._token = _TokenPath(planner, staged, x, device_out, cpu_out, pairs)
+        return self._token
 
-    def _token_device_part(self, n_pairs: int) -> None:
+    def _token_device_part(self, tok: _TokenPath, n_pairs: int) -> None:
         """One token's hits and fills from the slots into `device_out`: on a GPU with the engine's
         kernel, one CUDA graph over all k pair entries (unused ones skipped), captured at the
         second call (the first compiles the kernel); elsewhere torch over the n_pairs used."""
-        planner = self.token_planner
-        out = self.token_outputs()[0]
-        x = self._buffer("in", 1, self.hidden + 2 * planner.k, self.device)[:, :self.hidden]
         if not self.on_gpu or self.device_kernel is None:
-            out.zero_()
+            tok.device_out.zero_()
             if n_pairs:
-                self._experts_on_device(x, planner.pairs[:, :n_pairs].to(self.device), out)
+                self._experts_on_device(tok.x, tok.planner.pairs[:, :n_pairs].to(self.device), tok.device_out)
             return
-        pairs = self._buffer("pairs", 3, planner.k, self.device, torch.int32)
-
-        def work() -> None:
-            pairs.copy_(planner.pairs, non_blocking=True)
-            out.zero_()
-            self.device_kernel(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), out)
-
         if self._token_graph is not None:
             self._token_graph.replay()
             return
+
+        def work() -> None:
+            tok.pairs.copy_(tok.planner.pairs, non_blocking=True)
+            tok.device_out.zero_()
+            self.device_kernel(tok.x, self.slots, tok.pairs[0], tok.pairs[1], tok.pairs[2].view(torch.float32),
+                               tok.device_out)
+
         self._token_device_calls += 1
         if self._token_device_calls == 1:
             work()

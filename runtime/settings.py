@@ -40,7 +40,7 @@ class Settings:
     num_threads: int | None  # FTC_NUM_THREADS: CPU expert workers (default: the physical cores)
     cache_dir: Path  # FTC_CACHE_DIR: built kernel libraries, keyed by the hash of their sources
     decode_graphs: bool  # FTC_DECODE_GRAPHS: CUDA graphs for the non-expert work of decode (default 1)
-    torch_compile: bool  # FTC_TORCH_COMPILE: fuse that work with torch.compile first (default 0: unmeasured)
+    torch_compile: bool  # FTC_TORCH_COMPILE: fuse that work with torch.compile first (default 1)
     pin_gpu_thread: bool  # FTC_PIN_GPU_THREAD: pin the GPU-driving thread to the core the workers leave (default 0)
 
     @classmethod
@@ -48,7 +48,7 @@ class Settings:
         cache = os.environ.get("FTC_CACHE_DIR") or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ftc")
         return cls(num_threads=_int("FTC_NUM_THREADS"), cache_dir=Path(cache),
-                   decode_graphs=_bool("FTC_DECODE_GRAPHS", True), torch_compile=_bool("FTC_TORCH_COMPILE", False),
+                   decode_graphs=_bool("FTC_DECODE_GRAPHS", True), torch_compile=_bool("FTC_TORCH_COMPILE", True),
                    pin_gpu_thread=_bool("FTC_PIN_GPU_THREAD", False))
 
 

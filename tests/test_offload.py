@@ -101,7 +101,7 @@ def test_native_one_token_plan_equals_the_general_path(cpu_engine, seed):
             general.end_of_prompt()
     counts = ("calls", "unique", "hits", "fills", "cpu")
     assert [native.stats.to_dict()[c] for c in counts] == [general.stats.to_dict()[c] for c in counts]
-    assert native.token_planner is not None and general.token_planner is None
+    assert native._token is not None and general._token is None
     _check_slots_hold_their_rows(native)
 
 
