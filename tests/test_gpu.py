@@ -109,14 +109,14 @@ def _teacher_forced_logits(engine: Engine, ids: list[int], prompt: int) -> list[
 @pytest.mark.parametrize("compiled", [False, True])
 def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled):
     """Replayed CUDA graphs (the first step on a KV storage eager, the second captured, then
-    replays) give the logits of the eager path. Uncompiled they run the same kernels, but the
-    device experts add their pairs with fp32 atomics in no fixed order, and a last-bit difference
-    can round a bf16 activation the other way: 2.8e-3 was seen once in 300 steps, so each step is
-    held to 1e-2 and their mean to 1e-3 (a wrong graph is off by order 1). Compiled, the fused
-    kernels round bf16 at other points than eager ops do, and this tiny model's near-tied random
-    router turns such differences into other experts, so both are held to the fp32 CPU engine:
-    measured on the device 1.6e-2 and 1.7e-2 compiled against 1.2e-2 and 7.1e-3 eager; the bound
-    (4× eager) still catches a wrong fusion, whose error would be of order 1."""
+    replays) give the logits of the eager path: uncompiled they run the same kernels, and the
+    device experts of one token sum their pairs in a fixed order (with fp32 atomics in no fixed
+    order, a last-bit difference once rounded a bf16 activation the other way and flipped one of
+    this tiny model's near-tied router choices: 1.0e-1 at one step of 300). Compiled, the fused
+    kernels round bf16 at other points than eager ops do, and that same router turns such
+    differences into other experts, so both are held to the fp32 CPU engine: measured on the
+    device 1.6e-2 and 1.7e-2 compiled against 1.2e-2 and 7.1e-3 eager; the bound (4× eager) still
+    catches a wrong fusion, whose error would be of order 1."""
     monkeypatch.setenv("FTC_TORCH_COMPILE", "1" if compiled else "0")
     cfg = OffloadConfig(device="cuda", n_slots=random.randrange(4, 40), b_p=25.0, b_h=50.0)
     graphs = Engine.load(engine_dir, offload=cfg)
@@ -136,10 +136,8 @@ def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled):
         return float((a - b).norm() / b.norm())
 
     if not compiled:
-        errors = [rel(a, b) for a, b in zip(got, want, strict=True)]
-        worst = max(range(len(errors)), key=errors.__getitem__)
-        assert errors[worst] < 1e-2, f"step {worst}: {errors[worst]:.2e}"
-        assert sum(errors) / len(errors) < 1e-3
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert rel(a, b) < 1e-3, f"step {step}: {rel(a, b):.2e}"
         return
     cpu_engine = Engine.load(engine_dir)
     ref = _teacher_forced_logits(cpu_engine, ids, 7) + _teacher_forced_logits(cpu_engine, long_ids, 5)
