@@ -56,6 +56,11 @@ class MissPlanner:
 
     def bound_s(self, m: int, q: int, expert_bytes: int) -> float:
         """DESIGN.md's time for one layer's misses: q copies beside m − q CPU experts, at the
-        rates both keep while they run together."""
+        rates both keep while they run together; a side that runs alone keeps its own full rate
+        (B_P for copies only, B_H for CPU experts only)."""
+        if q == 0:
+            return m * expert_bytes / (self.b_h * 1e9)
+        if q == m:
+            return m * expert_bytes / (self.b_p * 1e9)
         copy, cpu = self.rates()
         return max(q * expert_bytes / (copy * 1e9), (m - q) * expert_bytes / (cpu * 1e9))

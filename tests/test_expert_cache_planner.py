@@ -130,3 +130,7 @@ def test_measured_concurrent_rates_set_the_split():
         q = planner.fills(8)
         assert planner.bound_s(8, q, s) == max(q * s / (copy * 1e9), (8 - q) * s / (cpu * 1e9))
     assert paper.rates() == (51.0, 37.0) and measured.rates() == (41.0, 63.0)
+    # One side alone keeps its own rate: copies only at B_P, CPU experts only at B_H.
+    assert measured.bound_s(8, 0, s) == 8 * s / (88.0 * 1e9)
+    assert measured.bound_s(8, 8, s) == 8 * s / (51.0 * 1e9)
+    assert measured.bound_s(0, 0, s) == 0.0
