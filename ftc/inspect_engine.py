@@ -69,6 +69,17 @@ def _vram_table(m: EngineManifest, engine: Path, budget: int, max_context: int) 
                  (f"KV cache ({max_context} tokens)", gib(plan.kv)), ("workspace", gib(plan.workspace)),
                  ("expert slots", f"{plan.n_slots} × {plan.expert_stride / 2**20:.2f} MiB = {gib(plan.slots)}"),
                  ("share of the expert pool", f"{100 * plan.pool_share:.1f}% of {plan.pool_experts} experts"),
+                 ("prompt chunks", _prefill_mode(m, plan.n_slots)),
                  ("total", gib(plan.total))):
         t.add_row(k, v)
     return t
+
+
+def _prefill_mode(m: EngineManifest, n_slots: int) -> str:
+    """How prompt chunks load their experts within these slots (`OffloadedExperts.begin_pass`)."""
+    e, p = m.spec.moe.num_experts, m.plan
+    head = f"{p.prefill_chunk} tokens; "
+    if n_slots >= 2 * e:
+        return head + f"from {p.prefill_stream_min_tokens} tokens whole MoE layers stream through 2 × {e} slots"
+    return head + (f"routed experts load on demand: streaming whole layers needs {2 * e} slots "
+                   f"(one buffer, --no-overlap: {e})")

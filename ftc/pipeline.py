@@ -8,8 +8,10 @@ compile never damages an engine that was there before.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
+import math
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -69,11 +71,19 @@ class CompileOptions:
     overrides: tuple[str, ...] = ()
 
 
-def make_plan(target: Target) -> Plan:
+def make_plan(target: Target, spec: ModelSpec | None = None) -> Plan:
     # 16-row work items: 128 KiB of gate/up rows at hidden 2048, many items per thread per layer
     # for dynamic balance, few enough that the shared counter is not contended.
-    return Plan(isa=target.isa, cpu_threads=target.cpu_threads, batch_buckets=BATCH_BUCKETS[target.isa],
+    plan = Plan(isa=target.isa, cpu_threads=target.cpu_threads, batch_buckets=BATCH_BUCKETS[target.isa],
                 gate_up_chunk=16, down_chunk=16, prefetch_rows=2)
+    if spec is None or spec.moe is None:
+        return plan
+    # Streaming a whole layer moves every expert not cached; it pays once a chunk routes to nearly
+    # all of them anyway: at T tokens a given expert is missed with probability (1 - k/E)^T, so
+    # stream from the T at which the routed union is expected to be 95% of the layer.
+    e, k = spec.moe.num_experts, spec.moe.top_k
+    min_tokens = math.ceil(math.log(0.05) / math.log(1 - k / e)) if k < e else 1
+    return dataclasses.replace(plan, prefill_stream_min_tokens=max(2, min_tokens))
 
 
 def _weights(spec: ModelSpec, opts: CompileOptions, checkpoint: Path | None) -> WeightSource:
@@ -102,7 +112,7 @@ def _compile(opts: CompileOptions, console: Console | None, experts_in_memory: b
     spec, spec_checkpoint = load_spec(opts.source, list(opts.overrides))
     checkpoint = None if opts.random_weights else opts.checkpoint or spec_checkpoint
     target = resolve_target(opts.target)
-    plan = make_plan(target)
+    plan = make_plan(target, spec)
     weights = _weights(spec, opts, checkpoint)
     out = opts.output or Path("build") / spec.name
     staging = out.parent / f".{out.name}.partial"

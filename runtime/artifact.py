@@ -35,14 +35,20 @@ class Plan:
     gate_up_chunk: int  # intermediate rows per gate/up work item
     down_chunk: int  # hidden rows per down work item
     prefetch_rows: int  # rows prefetched ahead inside a work item
+    # Prompts run in chunks of this many tokens; a chunk of at least `prefill_stream_min_tokens`
+    # streams whole MoE layers through two layer buffers on a GPU (below it, the decode path).
+    prefill_chunk: int = 8192
+    prefill_stream_min_tokens: int = 64
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
-        return cls(d["isa"], d["cpu_threads"], tuple(d["batch_buckets"]), d["gate_up_chunk"],
-                   d["down_chunk"], d["prefetch_rows"])
+        defaults = cls.__dataclass_fields__  # engines compiled before a field existed get its default
+        return cls(d["isa"], d["cpu_threads"], tuple(d["batch_buckets"]), d["gate_up_chunk"], d["down_chunk"],
+                   d["prefetch_rows"], d.get("prefill_chunk", defaults["prefill_chunk"].default),
+                   d.get("prefill_stream_min_tokens", defaults["prefill_stream_min_tokens"].default))
 
 
 def file_sha256(path: Path) -> str:

@@ -51,6 +51,7 @@ class OffloadConfig:
     b_p: float | None = None  # GB/s; None: the engine's target (preset or `ftc profile`); where the
     b_h: float | None = None  # target has neither, B_P = B_H, so every miss is filled
     max_context: int = 4096  # tokens of KV cache the budget reserves
+    prefill_overlap: bool = True  # False: stream prompt layers through one buffer, load then compute
 
 
 @dataclass
@@ -82,15 +83,19 @@ class Generation:
 
 class Engine:
     def __init__(self, manifest: EngineManifest, tokenizer: Tokenizer, model, pool: ftw.ExpertPool,
-                 vram: VramPlan | None = None):
+                 vram: VramPlan | None = None, prefill_chunk: int | None = None):
         self.manifest, self.spec, self.tokenizer, self.model, self.pool, self.vram = (
             manifest, manifest.spec, tokenizer, model, pool, vram)
+        self.prefill_chunk = prefill_chunk or manifest.plan.prefill_chunk
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill chunk = {self.prefill_chunk}: expected a number of tokens >= 1")
 
     @classmethod
     def load(cls, path: str | Path, show_progress: bool = False, offload: OffloadConfig | None = None,
-             pool: ftw.ExpertPool | None = None) -> Engine:
+             pool: ftw.ExpertPool | None = None, prefill_chunk: int | None = None) -> Engine:
         """Loads an engine directory; `pool` supplies the experts of an engine compiled with its
-        experts in memory (benchmarks of models larger than the disk)."""
+        experts in memory (benchmarks of models larger than the disk); `prefill_chunk` replaces the
+        plan's prompt chunk (tokens)."""
         root = Path(path)
         manifest = EngineManifest.read(root)
         manifest.verify()
@@ -131,7 +136,8 @@ class Engine:
                 raise ArtifactError(f"{root / DENSE_FILE}: tensor {name}: {got}, expected {shape}")
         tokenizer = Tokenizer(root / TOKENIZER_FILE)
         if offload is None:
-            return cls(manifest, tokenizer, fam.model(spec, dense, CpuExperts(pool, kernel)), pool)
+            return cls(manifest, tokenizer, fam.model(spec, dense, CpuExperts(pool, kernel)), pool,
+                       prefill_chunk=prefill_chunk)
         vram = _vram_plan(manifest, offload, expected, pool)
         b_p, b_h = offload.b_p or manifest.target.get("b_p"), offload.b_h or manifest.target.get("b_h")
         if b_p is None or b_h is None:  # not measured (a CPU-only target): every miss is filled
@@ -141,10 +147,11 @@ class Engine:
                               manifest.target.get("b_p_concurrent") if measured else None,
                               manifest.target.get("b_h_concurrent") if measured else None)
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
-                                   offload.cache_policy, _gpu_expert_kernel(root, offload.device))
+                                   offload.cache_policy, _gpu_expert_kernel(root, offload.device),
+                                   plan.prefill_stream_min_tokens, offload.prefill_overlap)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, settings().decode_graphs, settings().torch_compile)
-        return cls(manifest, tokenizer, model, pool, vram)
+        return cls(manifest, tokenizer, model, pool, vram, prefill_chunk)
 
     def _check_ids(self, ids: list[int]) -> torch.Tensor:
         if not ids:
@@ -156,7 +163,14 @@ class Engine:
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Logits of every position of `ids` in one fresh sequence: [len(ids), vocab] fp32."""
-        return self.model.forward(self._check_ids(ids), self.model.new_cache(), all_logits=True)
+        return self.prefill(self._check_ids(ids), self.model.new_cache(), all_logits=True)
+
+    def prefill(self, ids: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
+        """Runs the prompt `ids` after the cache's tokens in chunks of `prefill_chunk` tokens;
+        returns the logits of its last token [1, vocab] (every token's with all_logits)."""
+        outs = [self.model.forward(ids[i:i + self.prefill_chunk], cache, all_logits)
+                for i in range(0, ids.numel(), self.prefill_chunk)]
+        return torch.cat(outs) if all_logits else outs[-1]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
                  sampling: SamplingParams | None = None, stop_at_eos: bool = True) -> Generation:
@@ -172,7 +186,7 @@ class Engine:
                 return
             cache, sample = self.model.new_cache(), Sampler(sampling)
             t0 = time.perf_counter()
-            token = sample(self.model.forward(ids, cache)[-1])
+            token = sample(self.prefill(ids, cache)[-1])
             self.model.experts.end_of_prompt()
             stats.prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()

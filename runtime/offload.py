@@ -7,6 +7,7 @@ path (cache, split, fills as plain copies, merge) runs and is tested; only speed
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from .experts import ExpertBackend, Routing
 from .ftw import ExpertPool
 from .host_memory import pin_in_place
 from .kernels import CpuExpertKernel
+from .layer_stream import LayerStream
 from .miss_planner import MissPlanner
 from .token_plan import TokenPlanner
 
@@ -76,6 +78,8 @@ class OffloadStats:
     fills: int = 0
     cpu: int = 0
     miss_bound_s: float = 0.0  # Σ MissPlanner.bound_s(m, q) over the calls
+    stream_layers: int = 0  # MoE layers of prompt chunks streamed whole (`LayerStream`)
+    streamed: int = 0  # experts those layers copied to the device
     cpu_s: float = 0.0
     # Host time of each phase of a call: waiting for the device's routing, planning (cache, split,
     # CPU start, copies), launching the device's experts, then waiting for the CPU's.
@@ -95,6 +99,7 @@ class OffloadStats:
         return {"calls": self.calls, "unique": self.unique, "hits": self.hits, "fills": self.fills, "cpu": self.cpu,
                 "misses": self.misses, "miss_rate": self.misses / self.unique if self.unique else 0.0,
                 "mean_m": self.misses / n, "mean_q": self.fills / n,
+                "stream_layers": self.stream_layers, "streamed": self.streamed,
                 "ms_per_call": {"cpu": 1e3 * self.cpu_s / n, "copy": 1e3 * self.copy.seconds() / n,
                                 "device": 1e3 * self.compute.seconds() / n},
                 "host_ms_per_call": {k: round(1e3 * v / n, 4) for k, v in self.host_s.items()}}
@@ -124,7 +129,8 @@ class OffloadedExperts(ExpertBackend):
     after every copy of this one."""
 
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
-                 planner: MissPlanner, cache_policy: str = "lru", device_kernel: Callable | None = None):
+                 planner: MissPlanner, cache_policy: str = "lru", device_kernel: Callable | None = None,
+                 stream_min_tokens: int | None = None, stream_overlap: bool = True):
         h = pool.header
         self.pool, self.kernel, self.device, self.planner = pool, kernel, torch.device(device), planner
         self.num_experts = h.num_experts
@@ -148,9 +154,39 @@ class OffloadedExperts(ExpertBackend):
         self._token_device_calls = 0
         self._buffers: dict[tuple[str, bool], torch.Tensor] = {}
         self._outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Prompt chunks of at least stream_min_tokens (None: never) stream whole layers when the
+        # cache can lend the layer buffers; else their routed experts load on demand.
+        self.stream_min_tokens, self.stream_overlap = stream_min_tokens, stream_overlap
+        self._stream: LayerStream | None = None
+        self._said_no_stream = False
+
+    @property
+    def stream_slots(self) -> int:
+        """Slots that streaming a prompt chunk's layers borrows: one or two full layers."""
+        return self.num_experts * (2 if self.stream_overlap else 1)
+
+    def begin_pass(self, n_tokens: int) -> None:
+        """A chunk of n_tokens: streamed layer by layer when it is long enough and the cache can
+        lend the buffers (LRU policy only: the static set is never replaced)."""
+        self._stream = None
+        if self.stream_min_tokens is None or n_tokens < self.stream_min_tokens or self.cache.policy != "lru":
+            return
+        if self.cache.n_slots < self.stream_slots:
+            if not self._said_no_stream:
+                print(f"ftc: prefill loads routed experts on demand: streaming whole layers needs "
+                      f"{self.stream_slots} expert slots, the VRAM budget gives {self.cache.n_slots}",
+                      file=sys.stderr)
+                self._said_no_stream = True
+            return
+        self._stream = LayerStream(self, self.stream_overlap)
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 first_position: int = 0) -> torch.Tensor:
+        if self._stream is not None and ids.shape[0] > 1:
+            out = self._stream.forward(moe_layer, x, ids, weights, first_position)
+            if moe_layer == self.pool.header.num_moe_layers - 1:
+                self._stream = None  # the chunk's last MoE layer
+            return out
         self.stage(x, ids, weights)
         return self.forward_staged(moe_layer, ids.shape[0], ids.shape[1], first_position)
 
@@ -334,11 +370,17 @@ class OffloadedExperts(ExpertBackend):
         if not slots.size:
             return
         with self.stats.copy.measure():
-            if not self.on_gpu:
-                self.slots[torch.from_numpy(slots)] = self.host_rows[torch.from_numpy(ids)]
-                return
-            for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
-                self.slots[s].copy_(self.host_rows[i], non_blocking=True)
+            self.copy_rows_now(slots, ids)
+
+    def copy_rows_now(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        """Queues the copies of FTW rows `ids` into `slots` on the current stream."""
+        if not slots.size:
+            return
+        if not self.on_gpu:
+            self.slots[torch.from_numpy(slots)] = self.host_rows[torch.from_numpy(ids)]
+            return
+        for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
+            self.slots[s].copy_(self.host_rows[i], non_blocking=True)
 
     def _pairs(self, r: Routing, which: np.ndarray, slots: np.ndarray) -> torch.Tensor:
         """int32 [3, pairs] on the device: slot, token row, router weight (its bits)."""
@@ -351,11 +393,15 @@ class OffloadedExperts(ExpertBackend):
         return host.to(self.device, non_blocking=True)
 
     def _experts_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
-        pair_slot, pair_tok, pair_w = pairs[0], pairs[1], pairs[2].view(torch.float32)
         if self.device_kernel is not None:
-            self.device_kernel(x, self.slots, pair_slot, pair_tok, pair_w, out)
+            self.device_kernel(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), out)
             return
-        # torch: one expert at a time (pairs of one slot are adjacent), fp32 arithmetic.
+        self.grouped_on_device(x, pairs, out)
+
+    def grouped_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
+        """out += the pairs' experts ([3, P] int32: slot, token, weight bits; the pairs of a slot
+        adjacent) with torch, one expert at a time over all its tokens, fp32 arithmetic."""
+        pair_slot, pair_tok, pair_w = pairs[0], pairs[1], pairs[2].view(torch.float32)
         slots = pair_slot.tolist()
         starts = [0] + [j for j in range(1, len(slots)) if slots[j] != slots[j - 1]] + [len(slots)]
         for a, b in zip(starts[:-1], starts[1:], strict=True):

@@ -3,6 +3,7 @@ paths, which must end in one 'error:' line and exit status 1, never a traceback.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import shutil
@@ -181,6 +182,24 @@ def test_bench_experts_prints_positive_throughputs(engine):
     assert result["engine"] == "qwen3-moe-tiny"
     for key in ("kernel_gbps", "torch_bf16_gbps", "torch_read_gbps"):
         assert result[key] > 0, key
+
+
+def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path):
+    """The CPU standing in for the GPU: both modes stream the layers of every long enough chunk
+    (16 experts per layer, 40 slots: two buffers fit); the plot is a PNG."""
+    lengths = sorted(random.sample(range(12, 90), 2))
+    args = ["bench", engine, "prefill", "--device", "cpu", "--slots", "40", "--lengths", ",".join(map(str, lengths)),
+            "--compare", "--prefill-chunk", "32"]
+    plot = tmp_path / "prefill.png"
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    r = ok(*args, *(["--plot", plot] if has_matplotlib else []))
+    runs = json.loads(r.stdout)["runs"]
+    assert [(x["tokens"], x["overlap"]) for x in runs] == [(n, o) for o in (True, False) for n in lengths]
+    for x in runs:
+        assert x["chunks"] == -(-x["tokens"] // 32) and x["tok_s"] > 0 and x["streaming"]
+        assert x["stream_layers"] > 0 and x["pcie_ceiling_s"] is None  # no PCIe link to compare with
+    if has_matplotlib:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # -- errors ------------------------------------------------------------------------------------------------

@@ -163,3 +163,42 @@ def test_parse_size():
         with pytest.raises(ValueError, match="size"):
             parse_size(bad)
     assert np.isclose(parse_size("1e9"), 10**9)
+
+
+def _prefill(engine: Engine, ids: list[int]):
+    cache = engine.model.new_cache()
+    logits = engine.prefill(torch.tensor(ids), cache, all_logits=True)
+    return logits, cache
+
+
+@pytest.mark.parametrize("overlap,slots,chunk", [(True, 40, 13), (False, 16, 11), (True, 32, 64),
+                                                 (True, 64, 12), (True, 31, 13), (False, 15, 20)])
+def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap, slots, chunk):
+    """Prompt chunks stream whole MoE layers through one or two layer buffers borrowed from the
+    cache (E = 16 slots each) when the chunk is long enough and the cache can lend them; otherwise
+    (31 < 2E, 15 < E) routed experts load on demand. Logits of every token and the KV cache equal
+    the all-CPU engine's, chunks split the prompt unevenly, and streamed slots stay valid entries."""
+    e = cpu_engine.spec.moe.num_experts
+    ids = [random.randrange(256) for _ in range(random.randrange(30, 60))]
+    cfg = OffloadConfig(device="cpu", n_slots=slots, b_p=random.uniform(5, 50), b_h=random.uniform(20, 100),
+                        prefill_overlap=overlap)
+    off = Engine.load(engine_dir, offload=cfg, prefill_chunk=chunk)
+    got, got_cache = _prefill(off, ids)
+    want, want_cache = _prefill(cpu_engine, ids)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    for layer in range(cpu_engine.spec.num_layers):
+        assert torch.allclose(got_cache.keys(layer), want_cache.keys(layer), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(got_cache.values(layer), want_cache.values(layer), rtol=1e-4, atol=1e-5)
+    experts = off.model.experts
+    streams = slots >= experts.stream_slots and chunk >= off.manifest.plan.prefill_stream_min_tokens
+    n_moe = len(cpu_engine.spec.moe_layers)
+    full_chunks = sum(1 for i in range(0, len(ids), chunk)
+                      if len(ids[i:i + chunk]) >= off.manifest.plan.prefill_stream_min_tokens)
+    assert experts.stats.stream_layers == (n_moe * full_chunks if streams else 0)
+    assert experts.stream_slots == e * (2 if overlap else 1)
+    _check_slots_hold_their_rows(experts)
+    last_chunk = ids[(len(ids) - 1) // chunk * chunk:]
+    if streams and len(last_chunk) >= off.manifest.plan.prefill_stream_min_tokens:
+        # the last layer streamed stays cached for decode
+        last = (n_moe - 1) * e + np.arange(e)
+        assert (experts.cache.slot_of[last] >= 0).all()

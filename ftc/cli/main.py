@@ -116,6 +116,7 @@ def run(
     cache_policy: Annotated[CachePolicyOpt, typer.Option(help="lru, or static (prompt's top experts).")] = "lru",
     reprofile: Annotated[bool, typer.Option("--reprofile", help="Measure B_P/B_H again, record them in "
                                             "engine.json and split misses by them.")] = False,
+    prefill_chunk: Annotated[int | None, typer.Option(help="Prompt chunk in tokens (default: the plan's).")] = None,
 ) -> None:
     """Generate from a prompt, streaming the text (or one JSON object with --json)."""
     from ftc_runtime import Engine, SamplingParams
@@ -127,7 +128,7 @@ def run(
         given_ids = parse_ids(prompt_ids) if prompt_ids is not None else None
         offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy)
         t0 = time.perf_counter()
-        eng = Engine.load(engine, show_progress=not as_json, offload=offload)
+        eng = Engine.load(engine, show_progress=not as_json, offload=offload, prefill_chunk=prefill_chunk)
         load_s = time.perf_counter() - t0
         if reprofile:
             reprofile_engine(engine, eng, offload)
@@ -161,6 +162,7 @@ def run(
 class BenchKind(str, Enum):
     experts = "experts"
     decode = "decode"
+    prefill = "prefill"
 
 
 @app.command()
@@ -185,12 +187,19 @@ def bench(
     seed: Annotated[int, typer.Option(help="SPEC: seed for --random-weights.")] = 0,
     target: Annotated[str, typer.Option(help="SPEC: hardware target.")] = "auto",
     override: Annotated[list[str] | None, typer.Option(help="SPEC: edit a spec field, FIELD=VALUE.")] = None,
+    lengths: Annotated[str, typer.Option(help="prefill: prompt lengths, comma-separated.")] = "1024,2048,4096,8192",
+    no_overlap: Annotated[bool, typer.Option("--no-overlap", help="prefill: one layer buffer, load then "
+                                             "compute (the baseline).")] = False,
+    compare: Annotated[bool, typer.Option("--compare", help="prefill: both modes, two buffers and one.")] = False,
+    prefill_chunk: Annotated[int | None, typer.Option(help="Prompt chunk in tokens (default: the plan's).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="prefill: also draw tok/s against length (PNG).")] = None,
 ) -> None:
     """Measure an engine, or a spec built in memory with random weights; prints JSON."""
     from ftc_runtime.artifact import EngineManifest
 
     from ..bench_decode import bench_decode
     from ..bench_experts import bench_experts
+    from ..bench_prefill import bench_prefill, plot_prefill
 
     if tokens < 1 or new_tokens < 2 or prompt_tokens < 1:
         _fail(ValueError("--tokens and --prompt-tokens must be at least 1, --new-tokens at least 2"))
@@ -199,13 +208,19 @@ def bench(
             pool = None
             if engine.is_file():
                 engine, pool = engine_in_memory(engine, random_weights, seed, target, override, Path(tmp))
+            offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy)
             if kind == BenchKind.experts:
                 result = bench_experts(engine, tokens, threads, seconds, pool=pool)
+            elif kind == BenchKind.prefill:
+                modes = [True, False] if compare else [not no_overlap]
+                result = bench_prefill(engine, offload, parse_ids(lengths, "--lengths"), modes, prefill_chunk,
+                                       seed, pool)
+                if plot:
+                    plot_prefill(result, plot)
             else:
                 spec = EngineManifest.read(engine).spec
                 trace, routing = routing_for(routing_trace, synthetic_locality, spec, 0)
-                result = bench_decode(engine, offload_config(device, vram_budget, slots, miss_policy, cache_policy),
-                                      trace, routing, prompt_tokens, new_tokens, pool=pool)
+                result = bench_decode(engine, offload, trace, routing, prompt_tokens, new_tokens, pool=pool)
     except _user_errors() as e:
         _fail(e)
     text = json.dumps(result, indent=1)

@@ -46,11 +46,11 @@ def reprofile_engine(engine_dir: Path, eng, offload) -> None:
     err.print(f"profile: B_H {prof.b_h} GB/s" + (f", B_P {prof.b_p} GB/s" if prof.b_p else "") + " (engine.json)")
 
 
-def parse_ids(text: str) -> list[int]:
+def parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise ValueError(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+        raise ValueError(f"{option} {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
 
 
 def engine_in_memory(spec: Path, random_weights: bool, seed: int, target: str, override: list[str] | None,

@@ -156,6 +156,7 @@ class Qwen3MoeModel:
         if self.decode_graphs is not None and ids.numel() == 1:
             return self.decode_graphs.step(ids, cache)
         start = cache.length
+        self.experts.begin_pass(ids.numel())
         cos, sin = self.rope(start, ids.numel())
         x = self.embed[ids.to(self.device)].to(self.dtype)
         for i in range(self.spec.num_layers):
