@@ -58,7 +58,8 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
 
 
 def render_triton_kernels(spec: ModelSpec, kernels_dir: Path) -> list[dict[str, Any]]:
-    """The GPU expert kernel over cache slots (hits and fills), for the slots' FTW row layout.
+    """The GPU expert kernels over cache slots, for the slots' FTW row layout: one for decode (a
+    few tokens per expert), one grouped GEMM for prompt chunks (many tokens per expert).
     Rendered on every machine; the runtime imports it only where a GPU runs the engine."""
     h, i = spec.hidden_size, spec.moe.expert_intermediate_size
     header = FtwHeader.create(1, 1, bf16_expert_banks(h, i))
@@ -67,6 +68,8 @@ def render_triton_kernels(spec: ModelSpec, kernels_dir: Path) -> list[dict[str, 
     path.write_text(_env().get_template("triton/expert_ffn.py.j2").render(
         hidden=h, intermediate=i, slot_stride=header.expert_stride // 2,
         gate_up_offset=header.bank("gate_up").offset // 2, down_offset=header.bank("down").offset // 2,
-        block_i=16, block_h=256, block_out=32, block_in=128))
+        block_i=16, block_h=256, block_out=32, block_in=128, group_block_m=64, group_block_n=64, group_block_k=64))
     return [{"name": "expert_ffn_gpu", "symbol": "expert_ffn", "source": TRITON_EXPERT_FILE, "isa": "triton",
-             "shapes": {"hidden": h, "intermediate": i}}]
+             "shapes": {"hidden": h, "intermediate": i}},
+            {"name": "grouped_expert_ffn_gpu", "symbol": "grouped_expert_ffn", "source": TRITON_EXPERT_FILE,
+             "isa": "triton", "shapes": {"hidden": h, "intermediate": i}}]

@@ -146,9 +146,10 @@ class Engine:
         planner = MissPlanner(offload.miss_policy, b_p, b_h,
                               manifest.target.get("b_p_concurrent") if measured else None,
                               manifest.target.get("b_h_concurrent") if measured else None)
+        device_kernel, grouped_kernel = _gpu_expert_kernels(root, offload.device)
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
-                                   offload.cache_policy, _gpu_expert_kernel(root, offload.device),
-                                   plan.prefill_stream_min_tokens, offload.prefill_overlap)
+                                   offload.cache_policy, device_kernel, plan.prefill_stream_min_tokens,
+                                   offload.prefill_overlap, grouped_kernel)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, settings().decode_graphs, settings().torch_compile)
         return cls(manifest, tokenizer, model, pool, vram, prefill_chunk)
@@ -209,14 +210,15 @@ def _load_pool(root: Path, manifest: EngineManifest, show_progress: bool) -> ftw
         return ftw.load(root / EXPERTS_FILE, on_bytes=lambda n: bar.advance(task, n))
 
 
-def _gpu_expert_kernel(root: Path, device: str):
-    """The engine's generated Triton expert kernel, on a CUDA device (None elsewhere: torch then)."""
+def _gpu_expert_kernels(root: Path, device: str) -> tuple:
+    """The engine's generated Triton expert kernels on a CUDA device, for a few tokens per expert
+    and grouped for many; (None, None) elsewhere (torch then)."""
     if torch.device(device).type != "cuda":
-        return None
+        return None, None
     spec = importlib.util.spec_from_file_location("ftc_engine_expert_ffn", root / TRITON_EXPERT_FILE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.expert_ffn
+    return module.expert_ffn, module.grouped_expert_ffn
 
 
 def _vram_plan(manifest: EngineManifest, cfg: OffloadConfig, shapes: dict, pool: ftw.ExpertPool) -> VramPlan:

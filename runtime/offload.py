@@ -130,7 +130,8 @@ class OffloadedExperts(ExpertBackend):
 
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
                  planner: MissPlanner, cache_policy: str = "lru", device_kernel: Callable | None = None,
-                 stream_min_tokens: int | None = None, stream_overlap: bool = True):
+                 stream_min_tokens: int | None = None, stream_overlap: bool = True,
+                 grouped_kernel: Callable | None = None):
         h = pool.header
         self.pool, self.kernel, self.device, self.planner = pool, kernel, torch.device(device), planner
         self.num_experts = h.num_experts
@@ -142,9 +143,10 @@ class OffloadedExperts(ExpertBackend):
         self.banks = {b.name: (b.offset, b.row_bytes, b.row_shape) for b in h.banks}
         self.hidden = self.banks["gate_up"][2][1]  # gate_up rows are [2I, hidden]
         self.stats = OffloadStats(self.device)
-        # The engine's generated GPU kernel (x, slots, pair_slot, pair_tok, pair_w, out; pairs with
-        # a negative slot are skipped); None: torch.
-        self.device_kernel = device_kernel
+        # The engine's generated GPU kernels (x, slots, pair_slot, pair_tok, pair_w, out): for a few
+        # tokens per expert (pairs with a negative slot skipped), and the grouped GEMM for many
+        # (pairs sorted by slot); None: torch.
+        self.device_kernel, self.grouped_kernel = device_kernel, grouped_kernel
         self.prompt_counts = np.zeros(h.num_rows, dtype=np.int64)  # static policy: routed ids of the prompt
         self.on_gpu = self.device.type == "cuda"
         self.pinned = self.on_gpu and pin_in_place(pool.buffer)
@@ -334,8 +336,11 @@ class OffloadedExperts(ExpertBackend):
         out = self._buffer("device_out", t, hidden, self.device).zero_()
         self._outputs = (out, cpu_out)
         if on_device.size:
+            pairs = self._pairs(r, on_device, device_slots)
+            # Many tokens per expert (a prompt): GEMM tiles; a few (decode batches): one pass per pair.
+            run = self.grouped_on_device if pairs.shape[1] >= 4 * on_device.size else self._experts_on_device
             with self.stats.compute.measure():
-                self._experts_on_device(packed[:, :hidden].contiguous(), self._pairs(r, on_device, device_slots), out)
+                run(packed[:, :hidden].contiguous(), pairs, out)
 
     def _staged_host(self, t: int, k: int) -> torch.Tensor:
         """The staged call on the host: its pinned copy beside a GPU, else the buffer itself."""
@@ -393,12 +398,20 @@ class OffloadedExperts(ExpertBackend):
         return host.to(self.device, non_blocking=True)
 
     def _experts_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
-        if self.device_kernel is not None:
-            self.device_kernel(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), out)
+        """out += the pairs' experts with the decode kernel (a few tokens per expert), else torch."""
+        if self.device_kernel is None:
+            self._torch_experts(x, pairs, out)
             return
-        self.grouped_on_device(x, pairs, out)
+        self.device_kernel(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), out)
 
     def grouped_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
+        """out += the pairs' experts with the grouped GEMM kernel (many tokens per expert), else torch."""
+        if self.grouped_kernel is None:
+            self._torch_experts(x, pairs, out)
+            return
+        self.grouped_kernel(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), out)
+
+    def _torch_experts(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
         """out += the pairs' experts ([3, P] int32: slot, token, weight bits; the pairs of a slot
         adjacent) with torch, one expert at a time over all its tokens, fp32 arithmetic."""
         pair_slot, pair_tok, pair_w = pairs[0], pairs[1], pairs[2].view(torch.float32)
