@@ -33,6 +33,8 @@ class LayerStream:
         self.buffers = [np.sort(slots[i * e:(i + 1) * e]) for i in range(n_buffers)]
         self.on_gpu = experts.on_gpu
         self.copy_stream = torch.cuda.Stream(experts.device) if self.on_gpu else None
+        if self.copy_stream is not None:  # kernels queued before this chunk may still read the buffers' slots
+            self.copy_stream.wait_stream(torch.cuda.current_stream(experts.device))
         self.ready: dict[int, torch.cuda.Event] = {}  # MoE layer → its copies have landed
         self.released: list[torch.cuda.Event | None] = [None] * n_buffers  # a buffer's last reader is done
         self.loaded: set[int] = set()
