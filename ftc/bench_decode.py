@@ -17,7 +17,7 @@ import torch
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.ftw import ExpertPool
-from ftc_runtime.offload import OffloadStats
+from ftc_runtime.offload_stats import OffloadStats
 from ftc_runtime.routing_trace import RoutingTrace, TraceReplay
 from ftc_runtime.throughput import torch_read_gbps
 

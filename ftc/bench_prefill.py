@@ -16,7 +16,7 @@ import torch
 from ftc_runtime import Engine
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.ftw import ExpertPool
-from ftc_runtime.offload import OffloadStats
+from ftc_runtime.offload_stats import OffloadStats
 
 
 def bench_prefill(engine_dir: Path, offload: OffloadConfig, lengths: list[int], overlap_modes: list[bool],
