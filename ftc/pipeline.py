@@ -32,6 +32,7 @@ from rich.progress import (
 from safetensors.torch import save_file
 
 from ftc_runtime.artifact import (
+    CHAT_TEMPLATE_FILE,
     DENSE_FILE,
     EXPERTS_FILE,
     FORMAT,
@@ -42,6 +43,7 @@ from ftc_runtime.artifact import (
     Plan,
     describe_files,
 )
+from ftc_runtime.chat_template import ChatTemplate, ChatTemplateError
 from ftc_runtime.cpu_info import missing_flags, worker_cpus
 from ftc_runtime.ftw import ExpertPool, FtwHeader, bf16_expert_banks, read_header
 from ftc_runtime.kernels import CpuExpertKernel
@@ -145,6 +147,7 @@ def _build_engine(spec: ModelSpec, target: Target, plan: Plan, weights: WeightSo
             pool = None
         task = progress.add_task("tokenizer", total=1)
         _write_tokenizer(spec, checkpoint, staging)
+        _write_chat_template(spec, checkpoint, staging)
         progress.advance(task)
         task = progress.add_task("kernel sources", total=1)
         kernels = render_cpu_kernels(spec, plan, staging / "kernels") + render_triton_kernels(spec, staging / "kernels")
@@ -159,7 +162,7 @@ def _build_engine(spec: ModelSpec, target: Target, plan: Plan, weights: WeightSo
         else:
             task = progress.add_task("kernel check", total=len(plan.batch_buckets))
             checks = _check_kernels(spec, plan, staging, pool, lambda: progress.advance(task))
-    files = [*hashes, DENSE_FILE, TOKENIZER_FILE, LIBRARY_FILE] + [k["source"] for k in kernels]
+    files = [*hashes, DENSE_FILE, TOKENIZER_FILE, CHAT_TEMPLATE_FILE, LIBRARY_FILE] + [k["source"] for k in kernels]
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "ftc_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -218,6 +221,33 @@ def _write_tokenizer(spec: ModelSpec, checkpoint: Path | None, staging: Path) ->
         shutil.copyfile(checkpoint / TOKENIZER_FILE, staging / TOKENIZER_FILE)
     else:
         build_byte_tokenizer(spec, staging / TOKENIZER_FILE)
+
+
+def _write_chat_template(spec: ModelSpec, checkpoint: Path | None, staging: Path) -> None:
+    """The checkpoint's chat template (chat_template.jinja, else tokenizer_config.json's default
+    one), else the family's; checked for syntax here so that a bad one fails the compile."""
+    text, source = None, None
+    if checkpoint is not None and (checkpoint / CHAT_TEMPLATE_FILE).is_file():
+        source = checkpoint / CHAT_TEMPLATE_FILE
+        text = source.read_text(encoding="utf-8")
+    elif checkpoint is not None and (checkpoint / "tokenizer_config.json").is_file():
+        source = checkpoint / "tokenizer_config.json"
+        try:
+            text = json.loads(source.read_text(encoding="utf-8")).get("chat_template")
+        except json.JSONDecodeError as e:
+            raise SpecError(f"{source}: not valid JSON ({e})") from None
+        if isinstance(text, list):  # named templates: the default one
+            text = next((t.get("template") for t in text if isinstance(t, dict) and t.get("name") == "default"), None)
+        if text is not None and not isinstance(text, str):
+            raise SpecError(f"{source}: field 'chat_template' must be a string or a list of named templates")
+    if text is None:
+        source = family(spec.family).chat_template_path
+        text = source.read_text(encoding="utf-8")
+    try:
+        ChatTemplate(text, str(source))
+    except ChatTemplateError as e:
+        raise SpecError(str(e)) from None
+    (staging / CHAT_TEMPLATE_FILE).write_text(text, encoding="utf-8")
 
 
 def _check_kernels(spec: ModelSpec, plan: Plan, staging: Path, pool: ExpertPool | None, tick) -> list[dict]:

@@ -17,6 +17,7 @@ MANIFEST = "engine.json"
 EXPERTS_FILE = "experts.ftw"
 DENSE_FILE = "dense.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 LIBRARY_FILE = "lib/libftc_kernels.so"
 TRITON_EXPERT_FILE = "kernels/expert_ffn_triton.py"
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from . import ftw
 from .artifact import (
+    CHAT_TEMPLATE_FILE,
     DENSE_FILE,
     EXPERTS_FILE,
     LIBRARY_FILE,
@@ -25,6 +26,7 @@ from .artifact import (
     ArtifactError,
     EngineManifest,
 )
+from .chat_template import ChatTemplate
 from .cpu_info import gpu_engine_worker_cpus, pin_this_thread, worker_cpus
 from .decode_graphs import decode_graphs_for
 from .experts import CpuExperts
@@ -87,6 +89,10 @@ class Engine:
         self.manifest, self.spec, self.tokenizer, self.model, self.pool, self.vram = (
             manifest, manifest.spec, tokenizer, model, pool, vram)
         self.prefill_chunk = prefill_chunk or manifest.plan.prefill_chunk
+        # The conversation → prompt template (engines compiled before it was stored have none).
+        root = manifest.root
+        self.chat_template = (ChatTemplate.load(root / CHAT_TEMPLATE_FILE) if CHAT_TEMPLATE_FILE in manifest.files
+                              else None)
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill chunk = {self.prefill_chunk}: expected a number of tokens >= 1")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..spec import ModelSpec
 from .qwen3_moe import Qwen3MoeModel
@@ -15,10 +16,16 @@ class Family:
     name: str
     model: type
     dense_tensor_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]]
+    chat_template: str  # in chat_templates/: for engines whose checkpoint brings none
+    tool_parser: str  # name in tool_parsers.TOOL_PARSERS: how the family writes tool calls
+
+    @property
+    def chat_template_path(self) -> Path:
+        return Path(__file__).parent / "chat_templates" / self.chat_template
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen3_moe": Family("qwen3_moe", Qwen3MoeModel, qwen3_moe_dense_shapes),
+    "qwen3_moe": Family("qwen3_moe", Qwen3MoeModel, qwen3_moe_dense_shapes, "chatml_tools.jinja", "qwen"),
 }
 
 

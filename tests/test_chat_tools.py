@@ -1,0 +1,160 @@
+"""Chat templates render as transformers renders them, tool calls survive a round trip through the
+template and the family's parser, and bad output or templates are handled without loss."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from ftc.pipeline import CompileOptions, compile_engine
+from ftc_runtime import Engine
+from ftc_runtime.chat_template import ChatTemplate, ChatTemplateError
+from ftc_runtime.models import family
+from ftc_runtime.spec import SpecError
+from ftc_runtime.tool_parsers import QwenToolParser, ToolCall, parse_output, split_reasoning, tool_parser
+
+from hf_models import TinyShape, build_model, save_checkpoint
+
+SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
+TEMPLATE = family("qwen3_moe").chat_template_path
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Engine:
+    out = tmp_path_factory.mktemp("chat") / "tiny"
+    return Engine.load(compile_engine(CompileOptions(source=SPEC, target="cpu", random_weights=True, output=out)))
+
+
+def _word(rng: random.Random, n: int = 8) -> str:
+    return "".join(rng.choice(string.ascii_letters + "éü中 _") for _ in range(rng.randrange(1, n)))
+
+
+def _value(rng: random.Random, depth: int = 0):
+    kind = rng.choice(["str", "int", "float", "bool", "null", "list", "dict"] if depth < 2 else ["str", "int"])
+    return {"str": lambda: _word(rng, 12), "int": lambda: rng.randrange(-10**6, 10**6),
+            "float": lambda: rng.uniform(-1e3, 1e3), "bool": lambda: rng.random() < 0.5, "null": lambda: None,
+            "list": lambda: [_value(rng, depth + 1) for _ in range(rng.randrange(3))],
+            "dict": lambda: {_word(rng): _value(rng, depth + 1) for _ in range(rng.randrange(3))}}[kind]()
+
+
+def _tools(rng: random.Random, n: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"tool_{i}_{rng.randrange(100)}", "description": _word(rng, 30),
+                                              "parameters": {"type": "object", "properties": {}}}}
+            for i in range(n)]
+
+
+def _conversation(rng: random.Random, tools: list[dict]) -> list[dict]:
+    messages = [{"role": "system", "content": _word(rng, 40)}] if rng.random() < 0.6 else []
+    for _ in range(rng.randrange(1, 4)):
+        messages.append({"role": "user", "content": _word(rng, 60)})
+        reply = {"role": "assistant", "content": _word(rng, 40) if rng.random() < 0.7 else ""}
+        if rng.random() < 0.4:
+            reply["reasoning_content"] = _word(rng, 40)
+        if tools and rng.random() < 0.5:
+            reply["tool_calls"] = [{"type": "function", "function": {
+                "name": rng.choice(tools)["function"]["name"],
+                "arguments": {_word(rng): _value(rng) for _ in range(rng.randrange(3))}}}
+                for _ in range(rng.randrange(1, 3))]
+        messages.append(reply)
+        for _ in reply.get("tool_calls", []):
+            messages.append({"role": "tool", "content": json.dumps(_value(rng))})
+    messages.append({"role": "user", "content": _word(rng, 60)})
+    return messages
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_template_renders_as_transformers_does(engine, seed):
+    rng = random.Random(seed * 7727 + random.randrange(10**6))
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(engine.manifest.root / "tokenizer.json"))
+    reference.chat_template = engine.chat_template.source
+    tools = _tools(rng, rng.randrange(0, 4))
+    messages = _conversation(rng, tools)
+    options = {"enable_thinking": rng.random() < 0.5} if rng.random() < 0.5 else {}
+    want = reference.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                                         **options)
+    assert engine.chat_template.render(messages, tools, **options) == want
+
+
+def test_checkpoint_templates_are_kept_and_checked(tmp_path):
+    """A checkpoint's own template (tokenizer_config.json, string or named list) wins over the
+    family's; one with a syntax error fails the compile, naming the file."""
+    model = build_model(TinyShape(), seed=5)
+    ckpt = save_checkpoint(model, tmp_path / "ckpt", "fused", 1)
+    own = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "unused"}, {"name": "default", "template": own}]}))
+    engine = Engine.load(compile_engine(CompileOptions(source=ckpt, target="cpu", output=tmp_path / "e1")))
+    assert engine.chat_template.source == own
+    assert engine.chat_template.render([{"role": "user", "content": "hi"}]) == "[user] hi\n"
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}"}))
+    with pytest.raises(SpecError, match="tokenizer_config.json"):
+        compile_engine(CompileOptions(source=ckpt, target="cpu", output=tmp_path / "e2"))
+
+
+def test_template_errors_name_the_file(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ raise_exception('no tools here') if tools else 'ok' }}")
+    template = ChatTemplate.load(path)
+    assert template.render([]) == "ok"
+    with pytest.raises(ChatTemplateError, match=r"t\.jinja: no tools here"):
+        template.render([], tools=[{"name": "x"}])
+    with pytest.raises(ChatTemplateError, match="t.jinja"):
+        ChatTemplate("{% if %}", str(path))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_tool_calls_round_trip_through_template_and_parser(engine, seed):
+    """The assistant turn the template writes for given tool calls (the model's own format) parses
+    back into the same calls, content and reasoning."""
+    rng = random.Random(seed * 104723 + random.randrange(10**6))
+    tools = _tools(rng, 3)
+    calls = [ToolCall(rng.choice(tools)["function"]["name"], {_word(rng): _value(rng) for _ in range(3)})
+             for _ in range(rng.randrange(1, 4))]
+    content = _word(rng, 30).strip() if rng.random() < 0.5 else ""
+    reasoning = _word(rng, 30).strip() or "r"
+    turn = {"role": "assistant", "content": content, "reasoning_content": reasoning,
+            "tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in calls]}
+    text = engine.chat_template.render([{"role": "user", "content": "q"}, turn], tools, add_generation_prompt=False)
+    generated = text.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n")
+    out = parse_output(generated, tool_parser(family("qwen3_moe").tool_parser), tools)
+    assert out.tool_calls == calls and out.content == content and out.reasoning == reasoning
+
+
+def test_xml_style_parameters_are_typed_by_the_schema():
+    rng = random.Random()
+    schema = {"type": "object", "properties": {"path": {"type": "string"}, "line": {"type": "integer"},
+                                               "scale": {"type": "number"}, "force": {"type": "boolean"},
+                                               "opts": {"type": "object"}, "items": {"type": "array"}}}
+    tools = [{"type": "function", "function": {"name": "edit", "parameters": schema}}]
+    args = {"path": "42", "line": rng.randrange(10**6), "scale": rng.uniform(0, 9), "force": rng.random() < 0.5,
+            "opts": {"a": [1, "x"]}, "items": [rng.randrange(9)], "untyped": {"k": None}}
+    body = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                   for k, v in args.items())
+    text = f"Editing.\n<tool_call>\n<function=edit>\n{body}</function>\n</tool_call>"
+    content, calls = QwenToolParser().parse(text, tools)
+    assert content == "Editing." and calls == [ToolCall("edit", args)]
+
+
+@pytest.mark.parametrize("text", [
+    'Let me check. <tool_call>{"name": "f", "argu',  # cut off by max_tokens
+    '<tool_call>{"name": "f", "arguments": {bad json}}</tool_call>',
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>["f", {}]</tool_call>',
+    "<tool_call><function=f><parameter=a>1</parameter></tool_call>",  # no </function>
+])
+def test_unparsable_calls_stay_in_the_content(text):
+    out = parse_output(text, QwenToolParser(), _tools(random.Random(0), 1))
+    assert out.tool_calls == [] and out.content == text.strip()
+
+
+def test_reasoning_split():
+    assert split_reasoning("<think>\nplan\n</think>\n\nanswer") == ("plan", "answer")
+    assert split_reasoning("plan opened by the prompt</think>answer") == ("plan opened by the prompt", "answer")
+    assert split_reasoning("no reasoning") == (None, "no reasoning")
+    assert parse_output("a <tool_call>{}</tool_call>", QwenToolParser(), None).content == "a <tool_call>{}</tool_call>"
