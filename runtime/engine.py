@@ -89,6 +89,7 @@ class Engine:
         self.manifest, self.spec, self.tokenizer, self.model, self.pool, self.vram = (
             manifest, manifest.spec, tokenizer, model, pool, vram)
         self.prefill_chunk = prefill_chunk or manifest.plan.prefill_chunk
+        self.tool_parser = family(manifest.spec.family).tool_parser  # name in tool_parsers.TOOL_PARSERS
         # The conversation → prompt template (engines compiled before it was stored have none).
         root = manifest.root
         self.chat_template = (ChatTemplate.load(root / CHAT_TEMPLATE_FILE) if CHAT_TEMPLATE_FILE in manifest.files

@@ -35,3 +35,11 @@ class StreamDecoder:
             return ""
         delta, self.emitted = text[len(self.emitted):], text
         return delta
+
+    def flush(self) -> str:
+        """What is still held back once no token will follow (an unfinished UTF-8 sequence, shown
+        as the replacement character, as a whole decode shows it)."""
+        text = self.tokenizer.decode(self.ids)
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return delta

@@ -43,6 +43,57 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return reasoning.strip(), text[end + len("</think>"):].lstrip()
 
 
+class ReasoningSplitter:
+    """Streamed text split into ("reasoning", text) and ("content", text) pieces as it arrives: text
+    that opens with `<think>` is reasoning until `</think>`. A piece that might be the start of a
+    tag is held back until the next delta (or `flush`) tells."""
+
+    def __init__(self):
+        self.mode, self.held = "start", ""
+        self.after_reasoning = False  # content right after `</think>`: its leading blank lines go
+
+    def feed(self, delta: str) -> list[tuple[str, str]]:
+        text, out = self.held + delta, []
+        self.held = ""
+        if self.mode == "start":
+            if "<think>".startswith(text):  # still undecided
+                self.held = text
+                return out
+            if text.startswith("<think>"):
+                self.mode, text = "reasoning", text[len("<think>"):].lstrip("\n")
+            else:
+                self.mode = "content"
+        if self.mode == "reasoning":
+            end = text.find("</think>")
+            if end < 0:
+                keep = _partial_suffix(text, "</think>")
+                if text[:len(text) - keep]:
+                    out.append(("reasoning", text[:len(text) - keep]))
+                self.held = text[len(text) - keep:]
+                return out
+            if text[:end].rstrip():
+                out.append(("reasoning", text[:end].rstrip()))
+            self.mode, self.after_reasoning, text = "content", True, text[end + len("</think>"):]
+        if self.after_reasoning:
+            text = text.lstrip()
+            self.after_reasoning = not text
+        if text:
+            out.append(("content", text))
+        return out
+
+    def flush(self) -> list[tuple[str, str]]:
+        held, self.held = self.held, ""
+        return [("reasoning" if self.mode == "reasoning" else "content", held)] if held else []
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _FUNCTION = re.compile(r"^<function=([^>\s]+)>(.*)</function>$", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)

@@ -16,7 +16,14 @@ from ftc_runtime import Engine
 from ftc_runtime.chat_template import ChatTemplate, ChatTemplateError
 from ftc_runtime.models import family
 from ftc_runtime.spec import SpecError
-from ftc_runtime.tool_parsers import QwenToolParser, ToolCall, parse_output, split_reasoning, tool_parser
+from ftc_runtime.tool_parsers import (
+    QwenToolParser,
+    ReasoningSplitter,
+    ToolCall,
+    parse_output,
+    split_reasoning,
+    tool_parser,
+)
 
 from hf_models import TinyShape, build_model, save_checkpoint
 
@@ -158,3 +165,25 @@ def test_reasoning_split():
     assert split_reasoning("plan opened by the prompt</think>answer") == ("plan opened by the prompt", "answer")
     assert split_reasoning("no reasoning") == (None, "no reasoning")
     assert parse_output("a <tool_call>{}</tool_call>", QwenToolParser(), None).content == "a <tool_call>{}</tool_call>"
+
+
+@pytest.mark.parametrize("text", ["<think>\nplan a b\n</think>\n\nthe answer", "plain <think> answer", "<thi",
+                                  "<think>never closed", "</think> after nothing"])
+def test_streamed_reasoning_split_agrees_with_the_whole_text(text):
+    """Cut anywhere, the streamed pieces add up to what `split_reasoning` makes of the whole text
+    (text that does not open with <think> is content, all of it)."""
+    rng = random.Random()
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, min(8, len(text) - 1))))
+        splitter, pieces = ReasoningSplitter(), []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            pieces += splitter.feed(text[a:b])
+        pieces += splitter.flush()
+        reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
+        content = "".join(t for kind, t in pieces if kind == "content")
+        if not text.startswith("<think>"):
+            assert (reasoning, content) == ("", text)
+        elif "</think>" in text:
+            assert (reasoning.strip(), content) == split_reasoning(text)
+        else:
+            assert (reasoning.strip(), content) == ("never closed", "")

@@ -202,3 +202,25 @@ def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap
         # the last layer streamed stays cached for decode
         last = (n_moe - 1) * e + np.arange(e)
         assert (experts.cache.slot_of[last] >= 0).all()
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_batched_decode_equals_one_sequence_at_a_time(engine_dir, cpu_engine, offloaded):
+    """Sequences of different lengths decoded together (one call per step) give each sequence the
+    logits it gets alone; on the emulated device too, whose experts see the batch as one call."""
+    engine = cpu_engine if not offloaded else Engine.load(engine_dir, offload=OffloadConfig(
+        device="cpu", n_slots=random.choice([3, 12, 40]), b_p=20.0, b_h=40.0))
+    prompts = [[random.randrange(256) for _ in range(random.randrange(1, 20))] for _ in range(random.randrange(2, 6))]
+    steps = [[random.randrange(256) for _ in range(6)] for _ in prompts]
+    model = engine.model
+    caches = [model.new_cache() for _ in prompts]
+    for ids, cache in zip(prompts, caches, strict=True):
+        model.forward(torch.tensor(ids), cache)
+    batched = [model.decode_batch([s[t] for s in steps], caches) for t in range(6)]
+    for j, (ids, cache) in enumerate(zip(prompts, caches, strict=True)):
+        alone = model.new_cache()
+        model.forward(torch.tensor(ids), alone)
+        for t in range(6):
+            want = model.forward(torch.tensor([steps[j][t]]), alone)[-1]
+            assert torch.allclose(batched[t][j], want, rtol=1e-4, atol=1e-4), (j, t)
+        assert cache.length == alone.length

@@ -117,11 +117,22 @@ def run(
     reprofile: Annotated[bool, typer.Option("--reprofile", help="Measure B_P/B_H again, record them in "
                                             "engine.json and split misses by them.")] = False,
     prefill_chunk: Annotated[int | None, typer.Option(help="Prompt chunk in tokens (default: the plan's).")] = None,
+    serve: Annotated[bool, typer.Option("--serve", help="Serve the OpenAI API over HTTP instead.")] = False,
+    host: Annotated[str, typer.Option(help="--serve: address to bind (loopback unless told).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="--serve: TCP port.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="FTC_API_KEY", help="--serve: require this key "
+                                                "(Authorization: Bearer KEY or x-api-key).")] = None,
+    max_batch: Annotated[int, typer.Option(help="--serve: requests decoded together at most.")] = 16,
 ) -> None:
-    """Generate from a prompt, streaming the text (or one JSON object with --json)."""
+    """Generate from a prompt, streaming the text (or one JSON object with --json); or, with
+    --serve, answer the OpenAI API over HTTP."""
     from ftc_runtime import Engine, SamplingParams
     from ftc_runtime.tokenizer import StreamDecoder
 
+    if serve:
+        _serve(engine, device, vram_budget, slots, miss_policy, cache_policy, prefill_chunk, host, port, api_key,
+               max_batch)
+        return
     if (prompt is None) == (prompt_ids is None):
         _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
     try:
@@ -157,6 +168,24 @@ def run(
         sys.stdout.write("\n")
         err.print(f"[dim]{len(ids)} prompt tokens, {len(tokens)} generated; prefill {s.prefill_tok_s:.1f} tok/s, "
                   f"decode {s.decode_tok_s:.2f} tok/s[/]")
+
+
+def _serve(engine: Path, device, vram_budget, slots, miss_policy, cache_policy, prefill_chunk, host: str, port: int,
+           api_key: str | None, max_batch: int) -> None:
+    import uvicorn
+
+    from ftc_runtime import Engine
+    from ftc_runtime.serve.app import ServerConfig, create_app
+
+    try:
+        eng = Engine.load(engine, show_progress=True, offload=offload_config(device, vram_budget, slots, miss_policy,
+                                                                               cache_policy),
+                          prefill_chunk=prefill_chunk)
+        app = create_app(eng, ServerConfig(model_name=eng.spec.name, api_key=api_key, max_batch=max_batch))
+    except _user_errors() as e:
+        _fail(e)
+    err.print(f"serving {eng.spec.name} on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""))
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 class BenchKind(str, Enum):

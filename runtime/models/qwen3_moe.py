@@ -169,12 +169,37 @@ class Qwen3MoeModel:
             x = x[-1:]
         return self.head(x)
 
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """One new token for each of several sequences, each after its own cache's tokens: logits
+        [B, vocab] fp32. The projections, router, experts and head run once over the batch (the
+        experts of B tokens as one call); attention runs per sequence over its own cache."""
+        if len(tokens) != len(caches) or not tokens:
+            raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
+        if len(tokens) == 1:
+            return self.forward(torch.tensor(tokens), caches[0])
+        positions = [c.length for c in caches]
+        cos, sin = self.rope_at(torch.tensor(positions, device=self.device))
+        x = self.embed[torch.tensor(tokens, device=self.device)].to(self.dtype)
+        eps = self.spec.norm.eps
+        for i in range(self.spec.num_layers):
+            q, k, v = attention_in(x, *self.attention_in_weights(i), cos, sin, eps, self.heads)
+            attn = torch.cat([self.attend(i, q[j:j + 1], k[j:j + 1], v[j:j + 1], c) for j, c in enumerate(caches)])
+            x, h = attention_out(x, attn, *self.attention_out_weights(i), eps)
+            x = x + self.mlp(i, h, positions[0])  # routing hooks see one position per call: not for batches
+        for c in caches:
+            c.length += 1
+        return self.head(x)
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(x, self.w["model.norm.weight"], self.spec.norm.eps), self.lm_head).float()
 
     def rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [n, 1, rotary dim] of positions start .. start+n-1."""
-        positions = torch.arange(start, start + n, device=self.device)
+        return self.rope_at(torch.arange(start, start + n, device=self.device))
+
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, 1, rotary dim] of the given positions."""
         freqs = positions[:, None].double() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]

@@ -1,0 +1,1 @@
+"""HTTP serving: OpenAI-compatible routes over a scheduler that batches requests' decode steps."""

@@ -1,0 +1,203 @@
+"""The HTTP app: auth, errors in the API's own shape, health, and the generation stream that every
+route reads (`TokenStream`). The OpenAI routes are in `openai_api`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
+
+from ..engine import Engine
+from ..sampling import SamplingParams
+from ..tokenizer import StreamDecoder
+from .scheduler import Request as EngineRequest
+from .scheduler import Scheduler
+
+
+class ApiError(Exception):
+    """A 4xx answer: `status`, a message naming the field or value, the field (`param`)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_batch: int = 16
+    max_prompt_tokens: int = 32768
+    max_new_tokens: int = 8192
+
+
+class TokenStream:
+    """One request's text as the engine thread produces it: `deltas()` yields text pieces, then
+    ends; `finish_reason` and `completion_tokens` are set by then. Stop strings end it early (the
+    text is cut before them). Leaving the iteration early cancels the request."""
+
+    def __init__(self, server: Server, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
+                 stop: list[str]):
+        self.server, self.stop = server, [s for s in stop if s]
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int | None, str | None]] = asyncio.Queue()
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.prompt_tokens = len(prompt_ids)
+        self.request = EngineRequest(prompt_ids, max_new_tokens, sampling, self._on_token,
+                                     frozenset(server.engine.spec.eos_token_ids))
+        server.scheduler.submit(self.request)
+
+    def _on_token(self, token: int | None, reason: str | None) -> None:  # the engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, reason))
+
+    async def deltas(self) -> AsyncIterator[str]:
+        decoder, eos = StreamDecoder(self.server.engine.tokenizer), self.request.stop_ids
+        text, engine_done = "", False
+        try:
+            while True:
+                token, reason = await self.queue.get()
+                if token is None:
+                    engine_done = True
+                    self.finish_reason = "length" if reason == "length" else ("error" if reason == "error" else "stop")
+                    delta = decoder.flush()
+                else:
+                    self.completion_tokens += 1
+                    if token in eos:
+                        continue
+                    delta = decoder.push(token)
+                cut = _first_stop(text + delta, self.stop)
+                if cut is not None:
+                    if cut > len(text):
+                        yield (text + delta)[len(text):cut]
+                    self.finish_reason = "stop"
+                    return
+                text += delta
+                if delta:
+                    yield delta
+                if token is None:
+                    return
+        finally:
+            if not engine_done:  # a stop string, or the client gone: the engine drops the request
+                self.request.cancel()
+
+    async def text(self) -> str:
+        return "".join([d async for d in self.deltas()])
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+class Server:
+    def __init__(self, engine: Engine, config: ServerConfig):
+        if engine.chat_template is None:
+            raise ValueError(f"{engine.manifest.root}: the engine has no chat template (compile it again)")
+        self.engine, self.config = engine, config
+        self.scheduler: Scheduler | None = None
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param)
+        limit = self.config.max_prompt_tokens
+        if len(ids) > limit:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; this server takes at most {limit}", param)
+
+    def new_tokens(self, asked: int | None, default: int) -> int:
+        n = default if asked is None else asked
+        if n > self.config.max_new_tokens:
+            raise ApiError(400, f"max_tokens = {n}: this server generates at most {self.config.max_new_tokens}",
+                           "max_tokens")
+        return n
+
+
+def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    from .openai_api import router as openai_router
+
+    server = Server(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        server.scheduler = Scheduler(engine, config.max_batch)
+        yield
+        server.scheduler.close()
+
+    app = FastAPI(title="ftc", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if config.api_key is not None and request.url.path != "/health" and not _authorized(request, config.api_key):
+            return _error(401, "missing or wrong API key (send Authorization: Bearer KEY or x-api-key: KEY)",
+                          None, "authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError):
+        return _error(e.status, e.message, e.param, e.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        if first.get("type") == "json_invalid":
+            return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None)
+        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException):
+        return _error(e.status_code, str(e.detail), None, "not_found_error" if e.status_code == 404 else
+                      "invalid_request_error")
+
+    @app.get("/health")
+    async def health():
+        s = server.scheduler
+        return {"status": "ok", "running": len(s.running) if s else 0, "waiting": s.waiting.qsize() if s else 0}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(_metrics(server), media_type="text/plain; version=0.0.4")
+
+    app.include_router(openai_router)
+    return app
+
+
+def _metrics(server: Server) -> str:
+    """Prometheus text: the scheduler's counts and, where the engine offloads, its expert cache."""
+    s = server.scheduler
+    rows = [("ftc_requests_running", "gauge", "requests decoding now", len(s.running)),
+            ("ftc_requests_waiting", "gauge", "requests queued", s.waiting.qsize()),
+            ("ftc_decode_steps_total", "counter", "decode steps run", s.decode_steps),
+            ("ftc_decode_tokens_total", "counter", "tokens those steps made (several per step when batched)",
+             s.decode_tokens)]
+    stats = getattr(server.engine.model.experts, "stats", None)
+    if stats is not None:
+        d = stats.to_dict()
+        rows += [("ftc_expert_hits_total", "counter", "routed experts found in the GPU cache", d["hits"]),
+                 ("ftc_expert_fills_total", "counter", "misses copied into the GPU cache", d["fills"]),
+                 ("ftc_expert_cpu_total", "counter", "misses computed on the CPU", d["cpu"])]
+    if server.engine.vram is not None:
+        rows += [(f"ftc_vram_{k}_bytes", "gauge", f"VRAM plan: {k}", getattr(server.engine.vram, k))
+                 for k in ("dense", "kv", "workspace", "slots")]
+    return "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in rows)
+
+
+def _authorized(request: Request, key: str) -> bool:
+    given = request.headers.get("x-api-key") or ""
+    bearer = request.headers.get("authorization", "")
+    if bearer.lower().startswith("bearer "):
+        given = given or bearer[7:].strip()
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                        status_code=status)

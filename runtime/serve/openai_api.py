@@ -1,0 +1,248 @@
+"""OpenAI-compatible routes: `/v1/chat/completions` (streamed or not, with reasoning and tool
+calls), `/v1/completions`, `/v1/models`. Requests are validated by their pydantic models; the
+answers follow OpenAI's shapes, errors included (`app.ApiError`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..sampling import SamplingParams
+from ..tool_parsers import ReasoningSplitter, parse_output, tool_parser
+from .app import ApiError, Server, TokenStream
+
+router = APIRouter()
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # fields this server does not use are accepted
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallIn(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _TOOL_NAME.match(v):
+            raise ValueError(f"tool name {v!r}: expected 1-64 letters, digits, '_' or '-'")
+        return v
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class Sampling(_Body):
+    model: str
+    stream: bool = False
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, ge=1)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    name = _server(request).config.model_name
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "ftc"}]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request):
+    server = _server(request)
+    _check_model(server, body.model)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
+    prompt = server.engine.chat_template.render([_template_message(m) for m in body.messages], tools or None)
+    ids = server.engine.tokenizer.encode(prompt)
+    server.check_prompt(ids, "messages")
+    limit = server.new_tokens(body.max_completion_tokens or body.max_tokens, server.config.max_new_tokens)
+    stream = TokenStream(server, ids, limit, _sampling(body), _stops(body.stop))
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.model_name}
+    parser = tool_parser(server.engine.tool_parser)
+    if body.stream:
+        return _sse(_chat_chunks(stream, meta, tools, parser, _include_usage(body)))
+    text = await stream.text()
+    out = parse_output(text, parser, tools)
+    message: dict[str, Any] = {"role": "assistant", "content": out.content}
+    if out.reasoning is not None:
+        message["reasoning_content"] = out.reasoning
+    if out.tool_calls:
+        message["tool_calls"] = [_call_out(c) for c in out.tool_calls]
+    finish = "tool_calls" if out.tool_calls else stream.finish_reason
+    return {**meta, "object": "chat.completion", "usage": _usage(stream),
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    server = _server(request)
+    _check_model(server, body.model)
+    ids = body.prompt if isinstance(body.prompt, list) else server.engine.tokenizer.encode(body.prompt)
+    vocab = server.engine.spec.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+    server.check_prompt(ids, "prompt")
+    stream = TokenStream(server, ids, server.new_tokens(body.max_tokens, 16), _sampling(body), _stops(body.stop))
+    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.model_name,
+            "object": "text_completion"}
+    if body.stream:
+        async def chunks():
+            async for delta in stream.deltas():
+                yield {**meta, "choices": [{"index": 0, "text": delta, "finish_reason": None, "logprobs": None}]}
+            yield {**meta, "choices": [{"index": 0, "text": "", "finish_reason": stream.finish_reason,
+                                        "logprobs": None}]}
+            if _include_usage(body):
+                yield {**meta, "choices": [], "usage": _usage(stream)}
+        return _sse(chunks())
+    text = await stream.text()
+    return {**meta, "usage": _usage(stream),
+            "choices": [{"index": 0, "text": text, "finish_reason": stream.finish_reason, "logprobs": None}]}
+
+
+async def _chat_chunks(stream: TokenStream, meta: dict, tools: list[dict], parser, include_usage: bool):
+    base = {**meta, "object": "chat.completion.chunk"}
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+    yield chunk({"role": "assistant", "content": ""})
+    if tools:  # tool calls are known only once their block closes: the message is parsed whole
+        out = parse_output(await stream.text(), parser, tools)
+        if out.reasoning is not None:
+            yield chunk({"reasoning_content": out.reasoning})
+        if out.content:
+            yield chunk({"content": out.content})
+        if out.tool_calls:
+            yield chunk({"tool_calls": [{"index": i, **_call_out(c)} for i, c in enumerate(out.tool_calls)]})
+        finish = "tool_calls" if out.tool_calls else stream.finish_reason
+    else:
+        splitter = ReasoningSplitter()
+        async for delta in stream.deltas():
+            for kind, text in splitter.feed(delta):
+                yield chunk({"reasoning_content" if kind == "reasoning" else "content": text})
+        for kind, text in splitter.flush():
+            yield chunk({"reasoning_content" if kind == "reasoning" else "content": text})
+        finish = stream.finish_reason
+    yield chunk({}, finish)
+    if include_usage:
+        yield {**base, "choices": [], "usage": _usage(stream)}
+
+
+def _sse(chunks) -> StreamingResponse:
+    async def body():
+        async for c in chunks:
+            yield f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _template_message(m: Message) -> dict[str, Any]:
+    """A message as chat templates expect it: text content, tool-call arguments as objects."""
+    content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+    if m.reasoning_content:
+        out["reasoning_content"] = m.reasoning_content
+    if m.tool_calls:
+        out["tool_calls"] = [{"type": "function", "id": c.id, "function": _function_in(c.function)}
+                             for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _function_in(f: dict[str, Any]) -> dict[str, Any]:
+    name, args = f.get("name"), f.get("arguments", {})
+    if not isinstance(name, str):
+        raise ApiError(400, "an assistant tool call has no function name", "messages")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"tool call {name}: arguments are not valid JSON ({e})", "messages") from None
+    if not isinstance(args, dict):
+        raise ApiError(400, f"tool call {name}: arguments must be a JSON object", "messages")
+    return {"name": name, "arguments": args}
+
+
+def _call_out(call) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+
+
+def _sampling(body: Sampling) -> SamplingParams:
+    """Without a seed every request draws its own (the same seed repeats a sampled answer)."""
+    return SamplingParams(body.temperature, body.top_p, body.seed if body.seed is not None else secrets.randbits(63))
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > 4:
+        raise ApiError(400, f"stop: {len(stops)} sequences; at most 4", "stop")
+    return stops
+
+
+def _include_usage(body: Sampling) -> bool:
+    return bool((body.stream_options or {}).get("include_usage"))
+
+
+def _usage(stream: TokenStream) -> dict[str, int]:
+    return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
+            "total_tokens": stream.prompt_tokens + stream.completion_tokens}
+
+
+def _check_model(server: Server, model: str) -> None:
+    if model != server.config.model_name:
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {server.config.model_name!r}",
+                       "model", "not_found_error")
+
+
+def _server(request: Request) -> Server:
+    return request.app.state.server

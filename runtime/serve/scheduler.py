@@ -1,0 +1,137 @@
+"""`Scheduler`: one engine thread serving many requests. Each loop admits waiting requests (their
+prompts run one by one, in chunks), then runs one decode step for every running request together
+(`decode_batch`), and hands each request its new token through its callback. A cancelled request
+(its client gone) leaves before the next step, and its KV cache is freed with it. A request that
+fails ends alone, with the reason "error"; the others go on."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine import Engine
+from ..kv_cache import KVCache
+from ..sampling import Sampler, SamplingParams
+
+# What a request's callback receives, on the engine thread: (token id, None) for each new token,
+# then (None, finish reason) once: "stop" (a stop token), "length" (max_new_tokens), "cancelled"
+# or "error".
+TokenCallback = Callable[[int | None, str | None], None]
+_IDS = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    on_token: TokenCallback
+    stop_ids: frozenset[int] = frozenset()
+    id: int = field(default_factory=lambda: next(_IDS))
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # Engine-thread state: the sequence's KV cache and sampler while it runs.
+    cache: KVCache | None = None
+    sampler: Sampler | None = None
+    produced: int = 0
+    next_token: int | None = None
+
+    def cancel(self) -> None:
+        """Asks the engine thread to drop the request before its next step (any thread may call)."""
+        self.cancelled.set()
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_batch: int = 16):
+        if max_batch < 1:
+            raise ValueError(f"max_batch = {max_batch}: expected at least 1")
+        self.engine, self.max_batch = engine, max_batch
+        self.waiting: queue.Queue[Request | None] = queue.Queue()
+        self.running: list[Request] = []
+        self.decode_steps = 0  # for /metrics: steps run and the tokens they produced together
+        self.decode_tokens = 0
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="ftc-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        self.waiting.put(request)
+
+    def close(self) -> None:
+        self._stopped = True
+        self.waiting.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._admit(block=not self.running)
+            for r in [r for r in self.running if r.cancelled.is_set()]:
+                self._finish(r, "cancelled")
+            if self.running:
+                self._step()
+
+    def _admit(self, block: bool) -> None:
+        while len(self.running) < self.max_batch:
+            try:
+                r = self.waiting.get(block=block)
+            except queue.Empty:
+                return
+            if r is None:  # close()
+                return
+            block = False
+            if r.cancelled.is_set():
+                self._finish(r, "cancelled")
+                continue
+            try:
+                r.cache, r.sampler = self.engine.model.new_cache(), Sampler(r.sampling)
+                logits = self.engine.prefill(torch.tensor(r.prompt_ids), r.cache)
+                self.engine.model.experts.end_of_prompt()
+                self._accept(r, r.sampler(logits[-1]))
+            except Exception:  # noqa: BLE001 (reported to this request alone)
+                traceback.print_exc()
+                self._finish(r, "error")
+
+    def _step(self) -> None:
+        batch = list(self.running)
+        try:
+            logits = self.engine.model.decode_batch([r.next_token for r in batch], [r.cache for r in batch])
+            tokens = [r.sampler(row) for r, row in zip(batch, logits, strict=True)]
+        except Exception:  # noqa: BLE001 (a failed step ends its requests, not the server)
+            traceback.print_exc()
+            for r in batch:
+                self._finish(r, "error")
+            return
+        self.decode_steps += 1
+        self.decode_tokens += len(batch)
+        for r, token in zip(batch, tokens, strict=True):
+            self._accept(r, token)
+
+    def _accept(self, r: Request, token: int) -> None:
+        r.produced += 1
+        _notify(r, token, None)
+        if token in r.stop_ids:
+            self._finish(r, "stop")
+        elif r.produced >= r.max_new_tokens:
+            self._finish(r, "length")
+        else:
+            r.next_token = token
+            if r not in self.running:
+                self.running.append(r)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        r.cache = r.sampler = r.next_token = None  # the KV cache goes with the request
+        _notify(r, None, reason)
+
+
+def _notify(r: Request, token: int | None, reason: str | None) -> None:
+    try:
+        r.on_token(token, reason)
+    except Exception:  # noqa: BLE001 (a callback whose client is gone must not stop the engine)
+        r.cancel()

@@ -1,0 +1,270 @@
+"""A real server on loopback (uvicorn in a thread) with the tiny engine on the CPU, driven by the
+official `openai` client and by raw HTTP for what a client library would refuse to send."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from ftc.pipeline import CompileOptions, compile_engine
+from ftc_runtime import Engine, SamplingParams
+from ftc_runtime.sampling import Sampler
+from ftc_runtime.serve.app import ServerConfig, create_app
+
+SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
+KEY = "test-key-" + str(random.randrange(10**9))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Engine:
+    out = tmp_path_factory.mktemp("serve") / "tiny"
+    return Engine.load(compile_engine(CompileOptions(source=SPEC, target="cpu", random_weights=True, output=out)))
+
+
+@contextmanager
+def serving(engine: Engine, **config) -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(engine, ServerConfig(model_name=engine.spec.name, **config))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def url(engine) -> Iterator[str]:
+    with serving(engine, max_prompt_tokens=512, max_new_tokens=64) as base:
+        yield base
+
+
+def client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _expected(engine: Engine, messages: list[dict], n: int) -> str:
+    """What the engine itself generates, greedily, for the rendered conversation."""
+    ids = engine.tokenizer.encode(engine.chat_template.render(messages))
+    eos = set(engine.spec.eos_token_ids)
+    out = []
+    for t in engine.generate(ids, n, SamplingParams(0.0), stop_at_eos=True):
+        if t in eos:
+            break
+        out.append(t)
+    return engine.tokenizer.decode(out)
+
+
+def test_models_and_health(url, engine):
+    assert [m.id for m in client(url).models.list()] == [engine.spec.name]
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_chat_plain_and_streamed_equal_the_engine(url, engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Count {random.random()}"}]
+    want = _expected(engine, messages, 12)
+    c = client(url)
+    r = c.chat.completions.create(model=engine.spec.name, messages=messages, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want.strip() and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0
+    chunks = list(c.chat.completions.create(model=engine.spec.name, messages=messages, max_tokens=12,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text.strip() == want.strip()
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_equal_the_engine(url, engine):
+    prompt = "The quick brown fox"
+    ids = engine.tokenizer.encode(prompt)
+    want = engine.tokenizer.decode([t for t in engine.generate(ids, 10, SamplingParams(0.0), stop_at_eos=False)])
+    r = client(url).completions.create(model=engine.spec.name, prompt=prompt, max_tokens=10, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == want or want.startswith(r.choices[0].text)  # an EOS token ends it early
+
+
+def test_tool_call_round_trip(engine, monkeypatch):
+    """The model is made to emit a given tool call in its own format (the template's rendering of
+    that call, token by token): the client receives the structured call, and sending the tool's
+    result back renders through the template into the next prompt."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    args = {"city": random.choice(["Paris", "Zürich", "東京"]), "days": random.randrange(1, 9)}
+    turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "get_weather", "arguments": args}}]}
+    rendered = engine.chat_template.render([{"role": "user", "content": "q"}, turn], tools,
+                                           add_generation_prompt=False)
+    script = engine.tokenizer.encode(rendered.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n"))
+    script.append(engine.spec.eos_token_ids[0])
+    position = {}
+
+    def scripted(self, logits):  # a test-only decoding hook: the next token of the script
+        i = position.setdefault(id(self), 0)
+        position[id(self)] = i + 1
+        return script[min(i, len(script) - 1)]
+
+    monkeypatch.setattr(Sampler, "__call__", scripted)
+    with serving(engine) as base:
+        c = client(base)
+        messages = [{"role": "user", "content": "What's the weather?"}]
+        r = c.chat.completions.create(model=engine.spec.name, messages=messages, tools=tools, max_tokens=256)
+        assert r.choices[0].message.tool_calls, r.choices[0].message
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == args
+        streamed = list(c.chat.completions.create(model=engine.spec.name, messages=messages, tools=tools,
+                                                  max_tokens=256, stream=True))
+        deltas = [d for ch in streamed for d in ch.choices[0].delta.tool_calls or []]
+        assert [json.loads(d.function.arguments) for d in deltas] == [args]
+        follow = messages + [r.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        position.clear()
+        r2 = c.chat.completions.create(model=engine.spec.name, messages=follow, tools=tools, max_tokens=256)
+        assert r2.choices[0].message.tool_calls  # the script again: the server took the round trip
+
+
+def test_api_key(engine):
+    with serving(engine, api_key=KEY) as base:
+        with pytest.raises(openai.AuthenticationError):
+            client(base, "wrong").models.list()
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert [m.id for m in client(base, KEY).models.list()] == [engine.spec.name]
+        assert httpx.get(base + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+        assert httpx.get(base + "/health").status_code == 200
+
+
+def _bad_requests(model: str) -> dict[str, tuple[str, dict | str]]:
+    msg = [{"role": "user", "content": "hi"}]
+    return {
+        "not_json": ("/v1/chat/completions", "{not json"),
+        "empty_body": ("/v1/chat/completions", ""),
+        "array_body": ("/v1/chat/completions", "[]"),
+        "unknown_model": ("/v1/chat/completions", {"model": "nope", "messages": msg}),
+        "no_model": ("/v1/chat/completions", {"messages": msg}),
+        "no_messages": ("/v1/chat/completions", {"model": model}),
+        "empty_messages": ("/v1/chat/completions", {"model": model, "messages": []}),
+        "bad_role": ("/v1/chat/completions", {"model": model, "messages": [{"role": "robot", "content": "x"}]}),
+        "content_number": ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": 5}]}),
+        "image_part": ("/v1/chat/completions", {"model": model, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        "temperature_string": ("/v1/chat/completions", {"model": model, "messages": msg, "temperature": "hot"}),
+        "temperature_high": ("/v1/chat/completions", {"model": model, "messages": msg, "temperature": 9}),
+        "top_p_zero": ("/v1/chat/completions", {"model": model, "messages": msg, "top_p": 0}),
+        "max_tokens_zero": ("/v1/chat/completions", {"model": model, "messages": msg, "max_tokens": 0}),
+        "max_tokens_huge": ("/v1/chat/completions", {"model": model, "messages": msg, "max_tokens": 10**9}),
+        "too_long_prompt": ("/v1/chat/completions", {"model": model, "messages": [
+            {"role": "user", "content": "word " * 3000}]}),
+        "tool_bad_name": ("/v1/chat/completions", {"model": model, "messages": msg, "tools": [
+            {"type": "function", "function": {"name": "bad name!"}}]}),
+        "tool_no_function": ("/v1/chat/completions", {"model": model, "messages": msg,
+                                                      "tools": [{"type": "function"}]}),
+        "tool_wrong_type": ("/v1/chat/completions", {"model": model, "messages": msg, "tools": [
+            {"type": "retrieval", "function": {"name": "f"}}]}),
+        "tool_args_not_json": ("/v1/chat/completions", {"model": model, "messages": msg + [
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}),
+        "too_many_stops": ("/v1/chat/completions", {"model": model, "messages": msg, "stop": list("abcde")}),
+        "completion_bad_id": ("/v1/completions", {"model": model, "prompt": [1, 10**7]}),
+        "completion_empty": ("/v1/completions", {"model": model, "prompt": ""}),
+        "completion_prompt_object": ("/v1/completions", {"model": model, "prompt": {"a": 1}}),
+    }
+
+
+def test_malformed_requests_get_4xx_in_openai_shape_and_the_server_stays_up(url, engine):
+    cases = _bad_requests(engine.spec.name)
+    assert len(cases) >= 20
+    for name, (path, body) in cases.items():
+        content = body if isinstance(body, str) else json.dumps(body)
+        r = httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+        assert 400 <= r.status_code < 500, (name, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["message"] and error["type"], name
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    r = client(url).chat.completions.create(model=engine.spec.name, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=4, temperature=0)
+    assert r.choices[0].message is not None
+
+
+def test_concurrent_streams_and_a_client_that_leaves(url, engine):
+    """16 streaming clients, several requests each, decoded in shared steps; one client drops its
+    stream after the first chunk, and the others finish with well-formed answers."""
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            c = client(url)
+            for j in range(3):
+                stream = c.chat.completions.create(
+                    model=engine.spec.name, messages=[{"role": "user", "content": f"client {i} request {j}"}],
+                    max_tokens=random.randrange(4, 16), temperature=0.8, stream=True)
+                if i == 0 and j == 1:
+                    next(iter(stream))
+                    stream.close()  # gone mid-stream
+                    continue
+                chunks = list(stream)
+                assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+                assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors[:3]
+    metrics = dict(line.split() for line in httpx.get(url + "/metrics").text.splitlines() if line[0] != "#")
+    assert int(metrics["ftc_decode_tokens_total"]) > int(metrics["ftc_decode_steps_total"])  # steps were shared
+    deadline = time.time() + 30
+    while httpx.get(url + "/health").json()["running"]:
+        assert time.time() < deadline, "requests were left running"
+        time.sleep(0.1)
+
+
+def test_ftc_run_serve_binds_loopback_and_answers(engine):
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ftc = Path(sys.executable).parent / "ftc"
+    proc = subprocess.Popen([str(ftc), "run", str(engine.manifest.root), "--serve", "--port", str(port),
+                             "--api-key", KEY], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "ftc run --serve did not come up"
+            time.sleep(0.2)
+        r = client(f"http://127.0.0.1:{port}", KEY).completions.create(model=engine.spec.name, prompt="Hi",
+                                                                        max_tokens=3, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
