@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -143,6 +144,85 @@ def test_tool_call_round_trip(engine, monkeypatch):
         assert r2.choices[0].message.tool_calls  # the script again: the server took the round trip
 
 
+def aclient(url: str, key: str = "none") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
+
+
+def test_anthropic_messages_plain_streamed_and_counted(url, engine):
+    system, user = "Be brief.", f"Count {random.random()}"
+    want = _expected(engine, [{"role": "system", "content": system}, {"role": "user", "content": user}], 12).strip()
+    c = aclient(url)
+    greedy = {"temperature": 0}  # sent as a body field: recent clients no longer expose it
+    r = c.messages.create(model=engine.spec.name, system=system, max_tokens=12, extra_body=greedy,
+                          messages=[{"role": "user", "content": user}])
+    assert r.type == "message" and r.role == "assistant" and r.stop_reason in ("end_turn", "max_tokens")
+    assert "".join(b.text for b in r.content if b.type == "text") == want
+    with c.messages.stream(model=engine.spec.name, system=system, max_tokens=12, extra_body=greedy,
+                           messages=[{"role": "user", "content": user}]) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed.strip() == want and final.usage.output_tokens == r.usage.output_tokens
+    rendered = engine.chat_template.render([{"role": "system", "content": system}, {"role": "user", "content": user}])
+    counted = c.messages.count_tokens(model=engine.spec.name, system=system,
+                                      messages=[{"role": "user", "content": user}])
+    assert counted.input_tokens == len(engine.tokenizer.encode(rendered)) == r.usage.input_tokens
+
+
+def test_anthropic_tool_use_round_trip(engine, monkeypatch):
+    tools = [{"name": "read_file", "description": "Read a file", "input_schema": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}]
+    args = {"path": f"src/{random.randrange(100)}.py", "lines": [1, random.randrange(2, 50)]}
+    openai_tools = [{"type": "function", "function": {"name": "read_file", "parameters": tools[0]["input_schema"]}}]
+    turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "read_file", "arguments": args}}]}
+    rendered = engine.chat_template.render([{"role": "user", "content": "q"}, turn], openai_tools,
+                                           add_generation_prompt=False)
+    script = engine.tokenizer.encode(rendered.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n"))
+    script.append(engine.spec.eos_token_ids[0])
+    position = {}
+
+    def scripted(self, logits):
+        i = position.setdefault(id(self), 0)
+        position[id(self)] = i + 1
+        return script[min(i, len(script) - 1)]
+
+    monkeypatch.setattr(Sampler, "__call__", scripted)
+    with serving(engine) as base:
+        c = aclient(base)
+        messages = [{"role": "user", "content": "Show me the file."}]
+        r = c.messages.create(model=engine.spec.name, max_tokens=256, tools=tools, messages=messages)
+        uses = [b for b in r.content if b.type == "tool_use"]
+        assert r.stop_reason == "tool_use" and [(u.name, u.input) for u in uses] == [("read_file", args)]
+        with c.messages.stream(model=engine.spec.name, max_tokens=256, tools=tools, messages=messages) as stream:
+            final = stream.get_final_message()
+        assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [("read_file", args)]
+        follow = messages + [{"role": "assistant", "content": [u.model_dump() for u in uses]},
+                             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                           "content": "print('hi')"}]}]
+        position.clear()
+        r2 = c.messages.create(model=engine.spec.name, max_tokens=256, tools=tools, messages=follow)
+        assert r2.stop_reason == "tool_use"
+
+
+def test_anthropic_errors_have_anthropic_shape(url, engine):
+    m = engine.spec.name
+    cases = [{"model": m, "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
+             {"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+             {"model": m, "max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]},
+             {"model": m, "max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "hi"}]},
+             {"model": m, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+             {"model": m, "max_tokens": 5, "messages": [], "tools": []},
+             {"model": m, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+              "tools": [{"name": "no schema"}]}]
+    for body in cases + ["{broken"]:
+        r = httpx.post(url + "/v1/messages", content=body if isinstance(body, str) else json.dumps(body),
+                       headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500 and r.json()["type"] == "error", (body, r.text)
+        assert r.json()["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError):
+        aclient(url).messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+
+
 def test_api_key(engine):
     with serving(engine, api_key=KEY) as base:
         with pytest.raises(openai.AuthenticationError):
@@ -151,6 +231,11 @@ def test_api_key(engine):
         assert [m.id for m in client(base, KEY).models.list()] == [engine.spec.name]
         assert httpx.get(base + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
         assert httpx.get(base + "/health").status_code == 200
+        with pytest.raises(anthropic.AuthenticationError):
+            aclient(base, "wrong").messages.count_tokens(model=engine.spec.name,
+                                                         messages=[{"role": "user", "content": "hi"}])
+        assert aclient(base, KEY).messages.count_tokens(model=engine.spec.name,
+                                                        messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
 
 
 def _bad_requests(model: str) -> dict[str, tuple[str, dict | str]]:

@@ -1,5 +1,5 @@
-"""The HTTP app: auth, errors in the API's own shape, health, and the generation stream that every
-route reads (`TokenStream`). The OpenAI routes are in `openai_api`."""
+"""The HTTP app: auth, errors in the API's own shape, health, metrics, and the generation stream
+that every route reads (`TokenStream`). The routes are in `openai_api` and `anthropic_api`."""
 
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ class TokenStream:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int | None, str | None]] = asyncio.Queue()
         self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None  # the stop string that ended the text, if one did
         self.completion_tokens = 0
         self.prompt_tokens = len(prompt_ids)
         self.request = EngineRequest(prompt_ids, max_new_tokens, sampling, self._on_token,
@@ -73,8 +74,9 @@ class TokenStream:
                     if token in eos:
                         continue
                     delta = decoder.push(token)
-                cut = _first_stop(text + delta, self.stop)
-                if cut is not None:
+                hit = _first_stop(text + delta, self.stop)
+                if hit is not None:
+                    cut, self.stop_sequence = hit
                     if cut > len(text):
                         yield (text + delta)[len(text):cut]
                     self.finish_reason = "stop"
@@ -92,8 +94,8 @@ class TokenStream:
         return "".join([d async for d in self.deltas()])
 
 
-def _first_stop(text: str, stops: list[str]) -> int | None:
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    found = [(i, s) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
     return min(found) if found else None
 
 
@@ -120,6 +122,7 @@ class Server:
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    from .anthropic_api import router as anthropic_router
     from .openai_api import router as openai_router
 
     server = Server(engine, config)
@@ -136,26 +139,27 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.middleware("http")
     async def auth(request: Request, call_next):
         if config.api_key is not None and request.url.path != "/health" and not _authorized(request, config.api_key):
-            return _error(401, "missing or wrong API key (send Authorization: Bearer KEY or x-api-key: KEY)",
+            return _error(request, 401, "missing or wrong API key (send Authorization: Bearer KEY or x-api-key: KEY)",
                           None, "authentication_error")
         return await call_next(request)
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError):
-        return _error(e.status, e.message, e.param, e.kind)
+    async def api_error(request: Request, e: ApiError):
+        return _error(request, e.status, e.message, e.param, e.kind)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError):
+    async def invalid(request: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         if first.get("type") == "json_invalid":
-            return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None)
-        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where)
+            return _error(request, 400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
+                          None)
+        return _error(request, 400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException):
-        return _error(e.status_code, str(e.detail), None, "not_found_error" if e.status_code == 404 else
-                      "invalid_request_error")
+    async def http_error(request: Request, e: HTTPException):
+        return _error(request, e.status_code, str(e.detail), None,
+                      "not_found_error" if e.status_code == 404 else "invalid_request_error")
 
     @app.get("/health")
     async def health():
@@ -167,6 +171,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return PlainTextResponse(_metrics(server), media_type="text/plain; version=0.0.4")
 
     app.include_router(openai_router)
+    app.include_router(anthropic_router)
     return app
 
 
@@ -198,6 +203,10 @@ def _authorized(request: Request, key: str) -> bool:
     return hmac.compare_digest(given.encode(), key.encode())
 
 
-def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> JSONResponse:
+def _error(request: Request, status: int, message: str, param: str | None,
+           kind: str = "invalid_request_error") -> JSONResponse:
+    """The error in the shape of the API that the path belongs to (Anthropic's for /v1/messages)."""
+    if request.url.path.startswith("/v1/messages"):
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
                         status_code=status)

@@ -20,7 +20,7 @@ from ..tool_parsers import ReasoningSplitter, parse_output, tool_parser
 from .app import ApiError, Server, TokenStream
 
 router = APIRouter()
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class _Body(BaseModel):
@@ -54,7 +54,7 @@ class FunctionDef(_Body):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _TOOL_NAME.match(v):
+        if not TOOL_NAME.match(v):
             raise ValueError(f"tool name {v!r}: expected 1-64 letters, digits, '_' or '-'")
         return v
 
