@@ -123,6 +123,8 @@ def run(
     api_key: Annotated[str | None, typer.Option(envvar="FTC_API_KEY", help="--serve: require this key "
                                                 "(Authorization: Bearer KEY or x-api-key).")] = None,
     max_batch: Annotated[int, typer.Option(help="--serve: requests decoded together at most.")] = 16,
+    max_prompt_tokens: Annotated[int, typer.Option(help="--serve: longest prompt accepted.")] = 32768,
+    max_tokens: Annotated[int, typer.Option(help="--serve: most tokens one answer may have.")] = 8192,
 ) -> None:
     """Generate from a prompt, streaming the text (or one JSON object with --json); or, with
     --serve, answer the OpenAI API over HTTP."""
@@ -130,8 +132,9 @@ def run(
     from ftc_runtime.tokenizer import StreamDecoder
 
     if serve:
-        _serve(engine, device, vram_budget, slots, miss_policy, cache_policy, prefill_chunk, host, port, api_key,
-               max_batch)
+        limits = {"max_batch": max_batch, "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_tokens}
+        _serve(engine, offload_config(device, vram_budget, slots, miss_policy, cache_policy), prefill_chunk, host, port,
+               api_key, limits)
         return
     if (prompt is None) == (prompt_ids is None):
         _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
@@ -170,18 +173,16 @@ def run(
                   f"decode {s.decode_tok_s:.2f} tok/s[/]")
 
 
-def _serve(engine: Path, device, vram_budget, slots, miss_policy, cache_policy, prefill_chunk, host: str, port: int,
-           api_key: str | None, max_batch: int) -> None:
+def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: int, api_key: str | None,
+           limits: dict[str, int]) -> None:
     import uvicorn
 
     from ftc_runtime import Engine
     from ftc_runtime.serve.app import ServerConfig, create_app
 
     try:
-        eng = Engine.load(engine, show_progress=True, offload=offload_config(device, vram_budget, slots, miss_policy,
-                                                                               cache_policy),
-                          prefill_chunk=prefill_chunk)
-        app = create_app(eng, ServerConfig(model_name=eng.spec.name, api_key=api_key, max_batch=max_batch))
+        eng = Engine.load(engine, show_progress=True, offload=offload, prefill_chunk=prefill_chunk)
+        app = create_app(eng, ServerConfig(model_name=eng.spec.name, api_key=api_key, **limits))
     except _user_errors() as e:
         _fail(e)
     err.print(f"serving {eng.spec.name} on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""))

@@ -91,7 +91,7 @@ async def messages(body: MessagesRequest, request: Request):
     if body.stream:
         return StreamingResponse(_events(stream, msg_id, server.config.model_name, tools, parser),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    out = parse_output(await stream.text(), parser, tools)
+    out = parse_output(await stream.text(request), parser, tools)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": server.config.model_name,
             "content": _blocks(out), "stop_reason": _stop_reason(stream, out), "stop_sequence": stream.stop_sequence,
             "usage": {"input_tokens": stream.prompt_tokens, "output_tokens": stream.completion_tokens}}

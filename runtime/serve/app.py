@@ -90,8 +90,21 @@ class TokenStream:
             if not engine_done:  # a stop string, or the client gone: the engine drops the request
                 self.request.cancel()
 
-    async def text(self) -> str:
-        return "".join([d async for d in self.deltas()])
+    async def text(self, http: Request | None = None) -> str:
+        """The whole text; with `http`, a client that leaves first cancels the request (a streamed
+        answer is cancelled by its response instead)."""
+        watch = asyncio.create_task(self._watch(http)) if http is not None else None
+        try:
+            return "".join([d async for d in self.deltas()])
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch(self, http: Request) -> None:
+        while not await http.is_disconnected():
+            await asyncio.sleep(0.25)
+        self.request.cancel()
+        self.queue.put_nowait((None, "cancelled"))
 
 
 def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
@@ -101,6 +114,9 @@ def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
 
 class Server:
     def __init__(self, engine: Engine, config: ServerConfig):
+        for name in ("max_batch", "max_prompt_tokens", "max_new_tokens"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"{name} = {getattr(config, name)}: expected at least 1")
         if engine.chat_template is None:
             raise ValueError(f"{engine.manifest.root}: the engine has no chat template (compile it again)")
         self.engine, self.config = engine, config
@@ -178,11 +194,18 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 def _metrics(server: Server) -> str:
     """Prometheus text: the scheduler's counts and, where the engine offloads, its expert cache."""
     s = server.scheduler
-    rows = [("ftc_requests_running", "gauge", "requests decoding now", len(s.running)),
+    rows = [("ftc_requests_total", "counter", "requests admitted", s.requests),
+            ("ftc_requests_running", "gauge", "requests decoding now", len(s.running)),
             ("ftc_requests_waiting", "gauge", "requests queued", s.waiting.qsize()),
+            ("ftc_time_to_first_token_seconds_sum", "counter", "queue + prefill time to first tokens", s.ttft_s),
+            ("ftc_time_to_first_token_seconds_count", "counter", "first tokens", s.first_tokens),
+            ("ftc_prefill_tokens_total", "counter", "prompt tokens run", s.prefill_tokens),
+            ("ftc_prefill_seconds_total", "counter", "time in prompts (prefill tok/s: their ratio)", s.prefill_s),
             ("ftc_decode_steps_total", "counter", "decode steps run", s.decode_steps),
             ("ftc_decode_tokens_total", "counter", "tokens those steps made (several per step when batched)",
-             s.decode_tokens)]
+             s.decode_tokens),
+            ("ftc_decode_seconds_total", "counter", "time in decode steps (decode tok/s: tokens over it)",
+             s.decode_s)]
     stats = getattr(server.engine.model.experts, "stats", None)
     if stats is not None:
         d = stats.to_dict()

@@ -107,7 +107,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     parser = tool_parser(server.engine.tool_parser)
     if body.stream:
         return _sse(_chat_chunks(stream, meta, tools, parser, _include_usage(body)))
-    text = await stream.text()
+    text = await stream.text(request)
     out = parse_output(text, parser, tools)
     message: dict[str, Any] = {"role": "assistant", "content": out.content}
     if out.reasoning is not None:
@@ -141,7 +141,7 @@ async def completions(body: CompletionRequest, request: Request):
             if _include_usage(body):
                 yield {**meta, "choices": [], "usage": _usage(stream)}
         return _sse(chunks())
-    text = await stream.text()
+    text = await stream.text(request)
     return {**meta, "usage": _usage(stream),
             "choices": [{"index": 0, "text": text, "finish_reason": stream.finish_reason, "logprobs": None}]}
 

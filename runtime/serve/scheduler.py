@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     id: int = field(default_factory=lambda: next(_IDS))
     cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
     # Engine-thread state: the sequence's KV cache and sampler while it runs.
     cache: KVCache | None = None
     sampler: Sampler | None = None
@@ -53,8 +55,16 @@ class Scheduler:
         self.engine, self.max_batch = engine, max_batch
         self.waiting: queue.Queue[Request | None] = queue.Queue()
         self.running: list[Request] = []
-        self.decode_steps = 0  # for /metrics: steps run and the tokens they produced together
+        # For /metrics (written by the engine thread only): requests, time to first token, prompt
+        # tokens and their time, decode steps with the tokens they made together and their time.
+        self.requests = 0
+        self.ttft_s = 0.0
+        self.first_tokens = 0
+        self.prefill_tokens = 0
+        self.prefill_s = 0.0
+        self.decode_steps = 0
         self.decode_tokens = 0
+        self.decode_s = 0.0
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="ftc-engine", daemon=True)
         self._thread.start()
@@ -87,17 +97,26 @@ class Scheduler:
             if r.cancelled.is_set():
                 self._finish(r, "cancelled")
                 continue
+            self.requests += 1
             try:
+                t0 = time.perf_counter()
                 r.cache, r.sampler = self.engine.model.new_cache(), Sampler(r.sampling)
                 logits = self.engine.prefill(torch.tensor(r.prompt_ids), r.cache)
                 self.engine.model.experts.end_of_prompt()
-                self._accept(r, r.sampler(logits[-1]))
+                token = r.sampler(logits[-1])
+                now = time.perf_counter()
+                self.prefill_tokens += len(r.prompt_ids)
+                self.prefill_s += now - t0
+                self.ttft_s += now - r.submitted
+                self.first_tokens += 1
+                self._accept(r, token)
             except Exception:  # noqa: BLE001 (reported to this request alone)
                 traceback.print_exc()
                 self._finish(r, "error")
 
     def _step(self) -> None:
         batch = list(self.running)
+        t0 = time.perf_counter()
         try:
             logits = self.engine.model.decode_batch([r.next_token for r in batch], [r.cache for r in batch])
             tokens = [r.sampler(row) for r, row in zip(batch, logits, strict=True)]
@@ -108,6 +127,7 @@ class Scheduler:
             return
         self.decode_steps += 1
         self.decode_tokens += len(batch)
+        self.decode_s += time.perf_counter() - t0
         for r, token in zip(batch, tokens, strict=True):
             self._accept(r, token)
 
