@@ -320,7 +320,7 @@ def test_concurrent_streams_and_a_client_that_leaves(url, engine):
     assert not errors, errors[:3]
     metrics = dict(line.split() for line in httpx.get(url + "/metrics").text.splitlines() if line[0] != "#")
     assert int(metrics["ftc_decode_tokens_total"]) > int(metrics["ftc_decode_steps_total"])  # steps were shared
-    assert int(metrics["ftc_requests_total"]) >= 48 and int(metrics["ftc_time_to_first_token_seconds_count"]) >= 47
+    assert int(metrics["ftc_requests_total"]) >= 47 and int(metrics["ftc_time_to_first_token_seconds_count"]) >= 47
     assert float(metrics["ftc_decode_seconds_total"]) > 0 and float(metrics["ftc_prefill_seconds_total"]) > 0
     deadline = time.time() + 30
     while httpx.get(url + "/health").json()["running"]:
