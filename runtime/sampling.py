@@ -12,12 +12,15 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0  # sample among the k likeliest tokens only; 0: all
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature = {self.temperature}: expected a number >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p}: expected a number in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k = {self.top_k}: expected a number >= 0 (0: no limit)")
 
 
 class Sampler:
@@ -29,7 +32,11 @@ class Sampler:
         """logits: [vocab] fp32."""
         if self.params.temperature == 0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / self.params.temperature, dim=-1)
+        logits = logits.float()
+        if 0 < self.params.top_k < logits.numel():
+            kth = torch.topk(logits, self.params.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits / self.params.temperature, dim=-1)
         if self.params.top_p < 1:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < self.params.top_p  # always keeps the top one

@@ -70,3 +70,14 @@ def test_stream_decoder_holds_back_split_utf8(tmp_path: Path):
     deltas = [stream.push(i) for i in tok.encode(text)]
     assert "".join(deltas) == text
     assert "\ufffd" not in "".join(deltas)
+
+
+def test_top_k_keeps_the_k_likeliest_tokens():
+    logits = torch.randn(300)
+    top = set(torch.topk(logits, 5).indices.tolist())
+    sampler = Sampler(SamplingParams(temperature=1.5, seed=random.randrange(10**6), top_k=5))
+    drawn = {sampler(logits) for _ in range(400)}
+    assert drawn <= top and len(drawn) > 1
+    assert Sampler(SamplingParams(temperature=1.0, top_k=1))(logits) == int(logits.argmax())
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-1)

@@ -272,6 +272,11 @@ def _bad_requests(model: str) -> dict[str, tuple[str, dict | str]]:
         "completion_bad_id": ("/v1/completions", {"model": model, "prompt": [1, 10**7]}),
         "completion_empty": ("/v1/completions", {"model": model, "prompt": ""}),
         "completion_prompt_object": ("/v1/completions", {"model": model, "prompt": {"a": 1}}),
+        "two_choices": ("/v1/chat/completions", {"model": model, "messages": msg, "n": 2}),
+        "logprobs": ("/v1/chat/completions", {"model": model, "messages": msg, "logprobs": True}),
+        "json_schema": ("/v1/chat/completions", {"model": model, "messages": msg, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+        "negative_top_k": ("/v1/chat/completions", {"model": model, "messages": msg, "top_k": -1}),
     }
 
 

@@ -68,6 +68,7 @@ class MessagesRequest(CountRequest):
     stream: bool = False
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
     stop_sequences: list[str] | None = None
 
 
@@ -83,7 +84,7 @@ async def messages(body: MessagesRequest, request: Request):
     ids = _prompt_ids(server, body)
     server.check_prompt(ids, "messages")
     limit = server.new_tokens(body.max_tokens, body.max_tokens)
-    sampling = SamplingParams(body.temperature, body.top_p, secrets.randbits(63))
+    sampling = SamplingParams(body.temperature, body.top_p, secrets.randbits(63), body.top_k)
     stops = list(body.stop_sequences or [])
     stream = TokenStream(server, ids, limit, sampling, stops)
     tools = _tools(body)

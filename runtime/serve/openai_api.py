@@ -69,9 +69,28 @@ class Sampling(_Body):
     stream: bool = False
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # an extension (vLLM and others take it too); 0: no limit
     seed: int | None = None
     stop: str | list[str] | None = None
     stream_options: dict[str, Any] | None = None
+    # Asked for but not served: refused rather than ignored.
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    logprobs: bool | int | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("log probabilities are not served")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise ValueError(f"response_format type {v.get('type')!r}: only 'text' is served (no constrained decoding)")
+        return v
 
 
 class ChatRequest(Sampling):
@@ -85,6 +104,14 @@ class ChatRequest(Sampling):
 class CompletionRequest(Sampling):
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = None  # completions' logprobs is a count
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("log probabilities are not served")
+        return v
 
 
 @router.get("/v1/models")
@@ -219,7 +246,8 @@ def _call_out(call) -> dict[str, Any]:
 
 def _sampling(body: Sampling) -> SamplingParams:
     """Without a seed every request draws its own (the same seed repeats a sampled answer)."""
-    return SamplingParams(body.temperature, body.top_p, body.seed if body.seed is not None else secrets.randbits(63))
+    return SamplingParams(body.temperature, body.top_p, body.seed if body.seed is not None else secrets.randbits(63),
+                          body.top_k)
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
