@@ -360,3 +360,39 @@ def test_ftc_run_serve_binds_loopback_and_answers(engine):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_long_prompt_does_not_stall_decoding(engine):
+    """While a long prompt is read chunk by chunk, a request that is already decoding keeps getting
+    tokens between the chunks; both answers equal what each gets alone."""
+    from ftc_runtime.serve.scheduler import Request, Scheduler
+
+    scheduler = Scheduler(engine, max_batch=4, prompt_chunk=32)
+    try:
+        done = {name: threading.Event() for name in "ab"}
+        tokens: dict[str, list[int]] = {"a": [], "b": []}
+        during_b: list[bool] = []
+
+        def collect(name: str):
+            def on_token(token, reason):
+                if token is None:
+                    done[name].set()
+                    return
+                tokens[name].append(token)
+                if name == "a":
+                    during_b.append(any(r.prompt_ids == long_prompt for r in scheduler.reading))
+            return on_token
+
+        short_prompt = [random.randrange(256) for _ in range(5)]
+        long_prompt = [random.randrange(256) for _ in range(400)]
+        greedy = SamplingParams(0.0)
+        scheduler.submit(Request(short_prompt, 40, greedy, collect("a")))
+        while not tokens["a"]:
+            time.sleep(0.01)
+        scheduler.submit(Request(long_prompt, 4, greedy, collect("b")))
+        assert done["a"].wait(120) and done["b"].wait(120)
+        assert sum(during_b) >= 3  # a's tokens kept coming while b's prompt was being read
+        for name, prompt, n in (("a", short_prompt, 40), ("b", long_prompt, 4)):
+            assert tokens[name] == list(engine.generate(prompt, n, greedy, stop_at_eos=False))
+    finally:
+        scheduler.close()

@@ -1,8 +1,10 @@
-"""`Scheduler`: one engine thread serving many requests. Each loop admits waiting requests (their
-prompts run one by one, in chunks), then runs one decode step for every running request together
-(`decode_batch`), and hands each request its new token through its callback. A cancelled request
-(its client gone) leaves before the next step, and its KV cache is freed with it. A request that
-fails ends alone, with the reason "error"; the others go on."""
+"""`Scheduler`: one engine thread serving many requests. Each loop admits waiting requests, runs
+one chunk of the oldest prompt still being read (the engine's prefill chunk when nothing else is
+decoding, else at most `prompt_chunk` tokens, so that a long prompt does not stall the others'
+decoding for its whole length), then one decode step for every
+running request together (`decode_batch`), and hands each request its new token through its
+callback. A cancelled request (its client gone) leaves before the next step, and its KV cache is
+freed with it. A request that fails ends alone, with the reason "error"; the others go on."""
 
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Request:
     sampler: Sampler | None = None
     produced: int = 0
     next_token: int | None = None
+    prompt_done: int = 0  # prompt tokens run so far
 
     def cancel(self) -> None:
         """Asks the engine thread to drop the request before its next step (any thread may call)."""
@@ -49,11 +52,12 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_batch: int = 16):
-        if max_batch < 1:
-            raise ValueError(f"max_batch = {max_batch}: expected at least 1")
-        self.engine, self.max_batch = engine, max_batch
+    def __init__(self, engine: Engine, max_batch: int = 16, prompt_chunk: int = 512):
+        if max_batch < 1 or prompt_chunk < 1:
+            raise ValueError(f"max_batch = {max_batch}, prompt_chunk = {prompt_chunk}: expected at least 1")
+        self.engine, self.max_batch, self.prompt_chunk = engine, max_batch, prompt_chunk
         self.waiting: queue.Queue[Request | None] = queue.Queue()
+        self.reading: list[Request] = []  # admitted, prompt not yet run through
         self.running: list[Request] = []
         # For /metrics (written by the engine thread only): requests, time to first token, prompt
         # tokens and their time, decode steps with the tokens they made together and their time.
@@ -79,14 +83,16 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stopped:
-            self._admit(block=not self.running)
-            for r in [r for r in self.running if r.cancelled.is_set()]:
+            self._admit(block=not self.running and not self.reading)
+            for r in [r for r in self.running + self.reading if r.cancelled.is_set()]:
                 self._finish(r, "cancelled")
+            if self.reading:
+                self._read_prompt(self.reading[0])
             if self.running:
                 self._step()
 
     def _admit(self, block: bool) -> None:
-        while len(self.running) < self.max_batch:
+        while len(self.running) + len(self.reading) < self.max_batch:
             try:
                 r = self.waiting.get(block=block)
             except queue.Empty:
@@ -98,21 +104,34 @@ class Scheduler:
                 self._finish(r, "cancelled")
                 continue
             self.requests += 1
-            try:
-                t0 = time.perf_counter()
-                r.cache, r.sampler = self.engine.model.new_cache(), Sampler(r.sampling)
-                logits = self.engine.prefill(torch.tensor(r.prompt_ids), r.cache)
-                self.engine.model.experts.end_of_prompt()
-                token = r.sampler(logits[-1])
-                now = time.perf_counter()
-                self.prefill_tokens += len(r.prompt_ids)
-                self.prefill_s += now - t0
-                self.ttft_s += now - r.submitted
-                self.first_tokens += 1
-                self._accept(r, token)
-            except Exception:  # noqa: BLE001 (reported to this request alone)
-                traceback.print_exc()
-                self._finish(r, "error")
+            r.cache, r.sampler = self.engine.model.new_cache(), Sampler(r.sampling)
+            self.reading.append(r)
+
+    def _read_prompt(self, r: Request) -> None:
+        """One chunk of r's prompt; after the last, its first token."""
+        t0 = time.perf_counter()
+        try:
+            # Alone, a prompt runs in the engine's own chunks (a GPU streams whole layers per chunk:
+            # bigger is faster); beside requests that are decoding, in short ones between their steps.
+            chunk = self.engine.prefill_chunk if not self.running else min(self.prompt_chunk, self.engine.prefill_chunk)
+            end = min(len(r.prompt_ids), r.prompt_done + chunk)
+            logits = self.engine.model.forward(torch.tensor(r.prompt_ids[r.prompt_done:end]), r.cache)
+            self.prefill_tokens += end - r.prompt_done
+            r.prompt_done = end
+            if end < len(r.prompt_ids):
+                return
+            self.reading.remove(r)
+            self.engine.model.experts.end_of_prompt()
+            token = r.sampler(logits[-1])
+        except Exception:  # noqa: BLE001 (reported to this request alone)
+            traceback.print_exc()
+            self._finish(r, "error")
+            return
+        finally:
+            self.prefill_s += time.perf_counter() - t0
+        self.ttft_s += time.perf_counter() - r.submitted
+        self.first_tokens += 1
+        self._accept(r, token)
 
     def _step(self) -> None:
         batch = list(self.running)
@@ -144,8 +163,9 @@ class Scheduler:
                 self.running.append(r)
 
     def _finish(self, r: Request, reason: str) -> None:
-        if r in self.running:
-            self.running.remove(r)
+        for group in (self.running, self.reading):
+            if r in group:
+                group.remove(r)
         r.cache = r.sampler = r.next_token = None  # the KV cache goes with the request
         _notify(r, None, reason)
 
