@@ -27,6 +27,9 @@ class AssistantOutput:
 
 
 class ToolParser(Protocol):
+    open_tag: str  # a call's block in the model's text: open_tag ... close_tag
+    close_tag: str
+
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
         """(content without the parsed calls, the calls); `tools` (OpenAI schemas) type the arguments
         of formats that write them as text."""
@@ -94,6 +97,50 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+class ToolCallStream:
+    """Streamed content split into ("content", text) and ("tool_call", ToolCall) pieces as it
+    arrives: text outside the parser's blocks passes at once (a possible start of a tag is held
+    back), a block is parsed when it closes, and one that does not parse passes as content."""
+
+    def __init__(self, parser: ToolParser, tools: list[dict[str, Any]]):
+        self.parser, self.tools = parser, tools
+        self.held, self.in_block = "", False
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self.held += text
+        out: list[tuple[str, Any]] = []
+        open_tag, close_tag = self.parser.open_tag, self.parser.close_tag
+        while True:
+            if not self.in_block:
+                start = self.held.find(open_tag)
+                if start < 0:
+                    keep = _partial_suffix(self.held, open_tag)
+                    _content(out, self.held[:len(self.held) - keep])
+                    self.held = self.held[len(self.held) - keep:]
+                    return out
+                _content(out, self.held[:start])
+                self.held, self.in_block = self.held[start:], True
+            end = self.held.find(close_tag)
+            if end < 0:
+                return out
+            block, self.held = self.held[:end + len(close_tag)], self.held[end + len(close_tag):]
+            self.in_block = False
+            content, calls = self.parser.parse(block, self.tools)
+            out += [("tool_call", c) for c in calls]
+            _content(out, content if calls else block)
+
+    def flush(self) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        _content(out, self.held)  # an unfinished block stays text
+        self.held, self.in_block = "", False
+        return out
+
+
+def _content(out: list[tuple[str, Any]], text: str) -> None:
+    if text:
+        out.append(("content", text))
+
+
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _FUNCTION = re.compile(r"^<function=([^>\s]+)>(.*)</function>$", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
@@ -103,6 +150,8 @@ class QwenToolParser:
     """`<tool_call>` blocks holding either a JSON object {"name", "arguments"} (Qwen2.5/Qwen3) or
     `<function=NAME><parameter=KEY>VALUE</parameter>...</function>` (Qwen3-Coder), whose values are
     text: typed by the tool's schema where it gives a type, else read as JSON when they parse."""
+
+    open_tag, close_tag = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
         schemas = {t.get("function", t).get("name"): t.get("function", t).get("parameters") or {}

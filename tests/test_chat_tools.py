@@ -20,6 +20,7 @@ from ftc_runtime.tool_parsers import (
     QwenToolParser,
     ReasoningSplitter,
     ToolCall,
+    ToolCallStream,
     parse_output,
     split_reasoning,
     tool_parser,
@@ -187,3 +188,27 @@ def test_streamed_reasoning_split_agrees_with_the_whole_text(text):
             assert (reasoning.strip(), content) == split_reasoning(text)
         else:
             assert (reasoning.strip(), content) == ("never closed", "")
+
+
+def test_streamed_tool_calls_agree_with_the_whole_text():
+    """Cut anywhere, ToolCallStream yields the calls that parsing the whole text finds, in order,
+    and passes every other character through as content (bad and unfinished blocks included)."""
+    rng = random.Random()
+    tools = _tools(rng, 2)
+    calls = [ToolCall(tools[i % 2]["function"]["name"], {_word(rng): _value(rng)}) for i in range(3)]
+    blocks = [f'<tool_call>\n{json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False)}\n</tool_call>'
+              for c in calls]
+    text = (f"Looking. {blocks[0]}\n{blocks[1]} then <tool_call>{{bad}}</tool_call> and {blocks[2]}"
+            " and <tool_call>{\"name\": \"cut off")
+    whole_content, whole_calls = QwenToolParser().parse(text, tools)
+    assert whole_calls == calls
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, 30)))
+        stream, pieces = ToolCallStream(QwenToolParser(), tools), []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            pieces += stream.feed(text[a:b])
+        pieces += stream.flush()
+        assert [v for k, v in pieces if k == "tool_call"] == calls
+        content = "".join(v for k, v in pieces if k == "content")
+        assert content == text.replace(blocks[0], "").replace(blocks[1], "").replace(blocks[2], "")
+        assert content.strip() == whole_content

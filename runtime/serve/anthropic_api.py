@@ -14,8 +14,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..sampling import SamplingParams
-from ..tool_parsers import AssistantOutput, ReasoningSplitter, parse_output, tool_parser
-from .app import ApiError, Server, TokenStream
+from ..tool_parsers import AssistantOutput, parse_output, tool_parser
+from .app import ApiError, Server, TokenStream, message_parts
 from .openai_api import TOOL_NAME
 
 router = APIRouter()
@@ -106,44 +106,29 @@ async def _events(stream: TokenStream, msg_id: str, model: str, tools: list[dict
         "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
         "stop_sequence": None, "usage": {"input_tokens": stream.prompt_tokens, "output_tokens": 0}}})
     yield event("ping", {})
-    index, open_kind = -1, None
-    if tools:  # a tool call is known only once its block closes: the message is parsed whole
-        out = parse_output(await stream.text(), parser, tools)
-        for block in _blocks(out):
-            index += 1
-            kind = block["type"]
-            start = {"text": {"type": "text", "text": ""}, "thinking": {"type": "thinking", "thinking": ""},
-                     "tool_use": {**block, "input": {}}}[kind]
-            yield event("content_block_start", {"index": index, "content_block": start})
-            delta = {"text": {"type": "text_delta", "text": block.get("text")},
-                     "thinking": {"type": "thinking_delta", "thinking": block.get("thinking")},
-                     "tool_use": {"type": "input_json_delta", "partial_json": json.dumps(block.get("input"))}}[kind]
-            yield event("content_block_delta", {"index": index, "delta": delta})
+    index, open_kind, n_calls = -1, None, 0
+    async for kind, value in message_parts(stream, parser, tools):
+        block = {"reasoning": "thinking", "content": "text", "tool_call": "tool_use"}[kind]
+        if block != open_kind and open_kind is not None:
             yield event("content_block_stop", {"index": index})
-        stop_reason = _stop_reason(stream, out)
-    else:
-        splitter = ReasoningSplitter()
-
-        async def pieces():
-            async for d in stream.deltas():
-                for p in splitter.feed(d):
-                    yield p
-            for p in splitter.flush():
-                yield p
-
-        async for kind, text in pieces():
-            kind = "thinking" if kind == "reasoning" else "text"
-            if kind != open_kind:
-                if open_kind is not None:
-                    yield event("content_block_stop", {"index": index})
-                index, open_kind = index + 1, kind
-                yield event("content_block_start", {"index": index, "content_block": {"type": kind, kind: ""}})
-            delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else \
-                {"type": "text_delta", "text": text}
-            yield event("content_block_delta", {"index": index, "delta": delta})
-        if open_kind is not None:
+            open_kind = None
+        if block == "tool_use":  # whole: known once its block closed
+            index, n_calls = index + 1, n_calls + 1
+            use = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": value.name, "input": {}}
+            yield event("content_block_start", {"index": index, "content_block": use})
+            yield event("content_block_delta", {"index": index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(value.arguments, ensure_ascii=False)}})
             yield event("content_block_stop", {"index": index})
-        stop_reason = _stop_reason(stream, AssistantOutput(""))
+            continue
+        if open_kind is None:
+            index, open_kind = index + 1, block
+            yield event("content_block_start", {"index": index, "content_block": {"type": block, block: ""}})
+        delta = {"type": "thinking_delta", "thinking": value} if block == "thinking" else \
+            {"type": "text_delta", "text": value}
+        yield event("content_block_delta", {"index": index, "delta": delta})
+    if open_kind is not None:
+        yield event("content_block_stop", {"index": index})
+    stop_reason = "tool_use" if n_calls else _stop_reason(stream, AssistantOutput(""))
     yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stream.stop_sequence},
                                   "usage": {"output_tokens": stream.completion_tokens}})
     yield event("message_stop", {})

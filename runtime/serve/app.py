@@ -8,6 +8,7 @@ import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException
 from ..engine import Engine
 from ..sampling import SamplingParams
 from ..tokenizer import StreamDecoder
+from ..tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser
 from .scheduler import Request as EngineRequest
 from .scheduler import Scheduler
 
@@ -105,6 +107,26 @@ class TokenStream:
             await asyncio.sleep(0.25)
         self.request.cancel()
         self.queue.put_nowait((None, "cancelled"))
+
+
+async def message_parts(stream: TokenStream, parser: ToolParser,
+                        tools: list[dict[str, Any]]) -> AsyncIterator[tuple[str, Any]]:
+    """The answer as it streams: ("reasoning", text), ("content", text), and where tools were
+    offered ("tool_call", ToolCall) as soon as each call's block closes."""
+    reasoning = ReasoningSplitter()
+    calls = ToolCallStream(parser, tools) if tools else None
+
+    def route(pieces: list[tuple[str, str]]) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for kind, text in pieces:
+            out += [(kind, text)] if kind == "reasoning" or calls is None else calls.feed(text)
+        return out
+
+    async for delta in stream.deltas():
+        for part in route(reasoning.feed(delta)):
+            yield part
+    for part in route(reasoning.flush()) + (calls.flush() if calls is not None else []):
+        yield part
 
 
 def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

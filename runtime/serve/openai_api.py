@@ -16,8 +16,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..sampling import SamplingParams
-from ..tool_parsers import ReasoningSplitter, parse_output, tool_parser
-from .app import ApiError, Server, TokenStream
+from ..tool_parsers import parse_output, tool_parser
+from .app import ApiError, Server, TokenStream, message_parts
 
 router = APIRouter()
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -180,23 +180,14 @@ async def _chat_chunks(stream: TokenStream, meta: dict, tools: list[dict], parse
         return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
     yield chunk({"role": "assistant", "content": ""})
-    if tools:  # tool calls are known only once their block closes: the message is parsed whole
-        out = parse_output(await stream.text(), parser, tools)
-        if out.reasoning is not None:
-            yield chunk({"reasoning_content": out.reasoning})
-        if out.content:
-            yield chunk({"content": out.content})
-        if out.tool_calls:
-            yield chunk({"tool_calls": [{"index": i, **_call_out(c)} for i, c in enumerate(out.tool_calls)]})
-        finish = "tool_calls" if out.tool_calls else stream.finish_reason
-    else:
-        splitter = ReasoningSplitter()
-        async for delta in stream.deltas():
-            for kind, text in splitter.feed(delta):
-                yield chunk({"reasoning_content" if kind == "reasoning" else "content": text})
-        for kind, text in splitter.flush():
-            yield chunk({"reasoning_content" if kind == "reasoning" else "content": text})
-        finish = stream.finish_reason
+    n_calls = 0
+    async for kind, value in message_parts(stream, parser, tools):
+        if kind == "tool_call":
+            yield chunk({"tool_calls": [{"index": n_calls, **_call_out(value)}]})
+            n_calls += 1
+        else:
+            yield chunk({"reasoning_content" if kind == "reasoning" else "content": value})
+    finish = "tool_calls" if n_calls else stream.finish_reason
     yield chunk({}, finish)
     if include_usage:
         yield {**base, "choices": [], "usage": _usage(stream)}
