@@ -34,9 +34,10 @@ class ExpertBackend(ABC):
         the tokens sit at positions first_position, first_position + 1, ... of their sequence.
         Returns Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) as [T, hidden] fp32."""
 
-    def begin_pass(self, n_tokens: int) -> None:  # noqa: B027 (an optional hook, empty by default)
-        """A forward pass over n_tokens tokens (a prompt chunk) begins; its MoE layers follow in
-        order. Backends that stream whole layers start loading the first one here."""
+    def begin_pass(self, n_tokens: int, prompt: bool = True) -> None:  # noqa: B027 (optional, empty by default)
+        """A forward pass over n_tokens tokens begins (a prompt chunk, or with prompt=False one
+        decode token of each of n_tokens sequences); its MoE layers follow in order. Backends that
+        stream whole layers for long prompt chunks start loading the first one here."""
 
     def end_of_prompt(self) -> None:  # noqa: B027 (an optional hook, empty by default)
         """Called once the prompt of a request has been processed (the static cache pins then)."""

@@ -89,11 +89,13 @@ class OffloadedExperts(ExpertBackend):
         """Slots that streaming a prompt chunk's layers borrows: one or two full layers."""
         return self.num_experts * (2 if self.stream_overlap else 1)
 
-    def begin_pass(self, n_tokens: int) -> None:
-        """A chunk of n_tokens: streamed layer by layer when it is long enough and the cache can
-        lend the buffers (LRU policy only: the static set is never replaced)."""
+    def begin_pass(self, n_tokens: int, prompt: bool = True) -> None:
+        """A prompt chunk of n_tokens is streamed layer by layer when it is long enough and the
+        cache can lend the buffers (LRU policy only: the static set is never replaced); a decode
+        batch never is. Either way a pass left unfinished (a failed chunk) is dropped here."""
         self._stream = None
-        if self.stream_min_tokens is None or n_tokens < self.stream_min_tokens or self.cache.policy != "lru":
+        if not prompt or self.stream_min_tokens is None or n_tokens < self.stream_min_tokens \
+                or self.cache.policy != "lru":
             return
         if self.cache.n_slots < self.stream_slots:
             if not self._said_no_stream:

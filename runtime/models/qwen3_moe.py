@@ -179,6 +179,7 @@ class Qwen3MoeModel:
         if len(tokens) == 1:
             return self.forward(torch.tensor(tokens), caches[0])
         positions = [c.length for c in caches]
+        self.experts.begin_pass(len(tokens), prompt=False)
         cos, sin = self.rope_at(torch.tensor(positions, device=self.device))
         x = self.embed[torch.tensor(tokens, device=self.device)].to(self.dtype)
         eps = self.spec.norm.eps
