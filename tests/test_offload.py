@@ -228,7 +228,7 @@ def test_batched_decode_equals_one_sequence_at_a_time(engine_dir, cpu_engine, of
 
 def test_a_failed_streamed_chunk_leaves_no_pass_behind(engine_dir, cpu_engine, monkeypatch):
     """A prompt chunk that fails halfway through its streamed layers must not leave its layer stream
-    to the next call: a decode batch after it computes what the CPU engine computes."""
+    to the next call: a decode batch after it streams nothing and computes what the CPU engine does."""
     from ftc_runtime.layer_stream import LayerStream
 
     off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=40, b_p=20.0, b_h=40.0))
@@ -239,15 +239,17 @@ def test_a_failed_streamed_chunk_leaves_no_pass_behind(engine_dir, cpu_engine, m
             raise RuntimeError("injected")
         return real(self, j, *args)
 
-    monkeypatch.setattr(LayerStream, "forward", fail_on_layer_1)
-    with pytest.raises(RuntimeError, match="injected"):
-        off.model.forward(torch.tensor([random.randrange(256) for _ in range(30)]), off.model.new_cache())
-    monkeypatch.setattr(LayerStream, "forward", real)
     prompts = [[random.randrange(256) for _ in range(random.randrange(2, 9))] for _ in range(3)]
     got_caches, want_caches = [off.model.new_cache() for _ in prompts], [cpu_engine.model.new_cache() for _ in prompts]
     for p, g, w in zip(prompts, got_caches, want_caches, strict=True):
         off.model.forward(torch.tensor(p), g)
         cpu_engine.model.forward(torch.tensor(p), w)
+    monkeypatch.setattr(LayerStream, "forward", fail_on_layer_1)
+    with pytest.raises(RuntimeError, match="injected"):
+        off.model.forward(torch.tensor([random.randrange(256) for _ in range(30)]), off.model.new_cache())
+    monkeypatch.setattr(LayerStream, "forward", real)
     step = [random.randrange(256) for _ in prompts]
+    streamed = off.model.experts.stats.stream_layers
     got, want = off.model.decode_batch(step, got_caches), cpu_engine.model.decode_batch(step, want_caches)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert off.model.experts.stats.stream_layers == streamed
