@@ -75,6 +75,27 @@ def _expected(engine: Engine, messages: list[dict], n: int) -> str:
     return engine.tokenizer.decode(out)
 
 
+def script_tool_call(engine: Engine, monkeypatch, tools: list[dict], name: str, args: dict) -> dict:
+    """A test-only decoding hook: every sampler emits, token by token, the assistant turn that the
+    template writes for calling `name` with `args` (the model's own format), then end-of-sequence.
+    Returns the per-sampler positions (clear them to replay the script)."""
+    turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": name, "arguments": args}}]}
+    rendered = engine.chat_template.render([{"role": "user", "content": "q"}, turn], tools,
+                                           add_generation_prompt=False)
+    script = engine.tokenizer.encode(rendered.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n"))
+    script.append(engine.spec.eos_token_ids[0])
+    position: dict[int, int] = {}
+
+    def scripted(self, logits):
+        i = position.setdefault(id(self), 0)
+        position[id(self)] = i + 1
+        return script[min(i, len(script) - 1)]
+
+    monkeypatch.setattr(Sampler, "__call__", scripted)
+    return position
+
+
 def test_models_and_health(url, engine):
     assert [m.id for m in client(url).models.list()] == [engine.spec.name]
     assert httpx.get(url + "/health").json()["status"] == "ok"
@@ -111,20 +132,7 @@ def test_tool_call_round_trip(engine, monkeypatch):
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
     args = {"city": random.choice(["Paris", "Zürich", "東京"]), "days": random.randrange(1, 9)}
-    turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-        "name": "get_weather", "arguments": args}}]}
-    rendered = engine.chat_template.render([{"role": "user", "content": "q"}, turn], tools,
-                                           add_generation_prompt=False)
-    script = engine.tokenizer.encode(rendered.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n"))
-    script.append(engine.spec.eos_token_ids[0])
-    position = {}
-
-    def scripted(self, logits):  # a test-only decoding hook: the next token of the script
-        i = position.setdefault(id(self), 0)
-        position[id(self)] = i + 1
-        return script[min(i, len(script) - 1)]
-
-    monkeypatch.setattr(Sampler, "__call__", scripted)
+    position = script_tool_call(engine, monkeypatch, tools, "get_weather", args)
     with serving(engine) as base:
         c = client(base)
         messages = [{"role": "user", "content": "What's the weather?"}]
@@ -173,20 +181,7 @@ def test_anthropic_tool_use_round_trip(engine, monkeypatch):
         "type": "object", "properties": {"path": {"type": "string"}}}}]
     args = {"path": f"src/{random.randrange(100)}.py", "lines": [1, random.randrange(2, 50)]}
     openai_tools = [{"type": "function", "function": {"name": "read_file", "parameters": tools[0]["input_schema"]}}]
-    turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-        "name": "read_file", "arguments": args}}]}
-    rendered = engine.chat_template.render([{"role": "user", "content": "q"}, turn], openai_tools,
-                                           add_generation_prompt=False)
-    script = engine.tokenizer.encode(rendered.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n"))
-    script.append(engine.spec.eos_token_ids[0])
-    position = {}
-
-    def scripted(self, logits):
-        i = position.setdefault(id(self), 0)
-        position[id(self)] = i + 1
-        return script[min(i, len(script) - 1)]
-
-    monkeypatch.setattr(Sampler, "__call__", scripted)
+    position = script_tool_call(engine, monkeypatch, openai_tools, "read_file", args)
     with serving(engine) as base:
         c = aclient(base)
         messages = [{"role": "user", "content": "Show me the file."}]

@@ -11,12 +11,11 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling import SamplingParams
 from ..tool_parsers import AssistantOutput, parse_output, tool_parser
-from .app import ApiError, Server, TokenStream, message_parts
-from .openai_api import TOOL_NAME
+from .app import ApiError, Server, TokenStream, ToolName, message_parts, server_of
 
 router = APIRouter()
 
@@ -42,16 +41,9 @@ class Message(_Body):
 
 
 class ToolDef(_Body):
-    name: str
+    name: ToolName
     description: str | None = None
     input_schema: dict[str, Any]
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not TOOL_NAME.match(v):
-            raise ValueError(f"tool name {v!r}: expected 1-64 letters, digits, '_' or '-'")
-        return v
 
 
 class CountRequest(_Body):
@@ -74,13 +66,13 @@ class MessagesRequest(CountRequest):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountRequest, request: Request) -> dict:
-    server = _server(request)
+    server = server_of(request)
     return {"input_tokens": len(_prompt_ids(server, body))}
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
-    server = _server(request)
+    server = server_of(request)
     ids = _prompt_ids(server, body)
     server.check_prompt(ids, "messages")
     limit = server.new_tokens(body.max_tokens, body.max_tokens)
@@ -154,9 +146,7 @@ def _stop_reason(stream: TokenStream, out: AssistantOutput) -> str:
 
 
 def _prompt_ids(server: Server, body: CountRequest) -> list[int]:
-    if body.model != server.config.model_name:
-        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {server.config.model_name!r}",
-                       "model", "not_found_error")
+    server.check_model(body.model)
     messages = []
     if body.system:
         text = body.system if isinstance(body.system, str) else "".join(b.text or "" for b in body.system)
@@ -204,7 +194,3 @@ def _tools(body: CountRequest) -> list[dict[str, Any]]:
         return []
     return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                               "parameters": t.input_schema}} for t in body.tools or []]
-
-
-def _server(request: Request) -> Server:
-    return request.app.state.server

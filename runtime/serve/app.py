@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import AfterValidator
 from starlette.exceptions import HTTPException
 
 from ..engine import Engine
@@ -21,6 +23,18 @@ from ..tokenizer import StreamDecoder
 from ..tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser
 from .scheduler import Request as EngineRequest
 from .scheduler import Scheduler
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _tool_name(name: str) -> str:
+    if not TOOL_NAME.match(name):
+        raise ValueError(f"tool name {name!r}: expected 1-64 letters, digits, '_' or '-'")
+    return name
+
+
+# A tool's name as both APIs constrain it, for their request models.
+ToolName = Annotated[str, AfterValidator(_tool_name)]
 
 
 class ApiError(Exception):
@@ -151,6 +165,11 @@ class Server:
         if len(ids) > limit:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; this server takes at most {limit}", param)
 
+    def check_model(self, model: str) -> None:
+        if model != self.config.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                           "model", "not_found_error")
+
     def new_tokens(self, asked: int | None, default: int) -> int:
         n = default if asked is None else asked
         if n > self.config.max_new_tokens:
@@ -238,6 +257,10 @@ def _metrics(server: Server) -> str:
         rows += [(f"ftc_vram_{k}_bytes", "gauge", f"VRAM plan: {k}", getattr(server.engine.vram, k))
                  for k in ("dense", "kv", "workspace", "slots")]
     return "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in rows)
+
+
+def server_of(request: Request) -> Server:
+    return request.app.state.server
 
 
 def _authorized(request: Request, key: str) -> bool:

@@ -5,7 +5,6 @@ answers follow OpenAI's shapes, errors included (`app.ApiError`)."""
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import time
 import uuid
@@ -17,10 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..sampling import SamplingParams
 from ..tool_parsers import parse_output, tool_parser
-from .app import ApiError, Server, TokenStream, message_parts
+from .app import ApiError, TokenStream, ToolName, message_parts, server_of
 
 router = APIRouter()
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class _Body(BaseModel):
@@ -47,16 +45,9 @@ class Message(_Body):
 
 
 class FunctionDef(_Body):
-    name: str
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not TOOL_NAME.match(v):
-            raise ValueError(f"tool name {v!r}: expected 1-64 letters, digits, '_' or '-'")
-        return v
 
 
 class Tool(_Body):
@@ -75,7 +66,7 @@ class Sampling(_Body):
     stream_options: dict[str, Any] | None = None
     # Asked for but not served: refused rather than ignored.
     n: int = Field(1, ge=1, le=1, description="one choice per request")
-    logprobs: bool | int | None = None
+    logprobs: bool | int | None = None  # chat's is a flag, completions' a count: either way refused
     response_format: dict[str, Any] | None = None
 
     @field_validator("logprobs")
@@ -104,26 +95,18 @@ class ChatRequest(Sampling):
 class CompletionRequest(Sampling):
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = None  # completions' logprobs is a count
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("log probabilities are not served")
-        return v
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
-    name = _server(request).config.model_name
+    name = server_of(request).config.model_name
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "ftc"}]}
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
-    server = _server(request)
-    _check_model(server, body.model)
+    server = server_of(request)
+    server.check_model(body.model)
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
     prompt = server.engine.chat_template.render([_template_message(m) for m in body.messages], tools or None)
     ids = server.engine.tokenizer.encode(prompt)
@@ -148,8 +131,8 @@ async def chat_completions(body: ChatRequest, request: Request):
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    server = _server(request)
-    _check_model(server, body.model)
+    server = server_of(request)
+    server.check_model(body.model)
     ids = body.prompt if isinstance(body.prompt, list) else server.engine.tokenizer.encode(body.prompt)
     vocab = server.engine.spec.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
@@ -255,13 +238,3 @@ def _include_usage(body: Sampling) -> bool:
 def _usage(stream: TokenStream) -> dict[str, int]:
     return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
             "total_tokens": stream.prompt_tokens + stream.completion_tokens}
-
-
-def _check_model(server: Server, model: str) -> None:
-    if model != server.config.model_name:
-        raise ApiError(404, f"model {model!r} does not exist; this server serves {server.config.model_name!r}",
-                       "model", "not_found_error")
-
-
-def _server(request: Request) -> Server:
-    return request.app.state.server
