@@ -12,16 +12,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import anthropic
-import httpx
-import openai
 import pytest
-import uvicorn
 
-from ftc.pipeline import CompileOptions, compile_engine
-from ftc_runtime import Engine, SamplingParams
-from ftc_runtime.sampling import Sampler
-from ftc_runtime.serve.app import ServerConfig, create_app
+# The server stack and the API clients: where they are absent (the device machine) this module skips.
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from ftc.pipeline import CompileOptions, compile_engine  # noqa: E402
+from ftc_runtime import Engine, SamplingParams  # noqa: E402
+from ftc_runtime.sampling import Sampler  # noqa: E402
+from ftc_runtime.serve.app import ServerConfig, create_app  # noqa: E402
 
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 KEY = "test-key-" + str(random.randrange(10**9))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..experts import ExpertBackend
 from ..kv_cache import KVCache
@@ -226,13 +227,11 @@ class Qwen3MoeModel:
             valid = torch.arange(stored_k.shape[0], device=self.device) < keys.shape[0]
             return decode_attention(q, stored_k, stored_v, valid, self.heads)
         q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-        start = keys.shape[2] - t
-        if start == 0:
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=n_q != n_kv)
-        else:  # queries after cached tokens: the causal mask is not the top-left one that is_causal means
-            mask = (torch.arange(keys.shape[2], device=self.device)[None, :]
-                    <= (start + torch.arange(t, device=self.device))[:, None])
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=n_q != n_kv)
+        # Queries after cached tokens need the lower-right causal mask (is_causal means top-left); the
+        # library bias keeps the flash kernel on CUDA, where a boolean mask would fall back to the
+        # math kernel and materialize [heads, T, S] scores.
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(t, keys.shape[2]),
+                                             enable_gqa=n_q != n_kv)
         return out[0].transpose(0, 1).reshape(t, -1)
 
     def is_moe(self, i: int) -> bool:
