@@ -21,6 +21,7 @@ qwen3-30b-a3b decode from 24.8 to 35.2 tok/s (docs/performance.md), for about 6 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -100,8 +101,11 @@ class DecodeGraphs:
         self.position.fill_(position)
         self.x.copy_(m.embed[ids.to(m.device)].to(m.dtype))
         self.mlp.zero_()
+        clock = m.experts.stats.host_s
         for i in range(m.spec.num_layers):
+            t0 = time.perf_counter()
             self._run(("layer", i), lambda i=i: self._layer(i, cache))
+            clock["layer_launch"] += time.perf_counter() - t0
             if m.is_moe(i):
                 m.experts.launch_staged(m.moe_index[i], 1, m.spec.moe.top_k, position)
                 m.experts.finish_staged()

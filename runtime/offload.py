@@ -83,6 +83,7 @@ class OffloadedExperts(ExpertBackend):
         self.stream_min_tokens, self.stream_overlap = stream_min_tokens, stream_overlap
         self._stream: LayerStream | None = None
         self._said_no_stream = False
+        self._plan_s = self._fills_s = 0.0  # host time of the current call's planning and fills
 
     @property
     def stream_slots(self) -> int:
@@ -151,7 +152,7 @@ class OffloadedExperts(ExpertBackend):
             self._launch_token(moe_layer, k, first_position)
         else:
             self._launch_general(moe_layer, t, k, first_position)
-        clock["launch"] += time.perf_counter() - t1 - self._plan_s
+        clock["launch"] += time.perf_counter() - t1 - self._plan_s - self._fills_s
 
     def finish_staged(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(device part, CPU part) of the launched call, once the CPU part is done."""
@@ -185,8 +186,7 @@ class OffloadedExperts(ExpertBackend):
         self._count(hits + fills + cpu, hits, fills, cpu)
         self._plan_s = time.perf_counter() - t0
         self.stats.host_s["plan"] += self._plan_s
-        if n_fill:
-            self._copy_rows(tok.planner.fills[1, :n_fill], tok.planner.fills[0, :n_fill])
+        self._copy_rows(tok.planner.fills[1, :n_fill], tok.planner.fills[0, :n_fill])
         self._outputs = (tok.device_out, tok.cpu_out)
         with self.stats.compute.measure():
             self._token_device_part(tok, hits + fills)
@@ -296,10 +296,14 @@ class OffloadedExperts(ExpertBackend):
     def _copy_rows(self, slots: np.ndarray, ids: np.ndarray) -> None:
         """Copies FTW rows `ids` into `slots` on the current stream, which is idle here (every call
         begins with a sync), so no earlier kernel can still read a victim."""
+        self._fills_s = 0.0
         if not slots.size:
             return
+        t0 = time.perf_counter()
         with self.stats.copy.measure():
             self.copy_rows_now(slots, ids)
+        self._fills_s = time.perf_counter() - t0
+        self.stats.host_s["fills"] += self._fills_s
 
     def copy_rows_now(self, slots: np.ndarray, ids: np.ndarray) -> None:
         """Queues the copies of FTW rows `ids` into `slots` on the current stream."""

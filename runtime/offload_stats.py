@@ -71,8 +71,10 @@ class OffloadStats:
     streamed: int = 0  # experts those layers copied to the device
     cpu_s: float = 0.0
     # Host time of each phase of a call: waiting for the device's routing, planning (cache, split,
-    # CPU start, copies), launching the device's experts, then waiting for the CPU's.
-    host_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("sync", "plan", "launch", "cpu_wait"), 0.0))
+    # CPU start), queueing the fills, launching the device's experts, waiting for the CPU's; and
+    # (decode graphs) launching the graph of the layer's non-expert work.
+    host_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("sync", "plan", "fills", "launch", "cpu_wait", "layer_launch"), 0.0))
     copy: _Timer = field(init=False)
     compute: _Timer = field(init=False)
 
