@@ -17,6 +17,7 @@ import numpy as np
 
 CachePolicy = Literal["lru", "static"]
 CACHE_POLICIES: tuple[str, ...] = ("lru", "static")
+NEVER = -(1 << 62)  # the step of what never happened: older than any window reaches back
 
 
 class ExpertCache:
@@ -31,6 +32,8 @@ class ExpertCache:
         self.id_of = np.full(n_slots, -1, dtype=np.int64)  # slot → id, -1 when empty
         self.last_used = np.full(n_slots, -1, dtype=np.int64)  # step of last use; empty slots: -1
         self.step = 0
+        # id → the step its expert was last computed on the CPU (a miss the split kept off the GPU)
+        self.cpu_step = np.full(num_ids, NEVER, dtype=np.int64)
         self.frozen = False  # static policy: True once the pinned set is placed
 
     @property
@@ -45,6 +48,10 @@ class ExpertCache:
         """Marks slots as used by the current step, then advances the step."""
         self.last_used[slots] = self.step
         self.step += 1
+
+    def computed_on_cpu_within(self, ids: np.ndarray, steps: int) -> np.ndarray:
+        """Which of `ids` were computed on the CPU within the last `steps` steps (bool)."""
+        return self.cpu_step[ids] >= self.step - steps
 
     def victims(self, q: int, in_use: np.ndarray) -> np.ndarray:
         """Up to q slots to refill: empty slots first, then least recently used; never a slot in

@@ -1,12 +1,13 @@
 """`LayerStream`: one prompt chunk's MoE layers streamed whole through full-layer buffers.
 
 A long chunk routes to nearly every expert of every layer, so it moves each layer's uncached
-experts over PCIe once and computes everything on the device. Two buffers of E slots each are
-borrowed from the global slot cache (its least recently used slots): while the device computes MoE
-layer j from one, a copy stream fills the other with layer j + 1; events order them (a buffer is
-refilled only after the layer that read it is done). Experts the cache already holds elsewhere are
-used where they are. The buffers' slots are ordinary cache entries: when the chunk ends, the last
-layers streamed stay cached for decode. With one buffer (`overlap=False`) each layer is loaded,
+experts over PCIe once and computes everything on the device. While the device computes MoE layer
+j, a copy stream fills the next layer's buffer; events order them (a slot is refilled only after
+the layers that read it are done). The buffers are not fixed: each layer's uncached experts go to
+the cache's least recently used slots other than the pending layer's, so at most two layers (E
+slots each) are in flight, and when the chunk ends the cache holds the last layers streamed (as
+many as its slots take: decode starts warm) instead of two buffers' worth. Experts the cache
+already holds are used where they are. With one buffer (`overlap=False`) each layer is loaded,
 then computed: the baseline that double buffering is measured against.
 """
 
@@ -24,47 +25,49 @@ if TYPE_CHECKING:
 class LayerStream:
     def __init__(self, experts: OffloadedExperts, overlap: bool):
         self.experts, self.overlap = experts, overlap
-        e, cache = experts.num_experts, experts.cache
-        n_buffers = 2 if overlap else 1
-        slots = cache.victims(n_buffers * e, in_use=np.empty(0, dtype=np.int64))
-        if slots.size < n_buffers * e:
-            raise ValueError(f"{n_buffers} layer buffers need {n_buffers * e} slots, the cache has {cache.n_slots}")
-        cache.evict(slots)  # the buffers start empty: each holds only layers streamed by this chunk
-        self.buffers = [np.sort(slots[i * e:(i + 1) * e]) for i in range(n_buffers)]
+        if experts.cache.n_slots < experts.stream_slots:
+            raise ValueError(f"streaming layers needs {experts.stream_slots} slots, the cache has "
+                             f"{experts.cache.n_slots}")
         self.on_gpu = experts.on_gpu
         self.copy_stream = torch.cuda.Stream(experts.device) if self.on_gpu else None
-        if self.copy_stream is not None:  # kernels queued before this chunk may still read the buffers' slots
+        if self.copy_stream is not None:  # kernels queued before this chunk may still read any slot
             self.copy_stream.wait_stream(torch.cuda.current_stream(experts.device))
         self.ready: dict[int, torch.cuda.Event] = {}  # MoE layer → its copies have landed
-        self.released: list[torch.cuda.Event | None] = [None] * n_buffers  # a buffer's last reader is done
+        self.last_done: torch.cuda.Event | None = None  # the device is done with the last layer computed
         self.loaded: set[int] = set()
+        self.pending: int | None = None  # the layer loaded ahead (overlap), not yet computed
         self.num_layers = experts.pool.header.num_moe_layers
         self.load(0)
 
     def load(self, j: int) -> None:
-        """Queues the copies of MoE layer j's uncached experts into its buffer (at once, or after
-        the layer that last read that buffer), evicting what the buffer held."""
+        """Queues the copies of MoE layer j's uncached experts into the least recently used slots
+        that the layer loaded ahead does not hold, after the device is done with every layer
+        computed so far (any of them may have read those slots)."""
         if j in self.loaded or j >= self.num_layers:
             return
         self.loaded.add(j)
         cache, e = self.experts.cache, self.experts.num_experts
-        buffer = self.buffers[j % len(self.buffers)]
-        cache.evict(buffer)
         ids = j * e + np.arange(e, dtype=np.int64)
-        missing = ids[cache.slot_of[ids] < 0]
-        dst = buffer[:missing.size]
+        slots = cache.slot_of[ids]
+        missing = ids[slots < 0]
+        held = np.empty(0, dtype=np.int64) if self.pending is None else self._slots_of(self.pending)
+        dst = cache.victims(missing.size, in_use=np.concatenate([slots[slots >= 0], held]))
         cache.install(dst, missing)
+        cache.touch(dst)  # most recent: the next layer's load must not take them back
         self.experts.stats.streamed += missing.size
         if self.copy_stream is None:
             self.experts.copy_rows_now(dst, missing)
             return
-        released = self.released[j % len(self.buffers)]
         with torch.cuda.stream(self.copy_stream):
-            if released is not None:
-                self.copy_stream.wait_event(released)
+            if self.last_done is not None:
+                self.copy_stream.wait_event(self.last_done)
             self.experts.copy_rows_now(dst, missing)
             self.ready[j] = torch.cuda.Event()
             self.ready[j].record(self.copy_stream)
+
+    def _slots_of(self, j: int) -> np.ndarray:
+        slots = self.experts.cache.slot_of[j * self.experts.num_experts:(j + 1) * self.experts.num_experts]
+        return slots[slots >= 0]
 
     def forward(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 first_position: int) -> torch.Tensor:
@@ -72,7 +75,9 @@ class LayerStream:
         experts, cache, e = self.experts, self.experts.cache, self.experts.num_experts
         self.load(j)
         if self.overlap:
+            self.pending = j
             self.load(j + 1)  # the next layer crosses PCIe while this one computes
+            self.pending = None
         t, k = ids.shape
         if experts.routing is not None:
             host_ids, host_w = experts.routed(j, first_position, ids.cpu().numpy().astype(np.int64),
@@ -89,9 +94,8 @@ class LayerStream:
         with experts.stats.compute.measure():
             experts.grouped_on_device(x.contiguous(), pairs, out)
         if self.on_gpu:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(x.device))
-            self.released[j % len(self.buffers)] = done
+            self.last_done = torch.cuda.Event()
+            self.last_done.record(torch.cuda.current_stream(x.device))
         used = np.unique(cache.slot_of[j * e + ids.reshape(-1).cpu().numpy()])
         cache.touch(used)
         s = experts.stats

@@ -17,13 +17,20 @@ class MissPlanner:
     q / B_P' = (m − q) / B_H', so q = round(m · B_P' / (B_P' + B_H')), clamped to [1, m]. B_P' and
     B_H' are the rates measured with both running (`ftc profile`); without them the paper's model
     holds (B_P' = B_P, B_H' = B_H − B_P), which gives its q* = m · B_P / B_H, and all m go to the
-    GPU when B_H ≤ B_P. `gpu`: q = m; `cpu`: q = 0; `half`: q = ceil(m / 2)."""
+    GPU when B_H ≤ B_P. `gpu`: q = m; `cpu`: q = 0; `half`: q = ceil(m / 2).
+
+    That split prices one step only. With temporal locality (real routing) an expert computed on
+    the CPU comes back, a miss again each time, where a fill would make it a hit: on the device the
+    adaptive split decoded 22% slower than `gpu` with the model's own routing (docs/performance.md).
+    So adaptive also fills every miss that the CPU computed within the last `recent_tokens` tokens
+    (q = max(q, those), filled first). Without locality few misses recur that soon, and q stays."""
 
     policy: MissPolicy = "adaptive"
     b_p: float = 1.0  # pinned host→GPU GB/s for one expert
     b_h: float = 1.0  # CPU expert kernel GB/s, all workers
     b_p_concurrent: float | None = None  # host→GPU GB/s while the CPU kernel runs
     b_h_concurrent: float | None = None  # CPU kernel GB/s while copies run
+    recent_tokens: int = 4  # adaptive: misses computed on the CPU this recently are filled
 
     def __post_init__(self) -> None:
         if self.policy not in MISS_POLICIES:
@@ -53,6 +60,11 @@ class MissPlanner:
         copy, cpu = self.rates()
         q = math.floor(m * copy / (copy + cpu) + 0.5)  # round half up, not to even
         return min(m, max(1, q))
+
+    def fills_for(self, m: int, recent: int) -> int:
+        """q for m misses of which `recent` were computed on the CPU within `recent_tokens` tokens."""
+        q = self.fills(m)
+        return max(q, min(recent, m)) if self.policy == "adaptive" else q
 
     def bound_s(self, m: int, q: int, expert_bytes: int) -> float:
         """DESIGN.md's time for one layer's misses: q copies beside m − q CPU experts, at the

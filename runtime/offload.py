@@ -86,6 +86,14 @@ class OffloadedExperts(ExpertBackend):
         self._plan_s = self._fills_s = 0.0  # host time of the current call's planning and fills
 
     @property
+    def recent_steps(self) -> int:
+        """The planner's recent window in cache steps (a token takes one per MoE layer); 0 but
+        for the adaptive split."""
+        if self.planner.policy != "adaptive":
+            return 0
+        return self.planner.recent_tokens * self.pool.header.num_moe_layers
+
+    @property
     def stream_slots(self) -> int:
         """Slots that streaming a prompt chunk's layers borrows: one or two full layers."""
         return self.num_experts * (2 if self.stream_overlap else 1)
@@ -195,7 +203,7 @@ class OffloadedExperts(ExpertBackend):
         staged = self._staged_host(1, k)
         device_out, cpu_out = self.token_outputs()
         planner = TokenPlanner(self.kernel, self.gate_up, self.down, self.cache, self.planner, k, staged, cpu_out,
-                               self.on_gpu)
+                               self.on_gpu, self.recent_steps)
         x = self._buffer("in", 1, self.hidden + 2 * k, self.device)[:, :self.hidden]
         pairs = torch.zeros(3, k, dtype=torch.int32, device=self.device)
         self._token = _TokenPath(planner, staged, x, device_out, cpu_out, pairs)
@@ -242,10 +250,14 @@ class OffloadedExperts(ExpertBackend):
         hit, miss = np.flatnonzero(slots >= 0), np.flatnonzero(slots < 0)
         if self.cache.policy == "static" and not self.cache.frozen:
             self.prompt_counts[r.ids] += r.counts()
-        if t > 1:  # the busiest misses are the ones worth a copy: they carry the most tokens
-            miss = miss[np.argsort(-r.counts()[miss], kind="stable")]
-        victims = self.cache.victims(self.planner.fills(miss.size), in_use=slots[hit])
+        # Misses the CPU computed lately are filled first (they recur), then the busiest: they
+        # carry the most tokens.
+        recent = self.cache.computed_on_cpu_within(r.ids[miss], self.recent_steps)
+        busy = -r.counts()[miss] if t > 1 else np.zeros(miss.size, dtype=np.int64)
+        miss = miss[np.lexsort((busy, ~recent))]
+        victims = self.cache.victims(self.planner.fills_for(miss.size, int(recent.sum())), in_use=slots[hit])
         fill, cpu = miss[: victims.size], miss[victims.size:]
+        self.cache.cpu_step[r.ids[cpu]] = self.cache.step
         cpu_out = self._buffer("cpu_out", t, hidden).zero_()
         self._cpu_t0 = time.perf_counter()
         if cpu.size:

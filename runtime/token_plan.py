@@ -28,17 +28,21 @@ class TokenPlanArgs(ctypes.Structure):
         ("pool", _p), ("workspace", _p), ("gate_up", _p), ("gate_up_stride", _i64), ("down", _p),
         ("down_stride", _i64), ("hidden", _i64), ("k", _i64), ("staged", _p), ("slot_of", _p), ("id_of", _p),
         ("last_used", _p), ("n_slots", _i64), ("fills_for_m", _p), ("cpu_out", _p), ("cpu_ids", _p),
-        ("cpu_offsets", _p), ("cpu_tok", _p), ("cpu_w", _p), ("pairs", _p), ("fills", _p), ("counts", _p))]
+        ("cpu_offsets", _p), ("cpu_tok", _p), ("cpu_w", _p), ("pairs", _p), ("fills", _p), ("counts", _p),
+        ("cpu_step", _p), ("recent_steps", _i64))]
 
 
 class TokenPlanner:
     """Plans one token (T = 1) of k routed experts, reading `staged` ([1, hidden + 2k] fp32, as
     `OffloadedExperts.stage` packs it) and writing the CPU part into `cpu_out` ([1, hidden] fp32).
     Both must keep their addresses for the planner's life. `pinned`: the pair list lives in pinned
-    memory, so that a captured host→device copy can read it."""
+    memory, so that a captured host→device copy can read it. `recent_steps`: misses the CPU
+    computed within that many cache steps are filled first, and at least all of them
+    (`MissPlanner.fills_for`); 0: off."""
 
     def __init__(self, kernel: CpuExpertKernel, gate_up: torch.Tensor, down: torch.Tensor, cache: ExpertCache,
-                 planner: MissPlanner, k: int, staged: torch.Tensor, cpu_out: torch.Tensor, pinned: bool):
+                 planner: MissPlanner, k: int, staged: torch.Tensor, cpu_out: torch.Tensor, pinned: bool,
+                 recent_steps: int = 0):
         if k > 64:
             raise ValueError(f"top_k = {k}: the one-token planner handles at most 64 experts per token")
         hidden = cpu_out.shape[1]
@@ -62,7 +66,7 @@ class TokenPlanner:
             down.data_ptr(), down.stride(0), hidden, k, staged.data_ptr(), _addr(cache.slot_of),
             _addr(cache.id_of), _addr(cache.last_used), cache.n_slots, _addr(self.fills_for_m),
             cpu_out.data_ptr(), _addr(ids), _addr(offsets), _addr(tok), _addr(w), self.pairs.data_ptr(),
-            _addr(self.fills), _addr(self.counts))
+            _addr(self.fills), _addr(self.counts), _addr(cache.cpu_step), recent_steps)
         self._ref = ctypes.byref(self._args)
 
     def plan(self, base_id: int, allow_fills: bool) -> int:

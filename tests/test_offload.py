@@ -117,6 +117,31 @@ def test_adaptive_split_sends_q_misses_to_the_device(cpu_engine):
     assert off.stats.hits == planner.fills(k)  # the filled experts are hits the next time
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_misses_the_cpu_computed_lately_are_filled(cpu_engine, native):
+    """Adaptive with a slow link sends one of k misses to the device; when the same experts come
+    back within `recent_tokens` tokens, every one the CPU computed is filled (and then hit), and
+    without the window (recent_tokens 0) the split stays at one."""
+    cpu = cpu_engine.model.experts
+    e, k, hidden = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, cpu_engine.spec.hidden_size
+    layers = len(cpu_engine.spec.moe_layers)
+    for window in (4, 0):
+        planner = MissPlanner("adaptive", 1.0, 100.0, recent_tokens=window)
+        off = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cpu"), 64, planner, "lru")
+        off.native_token_plan = native
+        ids = torch.tensor([random.sample(range(e), k)])
+        layer = random.randrange(layers)
+        got = [off.forward(layer, torch.randn(1, hidden), ids, torch.rand(1, k)) for _ in range(3)]
+        assert all(g.isfinite().all() for g in got)
+        s = off.stats
+        assert planner.fills(k) == 1
+        if window:  # token 1: 1 fill, k - 1 on the CPU; token 2: 1 hit, k - 1 fills; token 3: k hits
+            assert (s.hits, s.fills, s.cpu) == (1 + k, k, k - 1)
+        else:  # one more fill a token: hits 0, 1, 2
+            assert (s.hits, s.fills, s.cpu) == (3, 3, 3 * k - 6)
+        _check_slots_hold_their_rows(off)
+
+
 @pytest.mark.parametrize("miss_policy,cache_policy,slots", [("adaptive", "lru", 5), ("gpu", "lru", 20),
                                                           ("cpu", "lru", 8), ("half", "static", 12),
                                                           ("adaptive", "static", 3)])
@@ -199,9 +224,11 @@ def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap
     _check_slots_hold_their_rows(experts)
     last_chunk = ids[(len(ids) - 1) // chunk * chunk:]
     if streams and len(last_chunk) >= off.manifest.plan.prefill_stream_min_tokens:
-        # the last layer streamed stays cached for decode
+        # the last layer streamed stays cached for decode, and the layers before it fill every
+        # slot (streaming rotates through the least recently used slots, not two fixed buffers)
         last = (n_moe - 1) * e + np.arange(e)
         assert (experts.cache.slot_of[last] >= 0).all()
+        assert experts.cache.resident == min(slots, n_moe * e)
 
 
 @pytest.mark.parametrize("offloaded", [False, True])

@@ -72,6 +72,8 @@ struct TokenPlanArgs {
                    // (hits, then fills), then -1 slots
   int64_t* fills;  // [2][k]: FTW row, slot of each copy to make
   int32_t* counts;  // hits, fills, CPU experts
+  int64_t* cpu_step;  // ExpertCache.cpu_step: FTW row → the step it was last computed on the CPU
+  int64_t recent_steps;  // misses computed on the CPU this recently are filled first, all of them
 };
 
 // One token's plan for the MoE layer whose first FTW row is base_id; `step` stamps the slots it
@@ -110,14 +112,35 @@ int ftc_plan_token(const TokenPlanArgs* a, int64_t base_id, int64_t step, int al
       miss_w[n_miss++] = wts[j];
     }
   }
+  // Misses the CPU computed lately first (stable: ascending rows within each group), and at least
+  // all of them fill (MissPlanner.fills_for): with locality they come back.
+  int n_recent = 0;
+  if (a->recent_steps > 0) {
+    int64_t rest[64];
+    float rest_w[64];
+    int n_rest = 0;
+    for (int j = 0; j < n_miss; ++j) {
+      if (a->cpu_step[miss[j]] >= step - a->recent_steps) {
+        miss[n_recent] = miss[j];
+        miss_w[n_recent++] = miss_w[j];
+      } else {
+        rest[n_rest] = miss[j];
+        rest_w[n_rest++] = miss_w[j];
+      }
+    }
+    std::memcpy(miss + n_recent, rest, sizeof(int64_t) * n_rest);
+    std::memcpy(miss_w + n_recent, rest_w, sizeof(float) * n_rest);
+  }
   int64_t victims[64];
-  const int q = allow_fills ? a->fills_for_m[n_miss] : 0;
+  const int q_split = a->fills_for_m[n_miss];
+  const int q = allow_fills ? (q_split > n_recent ? q_split : n_recent) : 0;
   const int n_fill = q > 0 ? choose_victims(a->last_used, a->n_slots, hit_slot, n_hit, q, victims) : 0;
   // The CPU part first: its workers start while the caller queues the copies and the GPU work.
   const int n_cpu = n_miss - n_fill;
   std::memset(a->cpu_out, 0, sizeof(float) * hidden);
   a->cpu_offsets[0] = 0;
   for (int j = 0; j < n_cpu; ++j) {
+    a->cpu_step[miss[n_fill + j]] = step;
     a->cpu_ids[j] = miss[n_fill + j];
     a->cpu_offsets[j + 1] = j + 1;
     a->cpu_tok[j] = 0;
