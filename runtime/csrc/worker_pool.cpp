@@ -13,6 +13,11 @@ namespace {
 // own threads between MoE layers. Counted in cycles, not pause instructions, because a pause
 // lasts 10 cycles on some cores and 140 on others.
 constexpr uint64_t kSpinCycles = 500000;
+// Background pools (a GPU engine's) own their cores, and decode calls them only in the layers
+// that have CPU misses: with locality that is a few layers per token, far apart, so a short spin
+// put every job behind a wake-up (on the device, under one CPU expert per layer cost 0.3-0.44 ms
+// per layer). They spin about 40 ms, longer than a decode token, and sleep only between requests.
+constexpr uint64_t kBackgroundSpinCycles = 100000000;
 
 void pin_to_cpu(pthread_t thread, int cpu) {
   if (cpu < 0) return;
@@ -24,7 +29,9 @@ void pin_to_cpu(pthread_t thread, int cpu) {
 }  // namespace
 
 WorkerPool::WorkerPool(int n_threads, const int* cpus, bool caller_joins)
-    : n_(n_threads < 1 ? 1 : n_threads), caller_joins_(caller_joins) {
+    : n_(n_threads < 1 ? 1 : n_threads),
+      caller_joins_(caller_joins),
+      spin_cycles_(caller_joins ? kSpinCycles : kBackgroundSpinCycles) {
   threads_.reserve(n_);
   for (int tid = caller_joins_ ? 1 : 0; tid < n_; ++tid) {
     threads_.emplace_back(&WorkerPool::worker_loop, this, tid, cpus ? cpus[tid] : -1);
@@ -45,7 +52,7 @@ void WorkerPool::worker_loop(int tid, int cpu) {
     uint64_t g;
     const uint64_t spin_start = __rdtsc();
     while ((g = generation_.load(std::memory_order_acquire)) == seen) {
-      if (__rdtsc() - spin_start < kSpinCycles) {
+      if (__rdtsc() - spin_start < spin_cycles_) {
         _mm_pause();
       } else {
         generation_.wait(seen, std::memory_order_acquire);

@@ -15,8 +15,8 @@ using JobFn = void (*)(int tid, int n_threads, void* ctx);
 // With caller_joins the calling thread takes part as thread 0 (run() wakes n - 1 workers): the
 // all-CPU engine. Without it every one of the n threads is a pool thread, so a job can run in the
 // background (start(), then wait()) while the caller drives the GPU.
-// Idle workers spin briefly (a decode step calls in every MoE layer) and then sleep on a futex,
-// so an idle engine does not burn its cores.
+// Idle workers spin (briefly, or about a decode token for background pools, whose cores are their
+// own) and then sleep on a futex, so an idle engine does not burn its cores.
 class WorkerPool {
  public:
   WorkerPool(int n_threads, const int* cpus, bool caller_joins);
@@ -41,6 +41,7 @@ class WorkerPool {
 
   int n_;
   bool caller_joins_;
+  uint64_t spin_cycles_;  // how long an idle worker spins before it sleeps
   std::vector<std::thread> threads_;
   JobFn fn_ = nullptr;
   void* ctx_ = nullptr;
