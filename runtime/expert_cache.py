@@ -71,6 +71,22 @@ class ExpertCache:
             order = order[~np.isin(order, in_use)]
         return order[:q]
 
+    def scan_victims(self, q: int, in_use: np.ndarray, since_step: int) -> np.ndarray:
+        """Up to q slots for a scan (a prompt chunk streaming every MoE layer in order): slots not
+        used since `since_step` first, least recently used first; then the scan's own, most
+        recently used first. A scan longer than the cache thus keeps its first layers and cycles
+        its last ones through the same slots, so that the next scan (the next chunk, the next
+        prompt) finds those first layers cached; LRU would evict each layer just before the next
+        scan needs it."""
+        if q <= 0:
+            return np.empty(0, dtype=np.int64)
+        fresh = self.last_used < since_step
+        recency = np.where(fresh, self.last_used, -self.last_used)  # fresh: oldest first; the scan's: newest
+        order = np.lexsort((np.arange(self.n_slots), recency, ~fresh))
+        if in_use.size:
+            order = order[~np.isin(order, in_use)]
+        return order[:q]
+
     def install(self, slots: np.ndarray, ids: np.ndarray) -> None:
         """Records that `slots` now hold `ids` (the caller copies the rows)."""
         old = self.id_of[slots]

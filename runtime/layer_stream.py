@@ -3,11 +3,13 @@
 A long chunk routes to nearly every expert of every layer, so it moves each layer's uncached
 experts over PCIe once and computes everything on the device. While the device computes MoE layer
 j, a copy stream fills the next layer's buffer; events order them (a slot is refilled only after
-the layers that read it are done). The buffers are not fixed: each layer's uncached experts go to
-the cache's least recently used slots other than the pending layer's, so at most two layers (E
-slots each) are in flight, and when the chunk ends the cache holds the last layers streamed (as
-many as its slots take: decode starts warm) instead of two buffers' worth. Experts the cache
-already holds are used where they are. With one buffer (`overlap=False`) each layer is loaded,
+the layers that read it are done). Each layer's uncached experts go to slots that this chunk has
+not used yet (least recently used first) while there are any, then to the chunk's own most
+recently used slots (`ExpertCache.scan_victims`), never to those of the layer in flight. So the
+cache ends holding the chunk's first layers, as many as it takes, with its last layers cycling
+through two layers' worth of slots (E each): the next chunk or prompt finds the first layers
+cached and streams only the rest, and decode starts warm. Experts the cache already holds are
+used where they are. With one buffer (`overlap=False`) each layer is loaded,
 then computed: the baseline that double buffering is measured against.
 """
 
@@ -36,13 +38,14 @@ class LayerStream:
         self.last_done: torch.cuda.Event | None = None  # the device is done with the last layer computed
         self.loaded: set[int] = set()
         self.pending: int | None = None  # the layer loaded ahead (overlap), not yet computed
+        self.since_step = experts.cache.step  # slots used from this step on are this chunk's
         self.num_layers = experts.pool.header.num_moe_layers
         self.load(0)
 
     def load(self, j: int) -> None:
-        """Queues the copies of MoE layer j's uncached experts into the least recently used slots
-        that the layer loaded ahead does not hold, after the device is done with every layer
-        computed so far (any of them may have read those slots)."""
+        """Queues the copies of MoE layer j's uncached experts into the scan's victims (not the
+        slots of the layer loaded ahead), after the device is done with every layer computed so
+        far (any of them may have read those slots)."""
         if j in self.loaded or j >= self.num_layers:
             return
         self.loaded.add(j)
@@ -51,9 +54,9 @@ class LayerStream:
         slots = cache.slot_of[ids]
         missing = ids[slots < 0]
         held = np.empty(0, dtype=np.int64) if self.pending is None else self._slots_of(self.pending)
-        dst = cache.victims(missing.size, in_use=np.concatenate([slots[slots >= 0], held]))
+        dst = cache.scan_victims(missing.size, np.concatenate([slots[slots >= 0], held]), self.since_step)
         cache.install(dst, missing)
-        cache.touch(dst)  # most recent: the next layer's load must not take them back
+        cache.touch(dst)
         self.experts.stats.streamed += missing.size
         if self.copy_stream is None:
             self.experts.copy_rows_now(dst, missing)

@@ -225,10 +225,35 @@ def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap
     last_chunk = ids[(len(ids) - 1) // chunk * chunk:]
     if streams and len(last_chunk) >= off.manifest.plan.prefill_stream_min_tokens:
         # the last layer streamed stays cached for decode, and the layers before it fill every
-        # slot (streaming rotates through the least recently used slots, not two fixed buffers)
+        # slot (streaming takes the slots it has not used first, not two fixed buffers)
         last = (n_moe - 1) * e + np.arange(e)
         assert (experts.cache.slot_of[last] >= 0).all()
         assert experts.cache.resident == min(slots, n_moe * e)
+
+
+@pytest.mark.parametrize("overlap,slots", [(True, 40), (True, 56), (False, 40), (True, 32)])
+def test_a_second_streamed_chunk_finds_the_first_layers_cached(engine_dir, cpu_engine, overlap, slots):
+    """Two full chunks stream every MoE layer; the first leaves its first layers cached (all but
+    the layer buffers' worth of slots), so the second streams only the rest: at most the pool's
+    experts less the slots beyond the buffers. Logits still equal the all-CPU engine's."""
+    e, n_moe = cpu_engine.spec.moe.num_experts, len(cpu_engine.spec.moe_layers)
+    cfg = OffloadConfig(device="cpu", n_slots=slots, b_p=20.0, b_h=40.0, prefill_overlap=overlap)
+    chunk = 24
+    off = Engine.load(engine_dir, offload=cfg, prefill_chunk=chunk)
+    assert chunk >= off.manifest.plan.prefill_stream_min_tokens
+    ids = [random.randrange(256) for _ in range(2 * chunk)]
+    experts = off.model.experts
+    first, cache = _prefill(off, ids[:chunk])
+    streamed_first = experts.stats.streamed
+    second = off.prefill(torch.tensor(ids[chunk:]), cache, all_logits=True)
+    streamed_second = experts.stats.streamed - streamed_first
+    assert experts.stats.stream_layers == 2 * n_moe
+    assert streamed_first == n_moe * e
+    buffers = e * (2 if overlap else 1)
+    assert streamed_second <= n_moe * e - (slots - buffers)
+    want, _ = _prefill(cpu_engine, ids)
+    assert torch.allclose(torch.cat([first, second]), want, rtol=1e-4, atol=1e-4)
+    _check_slots_hold_their_rows(experts)
 
 
 @pytest.mark.parametrize("offloaded", [False, True])
