@@ -22,8 +22,9 @@ from ftc_runtime.offload_stats import OffloadStats
 def bench_prefill(engine_dir: Path, offload: OffloadConfig, lengths: list[int], overlap_modes: list[bool],
                   prefill_chunk: int | None = None, seed: int = 0, pool: ExpertPool | None = None) -> dict:
     """Each mode loads the engine once, prefills the shortest length once untimed (kernels warm
-    up), then each length once from a fresh KV cache (the expert cache keeps what earlier prompts
-    left, and only what crosses PCIe is counted)."""
+    up), then each length once from a fresh KV cache and an empty expert cache, as the first
+    prompt of a session: every MoE layer crosses PCIe in the first chunk, and only the layers
+    that chunk did not leave cached in the next ones."""
     if not lengths or min(lengths) < 1:
         raise ValueError(f"--lengths {lengths}: expected prompt lengths of at least 1 token")
     rng = random.Random(seed)
@@ -38,7 +39,8 @@ def bench_prefill(engine_dir: Path, offload: OffloadConfig, lengths: list[int], 
         for n in lengths:
             ids = torch.tensor([rng.randrange(vocab) for _ in range(n)])
             experts.stats = OffloadStats(experts.device)
-            _sync(experts.device)
+            _sync(experts.device)  # the warm-up's copies are done before their slots are dropped
+            experts.cache.clear()
             t0 = time.perf_counter()
             engine.prefill(ids, engine.model.new_cache())
             _sync(experts.device)

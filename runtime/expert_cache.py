@@ -94,6 +94,13 @@ class ExpertCache:
         self.id_of[slots] = ids
         self.slot_of[ids] = slots
 
+    def clear(self) -> None:
+        """Empties every slot and forgets all use and CPU history (a fresh engine's state)."""
+        self.slot_of.fill(-1)
+        self.id_of.fill(-1)
+        self.last_used.fill(-1)
+        self.cpu_step.fill(NEVER)
+
     def evict(self, slots: np.ndarray) -> None:
         """Empties `slots` (their experts are no longer resident)."""
         old = self.id_of[slots]

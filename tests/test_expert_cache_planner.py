@@ -134,3 +134,14 @@ def test_measured_concurrent_rates_set_the_split():
     assert measured.bound_s(8, 0, s) == 8 * s / (88.0 * 1e9)
     assert measured.bound_s(8, 8, s) == 8 * s / (51.0 * 1e9)
     assert measured.bound_s(0, 0, s) == 0.0
+
+
+def test_clear_empties_the_cache_and_its_history():
+    cache = ExpertCache(40, 8)
+    slots = cache.victims(5, in_use=np.empty(0, dtype=np.int64))
+    cache.install(slots, np.array([3, 9, 11, 20, 39]))
+    cache.touch(slots)
+    cache.cpu_step[[1, 2]] = cache.step
+    cache.clear()
+    assert cache.resident == 0 and (cache.slot_of == -1).all() and (cache.last_used == -1).all()
+    assert not cache.computed_on_cpu_within(np.array([1, 2]), 10**6).any()
