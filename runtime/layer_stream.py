@@ -2,15 +2,16 @@
 
 A long chunk routes to nearly every expert of every layer, so it moves each layer's uncached
 experts over PCIe once and computes everything on the device. While the device computes MoE layer
-j, a copy stream fills the next layer's buffer; events order them (a slot is refilled only after
-the layers that read it are done). Each layer's uncached experts go to slots that this chunk has
-not used yet (least recently used first) while there are any, then to the chunk's own most
-recently used slots (`ExpertCache.scan_victims`), never to those of the layer in flight. So the
-cache ends holding the chunk's first layers, as many as it takes, with its last layers cycling
-through two layers' worth of slots (E each): the next chunk or prompt finds the first layers
-cached and streams only the rest, and decode starts warm. Experts the cache already holds are
-used where they are. With one buffer (`overlap=False`) each layer is loaded,
-then computed: the baseline that double buffering is measured against.
+j, a copy stream fills the slots of the next layer that has uncached experts (layers the cache
+holds whole in between cost nothing); events order them (a slot is refilled only after the
+layers that read it are done). Copies go to slots this chunk has not used yet (least recently
+used first) while there are any, then to the chunk's own most recently used slots
+(`ExpertCache.scan_victims`), never to those of a layer still to be computed. So the cache ends
+holding the chunk's first layers, as many as it takes, its last layers having cycled through two
+layers' worth of slots (E each): the next chunk or prompt finds the first layers cached, streams
+only the rest, and starts on that while it computes the cached ones; decode starts warm. With
+one buffer (`overlap=False`) each layer is loaded, then computed: the baseline that double
+buffering is measured against.
 """
 
 from __future__ import annotations
@@ -36,51 +37,61 @@ class LayerStream:
             self.copy_stream.wait_stream(torch.cuda.current_stream(experts.device))
         self.ready: dict[int, torch.cuda.Event] = {}  # MoE layer → its copies have landed
         self.last_done: torch.cuda.Event | None = None  # the device is done with the last layer computed
-        self.loaded: set[int] = set()
-        self.pending: int | None = None  # the layer loaded ahead (overlap), not yet computed
+        self.loaded: dict[int, int] = {}  # MoE layer → experts it copied (0: all were cached)
         self.since_step = experts.cache.step  # slots used from this step on are this chunk's
         self.num_layers = experts.pool.header.num_moe_layers
-        self.load(0)
+        self.load(0, np.empty(0, dtype=np.int64))
 
-    def load(self, j: int) -> None:
-        """Queues the copies of MoE layer j's uncached experts into the scan's victims (not the
-        slots of the layer loaded ahead), after the device is done with every layer computed so
-        far (any of them may have read those slots)."""
-        if j in self.loaded or j >= self.num_layers:
-            return
-        self.loaded.add(j)
+    def load(self, j: int, held: np.ndarray) -> bool:
+        """Queues the copies of MoE layer j's uncached experts into the scan's victims, never a
+        slot in `held` (the layers computed before j), after the device is done with every layer
+        computed so far (any of them may have read those slots). False, loading nothing, when the
+        cache has too few other slots."""
         cache, e = self.experts.cache, self.experts.num_experts
         ids = j * e + np.arange(e, dtype=np.int64)
         slots = cache.slot_of[ids]
         missing = ids[slots < 0]
-        held = np.empty(0, dtype=np.int64) if self.pending is None else self._slots_of(self.pending)
         dst = cache.scan_victims(missing.size, np.concatenate([slots[slots >= 0], held]), self.since_step)
+        if dst.size < missing.size:
+            return False
+        self.loaded[j] = missing.size
         cache.install(dst, missing)
         cache.touch(dst)
         self.experts.stats.streamed += missing.size
         if self.copy_stream is None:
             self.experts.copy_rows_now(dst, missing)
-            return
+            return True
         with torch.cuda.stream(self.copy_stream):
             if self.last_done is not None:
                 self.copy_stream.wait_event(self.last_done)
             self.experts.copy_rows_now(dst, missing)
             self.ready[j] = torch.cuda.Event()
             self.ready[j].record(self.copy_stream)
+        return True
 
-    def _slots_of(self, j: int) -> np.ndarray:
-        slots = self.experts.cache.slot_of[j * self.experts.num_experts:(j + 1) * self.experts.num_experts]
+    def load_ahead(self, j: int) -> None:
+        """Loads the layers after j in order until one of them has copies in flight: layers the
+        cache holds cost nothing, so the copies of the next uncached layer run beside the compute
+        of every cached layer before it (a chunk after the first finds its first layers cached)."""
+        for p in range(j + 1, self.num_layers):
+            if p not in self.loaded and not self.load(p, self._slots_of(range(j, p))):
+                return  # the layers before p hold too much of the cache: try again after layer j
+            if self.loaded[p]:
+                return
+
+    def _slots_of(self, layers: range) -> np.ndarray:
+        e = self.experts.num_experts
+        slots = self.experts.cache.slot_of[layers.start * e:layers.stop * e]
         return slots[slots >= 0]
 
     def forward(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 first_position: int) -> torch.Tensor:
         """MoE layer j for the chunk's T tokens: x [T, hidden] fp32, ids/weights [T, k]."""
         experts, cache, e = self.experts, self.experts.cache, self.experts.num_experts
-        self.load(j)
+        if j not in self.loaded:
+            self.load(j, np.empty(0, dtype=np.int64))
         if self.overlap:
-            self.pending = j
-            self.load(j + 1)  # the next layer crosses PCIe while this one computes
-            self.pending = None
+            self.load_ahead(j)  # the next uncached layer crosses PCIe while this one computes
         t, k = ids.shape
         if experts.routing is not None:
             host_ids, host_w = experts.routed(j, first_position, ids.cpu().numpy().astype(np.int64),

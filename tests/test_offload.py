@@ -231,6 +231,29 @@ def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap
         assert experts.cache.resident == min(slots, n_moe * e)
 
 
+def test_copies_start_at_the_first_uncached_layer(cpu_engine):
+    """With the first two MoE layers cached, streaming queues layer 2's copies while layer 0
+    computes (layer 1 needs none) and goes no further; outputs equal the CPU experts'."""
+    cpu = cpu_engine.model.experts
+    e, k, hidden = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, cpu_engine.spec.hidden_size
+    off = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cpu"), 4 * e, MissPlanner("adaptive", 20.0, 40.0),
+                           stream_min_tokens=8)
+    cached = np.arange(2 * e)
+    off.cache.install(cached, cached)
+    off.copy_rows_now(cached, cached)
+    t = random.randrange(8, 40)
+    off.begin_pass(t)
+    for layer in range(2):
+        ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+        w, x = torch.rand(t, k), torch.randn(t, hidden)
+        got = off.forward(layer, x, ids, w)
+        assert torch.allclose(got, cpu.forward(layer, x, ids, w), rtol=1e-5, atol=1e-5)
+        if layer == 0:
+            assert off._stream.loaded == {0: 0, 1: 0, 2: e}
+    assert off.stats.streamed == e
+    _check_slots_hold_their_rows(off)
+
+
 @pytest.mark.parametrize("overlap,slots", [(True, 40), (True, 56), (False, 40), (True, 32)])
 def test_a_second_streamed_chunk_finds_the_first_layers_cached(engine_dir, cpu_engine, overlap, slots):
     """Two full chunks stream every MoE layer; the first leaves its first layers cached (all but
