@@ -17,6 +17,7 @@ from ftc_runtime.models import family
 from ftc_runtime.spec import ModelSpec
 
 from .checkpoint import CheckpointError, SafetensorsCheckpoint
+from .checkpoint_layout import CheckpointLayout
 
 
 class WeightSource(Protocol):
@@ -31,32 +32,36 @@ class WeightSource(Protocol):
 
 class CheckpointWeights:
     """An HF checkpoint in either expert layout: per-expert `experts.J.{gate,up,down}_proj.weight`
-    or fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (or transposed)."""
+    or fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (or transposed);
+    dense tensors by canonical name wherever the checkpoint's layout keeps them (`CheckpointLayout`)."""
 
     def __init__(self, spec: ModelSpec, directory: Path):
         self.spec, self.ckpt = spec, SafetensorsCheckpoint(directory)
+        self.layout = CheckpointLayout(self.ckpt, spec)
         self.description = f"checkpoint {directory}"
         self.shapes = family(spec.family).dense_tensor_shapes(spec)
         for name, shape in self.shapes.items():
-            if name not in self.ckpt:
-                raise CheckpointError(f"{directory}: tensor {name} not found in the checkpoint")
-            if self.ckpt.shape(name) != shape:
-                raise CheckpointError(f"{directory}: tensor {name} has shape {self.ckpt.shape(name)}, "
-                                      f"the spec implies {shape}")
-        first = spec.moe_layers[0]
-        self.fused = f"model.layers.{first}.mlp.experts.gate_up_proj" in self.ckpt
-        if not self.fused and f"model.layers.{first}.mlp.experts.0.gate_proj.weight" not in self.ckpt:
-            raise CheckpointError(f"{directory}: no experts for layer {first}: expected "
-                                  f"model.layers.{first}.mlp.experts.gate_up_proj or "
-                                  f"model.layers.{first}.mlp.experts.0.gate_proj.weight")
+            if name not in self.layout:
+                raise CheckpointError(f"{directory}: tensor {self.layout.name(name)} not found in the checkpoint")
+            if self.layout.shape(name) != shape:
+                raise CheckpointError(f"{directory}: tensor {self.layout.name(name)} has shape "
+                                      f"{self.layout.shape(name)}, the spec implies {shape}")
+        first = self._experts_prefix(spec.moe_layers[0])
+        self.fused = f"{first}gate_up_proj" in self.ckpt
+        if not self.fused and f"{first}0.gate_proj.weight" not in self.ckpt:
+            raise CheckpointError(f"{directory}: no experts for layer {spec.moe_layers[0]}: expected "
+                                  f"{first}gate_up_proj or {first}0.gate_proj.weight")
+
+    def _experts_prefix(self, layer: int) -> str:
+        return self.layout.name(f"model.layers.{layer}.mlp.experts.")
 
     def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.shapes:
-            yield name, self.ckpt.get(name)
+            yield name, self.layout.get(name)
 
     def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         h, i, e = self.spec.hidden_size, self.spec.moe.expert_intermediate_size, self.spec.moe.num_experts
-        p = f"model.layers.{layer}.mlp.experts."
+        p = self._experts_prefix(layer)
         if self.fused:
             down, transposed = self._fused(p + "down_proj", (e, h, i), expert, None)
             gate_up, _ = self._fused(p + "gate_up_proj", (e, 2 * i, h), expert, transposed)
@@ -103,14 +108,17 @@ class RandomWeights:
         return (torch.randn(shape, generator=g) * std).to(torch.bfloat16)
 
     def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # (1 + w) norms store the offset from 1; the linear layers' gated norm is plain w.
+        one_plus = self.spec.norm.kind == "rms_one_plus"
         for name, shape in self.shapes.items():
             if len(shape) == 1:
-                yield name, torch.zeros(shape, dtype=torch.bfloat16) if name.endswith(".bias") \
-                    else torch.ones(shape, dtype=torch.bfloat16)
+                zero = name.endswith(".bias") or (one_plus and name.endswith("norm.weight")
+                                                  and not name.endswith("linear_attn.norm.weight"))
+                yield name, (torch.zeros if zero else torch.ones)(shape, dtype=torch.bfloat16)
             elif name == "model.embed_tokens.weight":
                 yield name, self._randn(name, shape, 1.0)
-            else:
-                yield name, self._randn(name, shape, shape[1] ** -0.5)
+            else:  # N(0, 1/fan_in); a depthwise convolution [C, 1, K] takes K inputs
+                yield name, self._randn(name, shape, (shape[1] if len(shape) == 2 else shape[-1]) ** -0.5)
 
     def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         h, i = self.spec.hidden_size, self.spec.moe.expert_intermediate_size

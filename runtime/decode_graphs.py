@@ -160,7 +160,8 @@ class DecodeGraphs:
 def decode_graphs_for(model: Qwen3MoeModel, enabled: bool, compile_fns: bool) -> DecodeGraphs | None:
     """DecodeGraphs on a CUDA device with an expert backend that stages its input (`stage`,
     `launch_staged`, `finish_staged`, `token_outputs`) when enabled; None elsewhere (eager)."""
-    if not enabled or model.device.type != "cuda" or not hasattr(model.experts, "launch_staged"):
+    if not enabled or not isinstance(model, Qwen3MoeModel) or model.device.type != "cuda" \
+            or not hasattr(model.experts, "launch_staged"):
         return None
     try:
         return DecodeGraphs(model, compile_fns)

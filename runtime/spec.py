@@ -13,12 +13,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin
 
-# Families whose runtime model exists. Later families (qwen3_5_moe, qwen3_next, deepseek_v4, ...)
-# add their name here and their model class to `ftc_runtime.models`.
-FAMILIES = ("qwen3_moe",)
+# Families whose runtime model exists. Later families (deepseek_v4, ...) add their name here and
+# their model class to `ftc_runtime.models`.
+FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next")
+HYBRID_FAMILIES = ("qwen3_5_moe", "qwen3_next")  # Gated DeltaNet and full attention, a shared expert
 ROUTERS = ("softmax_topk",)
 ATTENTION_KINDS = ("gqa",)
-LAYER_KINDS = ("full_attention",)
+LAYER_KINDS = ("full_attention", "linear_attention")
 DTYPES = ("bf16",)
 
 
@@ -28,7 +29,8 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class NormSpec:
-    kind: Literal["rms"] = "rms"  # later: "rms_one_plus" ((1 + w) · x̂, the Qwen3.5 norm)
+    # "rms": w · x̂; "rms_one_plus": (1 + w) · x̂ (Qwen3-Next / Qwen3.5, weights stored around 0)
+    kind: Literal["rms", "rms_one_plus"] = "rms"
     eps: float = 1e-6
 
 
@@ -40,6 +42,19 @@ class AttentionSpec:
     kind: str = "gqa"
     qk_norm: bool = True
     bias: bool = False
+    # q_proj also yields a per-channel gate: output · sigmoid(gate) before o_proj (Qwen3-Next).
+    output_gate: bool = False
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet layers (`layer_kinds` entries "linear_attention")."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int = 4
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,7 @@ class ModelSpec:
     # One entry per layer; empty means every layer is "full_attention". Hybrid families list
     # their linear-attention layers here.
     layer_kinds: tuple[str, ...] = ()
+    linear_attention: LinearAttentionSpec | None = None
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     dtype: str = "bf16"
@@ -100,6 +116,18 @@ class ModelSpec:
         """Decoder layer indices that have routed experts, in order (FTW layer l is the l-th)."""
         dense = set(self.moe.dense_layers)
         return tuple(i for i in range(self.num_layers) if i not in dense)
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """Decoder layers with softmax attention (and a KV cache), in order."""
+        return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "full_attention")
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "linear_attention")
+
+    def layer_kind(self, i: int) -> str:
+        return self.layer_kinds[i] if self.layer_kinds else "full_attention"
 
     @property
     def expert_bytes(self) -> int:
@@ -224,8 +252,6 @@ def _check(s: ModelSpec, source: str) -> None:
     need(a.head_dim % 2 == 0, "attention.head_dim", a.head_dim, "an even number (RoPE pairs)")
     need(m.router in ROUTERS, "moe.router", m.router, "one of " + ", ".join(ROUTERS))
     need(m.top_k <= m.num_experts, "moe.top_k", m.top_k, f"at most moe.num_experts ({m.num_experts})")
-    need(m.num_shared_experts == 0, "moe.num_shared_experts", m.num_shared_experts,
-         f"0 for family {s.family} (shared experts arrive with the qwen3_5_moe family)")
     need(s.norm.eps > 0, "norm.eps", s.norm.eps, "a positive number")
     need(s.rope.theta > 0, "rope.theta", s.rope.theta, "a positive number")
     need(0 < s.rope.partial_rotary_factor <= 1, "rope.partial_rotary_factor",
@@ -241,6 +267,29 @@ def _check(s: ModelSpec, source: str) -> None:
              f"one entry per layer ({s.num_layers})")
         for i, k in enumerate(s.layer_kinds):
             need(k in LAYER_KINDS, f"layer_kinds[{i}]", k, "one of " + ", ".join(LAYER_KINDS))
+    hybrid = s.family in HYBRID_FAMILIES
+    need(m.num_shared_experts in ((0, 1) if hybrid else (0,)), "moe.num_shared_experts", m.num_shared_experts,
+         f"0 or 1 for family {s.family}" if hybrid else f"0 for family {s.family} (it has no shared expert)")
+    if m.num_shared_experts:
+        need(m.shared_expert_intermediate_size > 0, "moe.shared_expert_intermediate_size",
+             m.shared_expert_intermediate_size, "a positive integer when moe.num_shared_experts is 1")
+    if not hybrid:
+        need(s.norm.kind == "rms", "norm.kind", s.norm.kind, f"'rms' for family {s.family}")
+        need(not a.output_gate, "attention.output_gate", a.output_gate, f"false for family {s.family}")
+        need(not s.linear_attention_layers, "layer_kinds", list(s.layer_kinds),
+             f"only full_attention layers for family {s.family}")
+    la = s.linear_attention
+    if s.linear_attention_layers:
+        need(la is not None, "linear_attention", la, "the Gated DeltaNet shapes (layer_kinds has linear layers)")
+        for path, v in (("linear_attention.num_k_heads", la.num_k_heads),
+                        ("linear_attention.num_v_heads", la.num_v_heads),
+                        ("linear_attention.k_head_dim", la.k_head_dim),
+                        ("linear_attention.v_head_dim", la.v_head_dim),
+                        ("linear_attention.conv_kernel", la.conv_kernel)):
+            need(v > 0, path, v, "a positive integer")
+        need(la.num_v_heads % la.num_k_heads == 0, "linear_attention.num_v_heads", la.num_v_heads,
+             f"a multiple of linear_attention.num_k_heads ({la.num_k_heads})")
+    need(len(s.full_attention_layers) > 0, "layer_kinds", list(s.layer_kinds), "at least one full_attention layer")
     for text, tid in s.tokens.special.items():
         need(0 <= tid < s.vocab_size, f"tokens.special.{text}", tid, f"an id in [0, vocab_size={s.vocab_size})")
     for i, text in enumerate(s.tokens.eos):

@@ -65,7 +65,13 @@ def dense_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
 def plan_vram(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], budget: int, expert_stride: int,
               pool_experts: int, max_context: int) -> VramPlan:
     a = spec.attention
-    kv = max_context * spec.num_layers * 2 * a.num_kv_heads * a.head_dim * 2
+    # Keys and values of the full-attention layers, and one sequence's Gated DeltaNet state (its
+    # recurrent part fp32) in each linear layer: the "KV" share of the budget.
+    kv = max_context * len(spec.full_attention_layers) * 2 * a.num_kv_heads * a.head_dim * 2
+    la = spec.linear_attention
+    if la is not None:
+        conv = (2 * la.num_k_heads * la.k_head_dim + la.num_v_heads * la.v_head_dim) * (la.conv_kernel - 1) * 2
+        kv += len(spec.linear_attention_layers) * (conv + la.num_v_heads * la.k_head_dim * la.v_head_dim * 4)
     workspace = LIBRARY_WORKSPACE + 4 * spec.vocab_size * 4 + 16 * spec.hidden_size * 4 * 64
     dense = dense_bytes(shapes)
     free = budget - dense - kv - workspace

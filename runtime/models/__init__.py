@@ -9,6 +9,8 @@ from pathlib import Path
 from ..spec import ModelSpec
 from .qwen3_moe import Qwen3MoeModel
 from .qwen3_moe import dense_tensor_shapes as qwen3_moe_dense_shapes
+from .qwen3_next import Qwen3NextModel
+from .qwen3_next import dense_tensor_shapes as qwen3_next_dense_shapes
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("qwen3_moe", Qwen3MoeModel, qwen3_moe_dense_shapes, "chatml_tools.jinja", "qwen"),
+    # The hybrid families: until their own tool-call format is parsed, the Qwen3 one.
+    "qwen3_5_moe": Family("qwen3_5_moe", Qwen3NextModel, qwen3_next_dense_shapes, "chatml_tools.jinja", "qwen"),
+    "qwen3_next": Family("qwen3_next", Qwen3NextModel, qwen3_next_dense_shapes, "chatml_tools.jinja", "qwen"),
 }
 
 

@@ -50,6 +50,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """float64 inverse frequencies of the rotated part of a head (`partial_rotary_factor`)."""
+    rot = int(spec.attention.head_dim * spec.rope.partial_rotary_factor) // 2 * 2
+    return 1.0 / (spec.rope.theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n, 1, rotary dim] of the given positions."""
+    freqs = positions[:, None].double() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -112,6 +126,26 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return torch.matmul(probs, values.transpose(0, 1)).reshape(1, n_q * d)
 
 
+def cached_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     heads: tuple[int, int, int]) -> torch.Tensor:
+    """Appends k/v [T, kv, d] to the cache's `layer` and attends q [T, heads, d] causally over all
+    its tokens: [T, heads · d]."""
+    n_q, n_kv, d = heads
+    t = q.shape[0]
+    keys, values = cache.append(layer, k, v)
+    if t == 1:  # over the whole storage, tail masked: the very kernels that decode graphs replay
+        stored_k, stored_v = cache.storage(layer)
+        valid = torch.arange(stored_k.shape[0], device=q.device) < keys.shape[0]
+        return decode_attention(q, stored_k, stored_v, valid, heads)
+    q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    # Queries after cached tokens need the lower-right causal mask (is_causal means top-left); the
+    # library bias keeps the flash kernel on CUDA, where a boolean mask would fall back to the
+    # math kernel and materialize [heads, T, S] scores.
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(t, keys.shape[2]),
+                                         enable_gqa=n_q != n_kv)
+    return out[0].transpose(0, 1).reshape(t, -1)
+
+
 def dense_mlp(h: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
 
@@ -133,9 +167,7 @@ class Qwen3MoeModel:
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         a = spec.attention
         self.heads = (a.num_heads, a.num_kv_heads, a.head_dim)
-        rot = int(a.head_dim * spec.rope.partial_rotary_factor) // 2 * 2
-        self.inv_freq = 1.0 / (spec.rope.theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
-        self.inv_freq = self.inv_freq.to(self.device)
+        self.inv_freq = rope_inv_freq(spec).to(self.device)
         self.decode_graphs = None  # DecodeGraphs, set by the engine on a GPU
 
     def _fuse_qkv(self) -> None:
@@ -201,10 +233,7 @@ class Qwen3MoeModel:
         return self.rope_at(torch.arange(start, start + n, device=self.device))
 
     def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [n, 1, rotary dim] of the given positions."""
-        freqs = positions[:, None].double() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        return rope_cos_sin(self.inv_freq, positions, self.dtype)
 
     def attention_in_weights(self, i: int) -> tuple:
         p = f"model.layers.{i}."
@@ -218,21 +247,7 @@ class Qwen3MoeModel:
                 self.w[p + "post_attention_layernorm.weight"])
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Appends k/v to the cache and attends causally over it: [T, heads · head_dim]."""
-        n_q, n_kv, d = self.heads
-        t = q.shape[0]
-        keys, values = cache.append(i, k, v)
-        if t == 1:  # over the whole storage, tail masked: the very kernels that decode graphs replay
-            stored_k, stored_v = cache.storage(i)
-            valid = torch.arange(stored_k.shape[0], device=self.device) < keys.shape[0]
-            return decode_attention(q, stored_k, stored_v, valid, self.heads)
-        q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-        # Queries after cached tokens need the lower-right causal mask (is_causal means top-left); the
-        # library bias keeps the flash kernel on CUDA, where a boolean mask would fall back to the
-        # math kernel and materialize [heads, T, S] scores.
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(t, keys.shape[2]),
-                                             enable_gqa=n_q != n_kv)
-        return out[0].transpose(0, 1).reshape(t, -1)
+        return cached_attention(cache, i, q, k, v, self.heads)
 
     def is_moe(self, i: int) -> bool:
         return i in self.moe_index
