@@ -28,6 +28,11 @@ CASES = [  # (family, expert layout, Qwen3.5 as the image-text model's language 
 # transformers runs the Gated DeltaNet chunk-wise, the engine token by token (the same sums in
 # another order), and the engine's kernels sum the experts in their own order: ~1e-6 apart.
 BOUND = 1e-4
+# Decode runs the linear layers token by token, transformers' full forward chunk-wise; where the
+# router's k-th and (k+1)-th experts nearly tie, that ~1e-6 difference can swap them, moving the
+# output by their small weight gap: up to 2.7e-4 at one position over 1809 batched sequences.
+# A lost state or a wrong position is off by more than 1e-2.
+DECODE_BOUND = 1e-3
 MIN_GREEDY_MARGIN = 1e-3
 
 
@@ -109,7 +114,7 @@ def test_batched_decode_matches_transformers(engine_and_model):
     for j, ids in enumerate(prompts):
         ref = reference_logits(model, ids + steps[j])[len(ids):]
         ours = torch.stack([batched[t][j] for t in range(5)])
-        assert _rel(ours, ref) < BOUND, j
+        assert _rel(ours, ref) < DECODE_BOUND, j
 
 
 def test_a_restored_checkpoint_continues_as_an_uninterrupted_run(engine_and_model):

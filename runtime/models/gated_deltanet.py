@@ -81,7 +81,8 @@ def gated_deltanet(x: torch.Tensor, w: DeltaNetWeights, shape: DeltaNetShape,
     k = _l2norm(k)
     beta = torch.sigmoid(F.linear(x, w.in_proj_b)).float()
     g = -w.A_log.float().exp() * F.softplus(F.linear(x, w.in_proj_a).float() + w.dt_bias.float())
-    out, recurrent = _delta_rule(q, k, v, g, beta, state.recurrent)
+    rule = _delta_rule if t == 1 else _delta_rule_chunked
+    out, recurrent = rule(q, k, v, g, beta, state.recurrent)
     z = F.linear(x, w.in_proj_z).reshape(t, s.num_v_heads, s.v_dim)
     normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + s.eps)
     gated = (w.norm * normed.to(x.dtype)) * F.silu(z.float()).to(x.dtype)
@@ -112,4 +113,37 @@ def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         remembered = torch.einsum("hk,hkv->hv", k[i], s)
         s = s + k[i][:, :, None] * ((v[i] - remembered) * beta[i][:, None])[:, None, :]
         out[i] = torch.einsum("hk,hkv->hv", q[i], s)
+    return out, s
+
+
+CHUNK = 64  # tokens per block of the chunked form: matmuls of 64×64 per head, T/64 sequential steps
+
+
+def _delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence, a block of tokens at a time (what prefill needs: T/chunk steps of
+    matmuls instead of T steps of vector products). Within a block, with G the cumulative sum of
+    the log-decays g and S0 the state before it, the state after token i is
+        S_i = exp(G_i) · S0 + Σ_{j ≤ i} exp(G_i − G_j) · k_j u_jᵀ
+    where the "pseudo-values" u solve the unit lower-triangular system
+        u_i + β_i Σ_{j < i} exp(G_i − G_j) (k_i · k_j) u_j = β_i (v_i − exp(G_i) S0ᵀ k_i),
+    so o_i = exp(G_i) S0ᵀ q_i + Σ_{j ≤ i} exp(G_i − G_j) (q_i · k_j) u_j. Shapes as `_delta_rule`."""
+    s = state.float().clone()
+    out = torch.empty_like(v)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
+    g, beta = g.transpose(0, 1), beta.transpose(0, 1)  # [H, T]
+    for a in range(0, q.shape[1], chunk):
+        qc, kc, vc, bc = q[:, a:a + chunk], k[:, a:a + chunk], v[:, a:a + chunk], beta[:, a:a + chunk]
+        c = qc.shape[1]
+        cum = g[:, a:a + chunk].cumsum(-1)  # G [H, C]
+        lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        # exp(G_i − G_j) for j ≤ i; the upper triangle masked before exp (its exponents are > 0)
+        decay = torch.exp((cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")))
+        strict = ((kc @ kc.transpose(1, 2)) * decay).tril(-1)
+        system = torch.eye(c, device=q.device) + bc[:, :, None] * strict
+        rhs = bc[:, :, None] * (vc - torch.exp(cum)[:, :, None] * (kc @ s))
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        out[a:a + c] = (torch.exp(cum)[:, :, None] * (qc @ s) + ((qc @ kc.transpose(1, 2)) * decay) @ u).transpose(0, 1)
+        last = cum[:, -1:]
+        s = torch.exp(last)[:, :, None] * s + (kc * torch.exp(last - cum)[:, :, None]).transpose(1, 2) @ u
     return out, s
