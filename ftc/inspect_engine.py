@@ -22,12 +22,21 @@ def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None =
     pool = len(spec.moe_layers) * spec.moe.num_experts * spec.expert_bytes
     per_token = len(spec.moe_layers) * spec.moe.top_k * spec.expert_bytes
     model = Table(title=f"{spec.name} ({spec.family})", show_header=False)
+    moe = spec.moe
+    shared = (f", {moe.num_shared_experts} shared ({moe.shared_expert_intermediate_size})"
+              if moe.num_shared_experts else "")
+    la = spec.linear_attention
+    mixers = f"{len(spec.full_attention_layers)} full attention" + (" (gated)" if spec.attention.output_gate else "")
+    if spec.linear_attention_layers:
+        mixers = (f"{len(spec.linear_attention_layers)} Gated DeltaNet ({la.num_k_heads} k / {la.num_v_heads} v "
+                  f"heads of {la.k_head_dim} / {la.v_head_dim}), " + mixers)
     for k, v in (
         ("layers", f"{spec.num_layers} ({len(spec.moe_layers)} with experts)"),
+        ("token mixers", mixers),
         ("hidden / heads / kv heads / head dim", f"{spec.hidden_size} / {spec.attention.num_heads} / "
          f"{spec.attention.num_kv_heads} / {spec.attention.head_dim}"),
-        ("experts", f"{spec.moe.num_experts} routed, top-{spec.moe.top_k}, intermediate "
-         f"{spec.moe.expert_intermediate_size}, {spec.moe.router}"),
+        ("experts", f"{moe.num_experts} routed, top-{moe.top_k}, intermediate "
+         f"{moe.expert_intermediate_size}, {moe.router}{shared}"),
         ("vocabulary", str(spec.vocab_size)),
         ("weights", m.weights_source),
     ):
