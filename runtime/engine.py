@@ -30,10 +30,12 @@ from .chat_template import ChatTemplate
 from .cpu_info import gpu_engine_worker_cpus, pin_this_thread, worker_cpus
 from .decode_graphs import decode_graphs_for
 from .experts import CpuExperts
+from .hybrid_cache import RecurrentCheckpoint
 from .kernels import CpuExpertKernel
 from .miss_planner import MissPlanner
 from .models import family
 from .offload import OffloadedExperts
+from .prefix_cache import PrefixCache
 from .sampling import Sampler, SamplingParams
 from .settings import settings
 from .tokenizer import Tokenizer
@@ -59,6 +61,7 @@ class OffloadConfig:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -90,6 +93,8 @@ class Engine:
             manifest, manifest.spec, tokenizer, model, pool, vram)
         self.prefill_chunk = prefill_chunk or manifest.plan.prefill_chunk
         self.tool_parser = family(manifest.spec.family).tool_parser  # name in tool_parsers.TOOL_PARSERS
+        self.boundary_ids = frozenset(manifest.spec.token_id(t) for t in manifest.spec.tokens.boundaries)
+        self.prefix_cache: PrefixCache | None = None
         # The conversation → prompt template (engines compiled before it was stored have none).
         root = manifest.root
         self.chat_template = (ChatTemplate.load(root / CHAT_TEMPLATE_FILE) if CHAT_TEMPLATE_FILE in manifest.files
@@ -173,11 +178,28 @@ class Engine:
         """Logits of every position of `ids` in one fresh sequence: [len(ids), vocab] fp32."""
         return self.prefill(self._check_ids(ids), self.model.new_cache(), all_logits=True)
 
-    def prefill(self, ids: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor:
+    def enable_prefix_cache(self, kv_budget: int, checkpoint_budget: int) -> PrefixCache:
+        """Keeps past sequences' keys and values, and for hybrid models the linear layers' state
+        after each of the spec's boundary tokens, so that `generate` resumes a prompt after its
+        longest cached prefix (budgets in bytes)."""
+        self.prefix_cache = PrefixCache(kv_budget, checkpoint_budget, bool(self.spec.linear_attention_layers))
+        return self.prefix_cache
+
+    def prefill(self, ids: torch.Tensor, cache, all_logits: bool = False,
+                checkpoints: dict[int, RecurrentCheckpoint] | None = None) -> torch.Tensor:
         """Runs the prompt `ids` after the cache's tokens in chunks of `prefill_chunk` tokens;
-        returns the logits of its last token [1, vocab] (every token's with all_logits)."""
-        outs = [self.model.forward(ids[i:i + self.prefill_chunk], cache, all_logits)
-                for i in range(0, ids.numel(), self.prefill_chunk)]
+        returns the logits of its last token [1, vocab] (every token's with all_logits). With
+        `checkpoints` (a hybrid model's cache), chunks also end after every boundary token and
+        the linear layers' state there is taken, keyed by the sequence's length."""
+        ends = set(range(self.prefill_chunk, ids.numel(), self.prefill_chunk)) | {ids.numel()}
+        if checkpoints is not None:
+            ends |= {i + 1 for i, t in enumerate(ids.tolist()) if t in self.boundary_ids}
+        outs, start = [], 0
+        for end in sorted(ends):
+            outs.append(self.model.forward(ids[start:end], cache, all_logits))
+            if checkpoints is not None and int(ids[end - 1]) in self.boundary_ids:
+                checkpoints[cache.length] = cache.take()
+            start = end
         return torch.cat(outs) if all_logits else outs[-1]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
@@ -192,19 +214,32 @@ class Engine:
         def tokens() -> Iterator[int]:
             if max_new_tokens == 0:
                 return
-            cache, sample = self.model.new_cache(), Sampler(sampling)
-            t0 = time.perf_counter()
-            token = sample(self.prefill(ids, cache)[-1])
-            self.model.experts.end_of_prompt()
-            stats.prefill_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for n in range(1, max_new_tokens + 1):
-                stats.new_tokens = n
-                stats.decode_s = time.perf_counter() - t0
-                yield token
-                if token in eos or n == max_new_tokens:
-                    return
-                token = sample(self.model.forward(torch.tensor([token]), cache)[-1])
+            cache, sample, prefix = self.model.new_cache(), Sampler(sampling), self.prefix_cache
+            resume = prefix.resume(prompt_ids, cache) if prefix is not None else None
+            checkpoints = {} if prefix is not None and prefix.recurrent else None
+            seq = list(prompt_ids)  # the tokens whose keys and values the cache holds, once run
+            try:
+                t0 = time.perf_counter()
+                stats.reused_tokens = resume.length if resume is not None else 0
+                token = sample(self.prefill(ids[stats.reused_tokens:], cache, checkpoints=checkpoints)[-1])
+                self.model.experts.end_of_prompt()
+                stats.prefill_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for n in range(1, max_new_tokens + 1):
+                    stats.new_tokens = n
+                    stats.decode_s = time.perf_counter() - t0
+                    yield token
+                    if token in eos or n == max_new_tokens:
+                        return
+                    logits = self.model.forward(torch.tensor([token]), cache)[-1]
+                    seq.append(token)
+                    if checkpoints is not None and token in self.boundary_ids:
+                        checkpoints[cache.length] = cache.take()
+                    token = sample(logits)
+            finally:
+                if resume is not None:
+                    prefix.insert(seq[:cache.length], cache, checkpoints or {})
+                    prefix.release(resume)
 
         return Generation(tokens(), stats)
 

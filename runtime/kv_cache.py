@@ -24,6 +24,10 @@ class KVCache:
         self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
+    def num_layers(self) -> int:
+        return len(self._k)
+
+    @property
     def capacity(self) -> int:
         return self._k[0].shape[0] if self._k else 0
 

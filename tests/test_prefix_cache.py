@@ -1,0 +1,147 @@
+"""The prefix cache (radix tree of KV, recurrent-state checkpoints at boundary tokens) over a
+scripted agent session: turns that grow the context, tool outputs, and an edit that shortens an
+old tool output. Greedy tokens never depend on the cache; what it saves is exactly the prefix that
+a correct cache can restore."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftc.pipeline import CompileOptions, compile_engine
+from ftc_runtime import Engine, SamplingParams
+from ftc_runtime.prefix_cache import PrefixCache
+
+SPECS = Path(__file__).resolve().parents[1] / "model_specs"
+NEW = 6  # greedy tokens per turn
+
+
+@pytest.fixture(scope="module", params=["qwen3-moe-tiny", "qwen3.6-moe-tiny"])
+def engine_dir(request, tmp_path_factory) -> Path:
+    return compile_engine(CompileOptions(source=SPECS / f"{request.param}.yaml", target="cpu", random_weights=True,
+                                         seed=3, output=tmp_path_factory.mktemp("prefix") / request.param))
+
+
+def _session(engine: Engine, rng: random.Random) -> list[list[int]]:
+    """Prompts of an agent session; the assistant's turns are filled in by `_run`."""
+    sp = engine.spec.tokens.special
+    start, end, call, call_end = sp["<|im_start|>"], sp["<|im_end|>"], sp["<tool_call>"], sp["</tool_call>"]
+    resp, resp_end = sp["<tool_response>"], sp["</tool_response>"]
+
+    def text(n: int) -> list[int]:
+        return [rng.randrange(400) for _ in range(n)]
+
+    system = [start, *text(30), end]
+    turns = [[start, *text(12), end, start], [call, *text(8), call_end, resp, *text(rng.randrange(60, 120)), resp_end],
+             [start, *text(10), end, start], [call, *text(6), call_end, resp, *text(rng.randrange(60, 120)), resp_end],
+             [start, *text(9), end, start]]
+    return [system, *turns]
+
+
+def _run(engine: Engine, parts: list[list[int]], edit_at: int | None) -> tuple[list[list[int]], list[int], list[int]]:
+    """Runs the session turn by turn (each prompt: the whole history). With `edit_at`, the last turn
+    resends the history with tool output number `edit_at` cut to a 3-token placeholder. Returns
+    the generated tokens, the prompt tokens restored from the cache, and the prompts."""
+    history, outs, reused, prompts = list(parts[0]), [], [], []
+    bodies: list[tuple[int, int]] = []  # (start, end) of each tool output's body in the history
+    resp, resp_end = engine.spec.token_id("<tool_response>"), engine.spec.token_id("</tool_response>")
+    for part in parts[1:]:
+        if resp in part:
+            a = len(history) + part.index(resp) + 1
+            bodies.append((a, len(history) + part.index(resp_end)))
+        history += part
+        gen = engine.generate(history, NEW, SamplingParams(0.0), stop_at_eos=False)
+        outs.append(list(gen))
+        reused.append(gen.stats.reused_tokens)
+        prompts.append(list(history))
+        history += outs[-1] + [engine.spec.token_id("<|im_end|>")]
+    if edit_at is not None:
+        a, b = bodies[edit_at]
+        history = history[:a] + history[a:a + 3] + history[b:]
+        gen = engine.generate(history, NEW, SamplingParams(0.0), stop_at_eos=False)
+        outs.append(list(gen))
+        reused.append(gen.stats.reused_tokens)
+        prompts.append(list(history))
+    return outs, reused, prompts
+
+
+def _expected_reuse(engine: Engine, prompts: list[list[int]], outs: list[list[int]]) -> list[int]:
+    """What a correct cache restores for each prompt: the longest prefix shared with an earlier
+    sequence (its prompt and all but its last generated token), at most all but the prompt's last
+    token; for a hybrid model only up to just after a boundary token (a checkpoint)."""
+    seen, want = [], []
+    for prompt, out in zip(prompts, outs, strict=True):
+        lcp = 0
+        for s in seen:
+            n = 0
+            while n < min(len(s), len(prompt) - 1) and s[n] == prompt[n]:
+                n += 1
+            lcp = max(lcp, n)
+        if engine.spec.linear_attention_layers:
+            lcp = max([i + 1 for i in range(lcp) if prompt[i] in engine.boundary_ids], default=0)
+        want.append(lcp)
+        seen.append(prompt + out[:-1])
+    return want
+
+
+@pytest.mark.parametrize("edit_at", [0, 1])
+def test_an_agent_session_decodes_the_same_with_and_without_the_cache(engine_dir, edit_at):
+    engine = Engine.load(engine_dir)
+    parts = _session(engine, random.Random())
+    plain, none_reused, _ = _run(engine, parts, edit_at)
+    assert none_reused == [0] * len(none_reused)
+    cached = Engine.load(engine_dir)
+    cache = cached.enable_prefix_cache(kv_budget=1 << 30, checkpoint_budget=1 << 30)
+    outs, reused, prompts = _run(cached, parts, edit_at)
+    assert outs == plain
+    assert reused == _expected_reuse(cached, prompts, outs)
+    assert reused[-1] > 0 and cache.stats.hits > 0
+    if cached.spec.linear_attention_layers:
+        assert cache.checkpoints > 0 and cache.checkpoint_used > 0
+
+
+@pytest.mark.parametrize("budgets", [(20_000, 1 << 30), (1 << 30, 30_000), (4_000, 4_000)])
+def test_tiny_budgets_evict_and_keep_outputs_correct(engine_dir, budgets):
+    engine = Engine.load(engine_dir)
+    parts = _session(engine, random.Random())
+    plain, _, _ = _run(engine, parts, 0)
+    cached = Engine.load(engine_dir)
+    cache = cached.enable_prefix_cache(*budgets)
+    outs, _, _ = _run(cached, parts, 0)
+    assert outs == plain
+    assert cache.kv_used <= budgets[0] and cache.checkpoint_used <= budgets[1]
+    if budgets[0] < 1 << 30:
+        assert cache.stats.kv_evictions > 0
+    if budgets[1] < 1 << 30 and cached.spec.linear_attention_layers:
+        assert cache.stats.checkpoint_evictions + cache.stats.kv_evictions > 0
+
+
+def test_held_nodes_are_never_evicted(engine_dir):
+    """A sequence that resumed from the cache holds its nodes: inserting others under a budget
+    too small for anything evicts everything else, never them; once released, they go too."""
+    engine = Engine.load(engine_dir)
+    recurrent = bool(engine.spec.linear_attention_layers)
+    cache = PrefixCache(kv_budget=1 << 30, checkpoint_budget=1 << 30, recurrent=recurrent)
+    boundary = engine.spec.token_id("<|im_end|>")
+    first = [random.randrange(400) for _ in range(20)] + [boundary] + [random.randrange(400) for _ in range(5)]
+    seq = engine.model.new_cache()
+    checkpoints: dict = {}
+    engine.prefill(torch.tensor(first), seq, checkpoints=checkpoints if recurrent else None)
+    cache.insert(first, seq, checkpoints)
+    resumed = engine.model.new_cache()
+    held = cache.resume(first + [1], resumed)
+    assert held.length == (21 if recurrent else len(first))
+    cache.kv_budget = cache.checkpoint_budget = 0
+    for _ in range(3):
+        other = [400 + random.randrange(100) for _ in range(15)]
+        s = engine.model.new_cache()
+        engine.prefill(torch.tensor(other), s)
+        cache.insert(other, s, {})
+    nodes = cache._nodes()
+    assert all(n in nodes for n in held.held) and cache.stats.kv_evictions >= 3
+    cache.release(held)
+    cache.insert(first[:2], seq, {})  # any insert runs the eviction again
+    assert cache._nodes() == [] and cache.kv_used == 0
