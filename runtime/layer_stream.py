@@ -88,15 +88,18 @@ class LayerStream:
                 first_position: int) -> torch.Tensor:
         """MoE layer j for the chunk's T tokens: x [T, hidden] fp32, ids/weights [T, k]."""
         experts, cache, e = self.experts, self.experts.cache, self.experts.num_experts
+        t, k = ids.shape
+        host_ids = ids.cpu().numpy().astype(np.int64)
+        if experts.routing is not None:
+            host_ids, host_w = experts.routed(j, first_position, host_ids, weights.float().cpu().numpy())
+            ids, weights = torch.from_numpy(host_ids).to(x.device), torch.from_numpy(host_w).to(x.device)
         if j not in self.loaded:
             self.load(j, np.empty(0, dtype=np.int64))
+        # The slots this layer reads become the most recent before the next layers' loads, so that
+        # the chunk's own slots order by layer and `scan_victims` reuses the latest layers' first.
+        cache.touch(np.unique(cache.slot_of[j * e + host_ids.reshape(-1)]))
         if self.overlap:
             self.load_ahead(j)  # the next uncached layer crosses PCIe while this one computes
-        t, k = ids.shape
-        if experts.routing is not None:
-            host_ids, host_w = experts.routed(j, first_position, ids.cpu().numpy().astype(np.int64),
-                                              weights.float().cpu().numpy())
-            ids, weights = torch.from_numpy(host_ids).to(x.device), torch.from_numpy(host_w).to(x.device)
         slot_table = torch.from_numpy(cache.slot_of[j * e:(j + 1) * e].astype(np.int32)).to(x.device)
         flat_slot = slot_table[ids.reshape(-1)]
         order = torch.argsort(flat_slot, stable=True)
@@ -110,8 +113,6 @@ class LayerStream:
         if self.on_gpu:
             self.last_done = torch.cuda.Event()
             self.last_done.record(torch.cuda.current_stream(x.device))
-        used = np.unique(cache.slot_of[j * e + ids.reshape(-1).cpu().numpy()])
-        cache.touch(used)
         s = experts.stats
         s.stream_layers += 1
         return out
