@@ -145,3 +145,41 @@ def test_held_nodes_are_never_evicted(engine_dir):
     cache.release(held)
     cache.insert(first[:2], seq, {})  # any insert runs the eviction again
     assert cache._nodes() == [] and cache.kv_used == 0
+
+
+def test_the_server_scheduler_resumes_from_the_prefix_cache(engine_dir):
+    """Requests through the serving scheduler: the second one's prompt extends the first's
+    conversation; its tokens equal the engine's own without a cache, and it resumed after a
+    cached prefix (after a boundary token, for a hybrid model)."""
+    import threading
+
+    from ftc_runtime.serve.scheduler import Request, Scheduler
+
+    plain = Engine.load(engine_dir)
+    cached = Engine.load(engine_dir)
+    prefix = cached.enable_prefix_cache(1 << 30, 1 << 30)
+    scheduler = Scheduler(cached, max_batch=4, prompt_chunk=16)
+    end = cached.spec.token_id("<|im_end|>")
+
+    def run(ids: list[int]) -> list[int]:
+        out, done = [], threading.Event()
+
+        def on_token(token, reason):
+            if token is not None:
+                out.append(token)
+            if reason is not None:
+                done.set()
+        scheduler.submit(Request(ids, NEW, SamplingParams(0.0), on_token))
+        assert done.wait(120)
+        return out
+
+    try:
+        first = [random.randrange(400) for _ in range(40)] + [end] + [random.randrange(400) for _ in range(30)]
+        got = run(first)
+        assert got == list(plain.generate(first, NEW, SamplingParams(0.0), stop_at_eos=False))
+        second = first + got + [end] + [random.randrange(400) for _ in range(20)]
+        got2 = run(second)
+        assert got2 == list(plain.generate(second, NEW, SamplingParams(0.0), stop_at_eos=False))
+        assert prefix.stats.reused_tokens == _expected_reuse(cached, [first, second], [got, got2])[1] > 0
+    finally:
+        scheduler.close()

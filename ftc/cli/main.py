@@ -125,6 +125,9 @@ def run(
     max_batch: Annotated[int, typer.Option(help="--serve: requests decoded together at most.")] = 16,
     max_prompt_tokens: Annotated[int, typer.Option(help="--serve: longest prompt accepted.")] = 32768,
     max_tokens: Annotated[int, typer.Option(help="--serve: most tokens one answer may have.")] = 8192,
+    prefix_cache: Annotated[str, typer.Option(help="--serve: memory for past sequences' KV that later prompts "
+                                              "resume from (e.g. 4GiB; 0: off); as much again for the hybrid "
+                                              "models' recurrent-state checkpoints.")] = "0",
 ) -> None:
     """Generate from a prompt, streaming the text (or one JSON object with --json); or, with
     --serve, answer the OpenAI API over HTTP."""
@@ -134,7 +137,7 @@ def run(
     if serve:
         limits = {"max_batch": max_batch, "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_tokens}
         _serve(engine, offload_config(device, vram_budget, slots, miss_policy, cache_policy), prefill_chunk, host, port,
-               api_key, limits)
+               api_key, limits, prefix_cache)
         return
     if (prompt is None) == (prompt_ids is None):
         _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
@@ -174,14 +177,21 @@ def run(
 
 
 def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: int, api_key: str | None,
-           limits: dict[str, int]) -> None:
+           limits: dict[str, int], prefix_cache: str) -> None:
     import uvicorn
 
     from ftc_runtime import Engine
     from ftc_runtime.serve.app import ServerConfig, create_app
+    from ftc_runtime.vram_plan import parse_size
 
     try:
+        try:
+            prefix_bytes = parse_size(prefix_cache) if prefix_cache != "0" else 0
+        except ValueError as e:
+            raise ValueError(f"--prefix-cache: {e}") from None
         eng = Engine.load(engine, show_progress=True, offload=offload, prefill_chunk=prefill_chunk)
+        if prefix_bytes:
+            eng.enable_prefix_cache(prefix_bytes, prefix_bytes)
         app = create_app(eng, ServerConfig(model_name=eng.spec.name, api_key=api_key, **limits))
     except _user_errors() as e:
         _fail(e)

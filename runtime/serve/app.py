@@ -253,6 +253,19 @@ def _metrics(server: Server) -> str:
         rows += [("ftc_expert_hits_total", "counter", "routed experts found in the GPU cache", d["hits"]),
                  ("ftc_expert_fills_total", "counter", "misses copied into the GPU cache", d["fills"]),
                  ("ftc_expert_cpu_total", "counter", "misses computed on the CPU", d["cpu"])]
+    prefix = server.engine.prefix_cache
+    if prefix is not None:
+        p = prefix.stats
+        rows += [("ftc_prefix_lookups_total", "counter", "prompts looked up in the prefix cache", p.lookups),
+                 ("ftc_prefix_hits_total", "counter", "prompts that resumed after a cached prefix", p.hits),
+                 ("ftc_prefix_reused_tokens_total", "counter", "prompt tokens restored, not prefilled",
+                  p.reused_tokens),
+                 ("ftc_prefix_kv_bytes", "gauge", "keys and values the prefix cache holds", prefix.kv_used),
+                 ("ftc_prefix_checkpoints", "gauge", "recurrent-state checkpoints held", prefix.checkpoints),
+                 ("ftc_prefix_checkpoint_bytes", "gauge", "bytes of those checkpoints", prefix.checkpoint_used),
+                 ("ftc_prefix_kv_evictions_total", "counter", "cached sequence pieces evicted", p.kv_evictions),
+                 ("ftc_prefix_checkpoint_evictions_total", "counter", "checkpoints evicted",
+                  p.checkpoint_evictions)]
     if server.engine.vram is not None:
         rows += [(f"ftc_vram_{k}_bytes", "gauge", f"VRAM plan: {k}", getattr(server.engine.vram, k))
                  for k in ("dense", "kv", "workspace", "slots")]

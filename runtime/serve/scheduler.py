@@ -4,7 +4,10 @@ decoding, else at most `prompt_chunk` tokens, so that a long prompt does not sta
 decoding for its whole length), then one decode step for every
 running request together (`decode_batch`), and hands each request its new token through its
 callback. A cancelled request (its client gone) leaves before the next step, and its KV cache is
-freed with it. A request that fails ends alone, with the reason "error"; the others go on."""
+freed with it. A request that fails ends alone, with the reason "error"; the others go on.
+With the engine's prefix cache, a prompt resumes after its longest cached prefix, prompt chunks
+also end after boundary tokens (for the hybrid models' checkpoints), and a finished request's
+tokens go into the cache."""
 
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine import Engine
+from ..hybrid_cache import HybridCache, RecurrentCheckpoint
 from ..kv_cache import KVCache
+from ..prefix_cache import Resume
 from ..sampling import Sampler, SamplingParams
 
 # What a request's callback receives, on the engine thread: (token id, None) for each new token,
@@ -40,11 +45,16 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     # Engine-thread state: the sequence's KV cache and sampler while it runs.
-    cache: KVCache | None = None
+    cache: KVCache | HybridCache | None = None
     sampler: Sampler | None = None
     produced: int = 0
     next_token: int | None = None
-    prompt_done: int = 0  # prompt tokens run so far
+    prompt_done: int = 0  # prompt tokens run so far (or restored from the prefix cache)
+    # With the prefix cache: the nodes it resumed from, the tokens the cache holds, checkpoints
+    # taken after boundary tokens (by sequence length).
+    resume: Resume | None = None
+    seq: list[int] = field(default_factory=list)
+    checkpoints: dict[int, RecurrentCheckpoint] | None = None
 
     def cancel(self) -> None:
         """Asks the engine thread to drop the request before its next step (any thread may call)."""
@@ -105,6 +115,11 @@ class Scheduler:
                 continue
             self.requests += 1
             r.cache, r.sampler = self.engine.model.new_cache(), Sampler(r.sampling)
+            prefix = self.engine.prefix_cache
+            if prefix is not None:
+                r.resume = prefix.resume(r.prompt_ids, r.cache)
+                r.prompt_done, r.seq = r.resume.length, list(r.prompt_ids[:r.resume.length])
+                r.checkpoints = {} if prefix.recurrent else None
             self.reading.append(r)
 
     def _read_prompt(self, r: Request) -> None:
@@ -115,9 +130,14 @@ class Scheduler:
             # bigger is faster); beside requests that are decoding, in short ones between their steps.
             chunk = self.engine.prefill_chunk if not self.running else min(self.prompt_chunk, self.engine.prefill_chunk)
             end = min(len(r.prompt_ids), r.prompt_done + chunk)
+            if r.checkpoints is not None:  # a chunk ends after a boundary token: its state is kept
+                end = next((i + 1 for i in range(r.prompt_done, end) if r.prompt_ids[i] in self.engine.boundary_ids),
+                           end)
             logits = self.engine.model.forward(torch.tensor(r.prompt_ids[r.prompt_done:end]), r.cache)
             self.prefill_tokens += end - r.prompt_done
+            r.seq += r.prompt_ids[r.prompt_done:end]
             r.prompt_done = end
+            self._checkpoint(r)
             if end < len(r.prompt_ids):
                 return
             self.reading.remove(r)
@@ -148,7 +168,14 @@ class Scheduler:
         self.decode_tokens += len(batch)
         self.decode_s += time.perf_counter() - t0
         for r, token in zip(batch, tokens, strict=True):
+            r.seq.append(r.next_token)
+            self._checkpoint(r)
             self._accept(r, token)
+
+    def _checkpoint(self, r: Request) -> None:
+        """Keeps the linear layers' state when the sequence's last token is a boundary."""
+        if r.checkpoints is not None and r.seq and r.seq[-1] in self.engine.boundary_ids:
+            r.checkpoints[len(r.seq)] = r.cache.take()
 
     def _accept(self, r: Request, token: int) -> None:
         r.produced += 1
@@ -166,7 +193,13 @@ class Scheduler:
         for group in (self.running, self.reading):
             if r in group:
                 group.remove(r)
-        r.cache = r.sampler = r.next_token = None  # the KV cache goes with the request
+        prefix = self.engine.prefix_cache
+        if r.resume is not None:
+            if reason != "error":  # a failed step may have left the cache half-written
+                prefix.insert(r.seq, r.cache, r.checkpoints or {})
+            prefix.release(r.resume)
+            r.resume = None
+        r.cache = r.sampler = r.next_token = r.checkpoints = None  # the KV cache goes with the request
         _notify(r, None, reason)
 
 
