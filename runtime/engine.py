@@ -30,7 +30,6 @@ from .chat_template import ChatTemplate
 from .cpu_info import gpu_engine_worker_cpus, pin_this_thread, worker_cpus
 from .decode_graphs import decode_graphs_for
 from .experts import CpuExperts
-from .hybrid_cache import RecurrentCheckpoint
 from .kernels import CpuExpertKernel
 from .miss_planner import MissPlanner
 from .models import family
@@ -185,21 +184,17 @@ class Engine:
         self.prefix_cache = PrefixCache(kv_budget, checkpoint_budget, bool(self.spec.linear_attention_layers))
         return self.prefix_cache
 
-    def prefill(self, ids: torch.Tensor, cache, all_logits: bool = False,
-                checkpoints: dict[int, RecurrentCheckpoint] | None = None) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, cache, all_logits: bool = False, checkpoints: bool = False) -> torch.Tensor:
         """Runs the prompt `ids` after the cache's tokens in chunks of `prefill_chunk` tokens;
         returns the logits of its last token [1, vocab] (every token's with all_logits). With
-        `checkpoints` (a hybrid model's cache), chunks also end after every boundary token and
-        the linear layers' state there is taken, keyed by the sequence's length."""
-        ends = set(range(self.prefill_chunk, ids.numel(), self.prefill_chunk)) | {ids.numel()}
-        if checkpoints is not None:
-            ends |= {i + 1 for i, t in enumerate(ids.tolist()) if t in self.boundary_ids}
-        outs, start = [], 0
-        for end in sorted(ends):
-            outs.append(self.model.forward(ids[start:end], cache, all_logits))
-            if checkpoints is not None and int(ids[end - 1]) in self.boundary_ids:
-                checkpoints[cache.length] = cache.take()
-            start = end
+        `checkpoints` (a hybrid model), the linear layers' state after every boundary token goes
+        into `cache.checkpoints`, taken inside the chunks."""
+        outs = []
+        for a in range(0, ids.numel(), self.prefill_chunk):
+            chunk = ids[a:a + self.prefill_chunk]
+            at = tuple(i for i, t in enumerate(chunk.tolist()) if t in self.boundary_ids) if checkpoints else ()
+            outs.append(self.model.forward(chunk, cache, all_logits, checkpoint_at=at) if at
+                        else self.model.forward(chunk, cache, all_logits))
         return torch.cat(outs) if all_logits else outs[-1]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
@@ -216,7 +211,7 @@ class Engine:
                 return
             cache, sample, prefix = self.model.new_cache(), Sampler(sampling), self.prefix_cache
             resume = prefix.resume(prompt_ids, cache) if prefix is not None else None
-            checkpoints = {} if prefix is not None and prefix.recurrent else None
+            checkpoints = prefix is not None and prefix.recurrent
             seq = list(prompt_ids)  # the tokens whose keys and values the cache holds, once run
             try:
                 t0 = time.perf_counter()
@@ -233,12 +228,12 @@ class Engine:
                         return
                     logits = self.model.forward(torch.tensor([token]), cache)[-1]
                     seq.append(token)
-                    if checkpoints is not None and token in self.boundary_ids:
-                        checkpoints[cache.length] = cache.take()
+                    if checkpoints and token in self.boundary_ids:
+                        cache.checkpoints[cache.length] = cache.take()
                     token = sample(logits)
             finally:
                 if resume is not None:
-                    prefix.insert(seq[:cache.length], cache, checkpoints or {})
+                    prefix.insert(seq[:cache.length], cache, cache.checkpoints if checkpoints else {})
                     prefix.release(resume)
 
         return Generation(tokens(), stats)

@@ -27,6 +27,8 @@ class HybridCache:
     def __init__(self, kv: KVCache, linear: list[DeltaNetState]):
         self.kv = kv  # indexed by full-attention layer (the i-th such layer is KV layer i)
         self.linear = linear  # indexed by linear layer
+        # Checkpoints taken inside prompt chunks (`Qwen3NextModel.forward(checkpoint_at=...)`), by length.
+        self.checkpoints: dict[int, RecurrentCheckpoint] = {}
 
     @property
     def length(self) -> int:

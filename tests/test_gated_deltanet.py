@@ -56,7 +56,7 @@ def test_whole_sequence_matches_transformers(seed):
     ref, w, shape = _layer(seed * 31 + random.randrange(10**6))
     x = torch.randn(random.randrange(1, 150), 48)
     want = ref(x[None])[0]
-    got, _ = gated_deltanet(x, w, shape, DeltaNetState.zeros(shape, x.dtype))
+    got, _, _ = gated_deltanet(x, w, shape, DeltaNetState.zeros(shape, x.dtype))
     assert _rel(got, want) < BOUND
 
 
@@ -71,12 +71,12 @@ def test_cut_sequences_continue_from_their_state(seed):
     cuts = sorted(random.sample(range(1, x.shape[0]), random.randrange(1, 6)))
     state, outs, taken = DeltaNetState.zeros(shape, x.dtype), [], None
     for a, b in zip([0, *cuts], [*cuts, x.shape[0]], strict=True):
-        out, state = gated_deltanet(x[a:b], w, shape, state)
+        out, state, _ = gated_deltanet(x[a:b], w, shape, state)
         outs.append(out)
         if taken is None:
             taken, taken_at = state.clone(), b
     assert _rel(torch.cat(outs), want) < BOUND
-    resumed, _ = gated_deltanet(x[taken_at:], w, shape, taken)
+    resumed, _, _ = gated_deltanet(x[taken_at:], w, shape, taken)
     assert _rel(resumed, want[taken_at:]) < BOUND
 
 
@@ -93,5 +93,23 @@ def test_the_chunked_recurrence_equals_the_token_by_token_one(seed):
     g = -torch.rand(t, h) * random.choice([0.05, 1.0, 6.0])
     state = torch.randn(h, dk, dv)
     want_out, want_state = _delta_rule(q, k, v, g, beta, state)
-    got_out, got_state = _delta_rule_chunked(q, k, v, g, beta, state, chunk=random.randrange(3, 18))
+    got_out, got_state, _ = _delta_rule_chunked(q, k, v, g, beta, state, chunk=random.randrange(3, 18))
     assert _rel(got_out, want_out) < 1e-5 and _rel(got_state, want_state) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(4))
+@torch.no_grad()
+def test_states_captured_inside_a_chunk_equal_the_states_of_a_cut(seed):
+    """The state after token i, taken inside one chunk (any block, a ragged one included), equals
+    the state after running only the first i + 1 tokens; the chunk's output does not change."""
+    _, w, shape = _layer(seed * 13 + random.randrange(10**6))
+    x = torch.randn(random.randrange(2, 200), 48)
+    start = DeltaNetState.zeros(shape, x.dtype)
+    start.recurrent.normal_()
+    capture = tuple(sorted(random.sample(range(x.shape[0]), random.randrange(1, min(6, x.shape[0]) + 1))))
+    out, _, taken = gated_deltanet(x, w, shape, start, capture)
+    plain, _, _ = gated_deltanet(x, w, shape, start)
+    assert torch.equal(out, plain) and len(taken) == len(capture)
+    for i, got in zip(capture, taken, strict=True):
+        _, want, _ = gated_deltanet(x[:i + 1], w, shape, start)
+        assert _rel(got.conv, want.conv) < 1e-5 and _rel(got.recurrent, want.recurrent) < 1e-5, i

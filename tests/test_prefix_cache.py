@@ -128,9 +128,8 @@ def test_held_nodes_are_never_evicted(engine_dir):
     boundary = engine.spec.token_id("<|im_end|>")
     first = [random.randrange(400) for _ in range(20)] + [boundary] + [random.randrange(400) for _ in range(5)]
     seq = engine.model.new_cache()
-    checkpoints: dict = {}
-    engine.prefill(torch.tensor(first), seq, checkpoints=checkpoints if recurrent else None)
-    cache.insert(first, seq, checkpoints)
+    engine.prefill(torch.tensor(first), seq, checkpoints=recurrent)
+    cache.insert(first, seq, seq.checkpoints if recurrent else {})
     resumed = engine.model.new_cache()
     held = cache.resume(first + [1], resumed)
     assert held.length == (21 if recurrent else len(first))
@@ -183,3 +182,35 @@ def test_the_server_scheduler_resumes_from_the_prefix_cache(engine_dir):
         assert prefix.stats.reused_tokens == _expected_reuse(cached, [first, second], [got, got2])[1] > 0
     finally:
         scheduler.close()
+
+
+def test_the_agent_bench_reports_what_each_mode_reuses(engine_dir):
+    """`ftc bench ENGINE agent` in its three modes: per turn, restored + prefilled tokens make the
+    prompt; without a cache nothing is restored, without checkpoints a hybrid model restores
+    nothing (its linear layers need their state) while a pure-attention one still does; with the
+    cache every turn after the first resumes, and the edit turn exactly after the last boundary
+    token before the edited tool output (for a pure-attention model: right after the tokens the
+    edit kept)."""
+    from ftc.bench_agent import EDITED, agent_session, bench_agent
+
+    seed = random.randrange(100)
+    result = bench_agent(engine_dir, None, ["cache", "no-checkpoints", "no-prefix-cache"], 700, 120,
+                         kv_budget=1 << 30, checkpoint_budget=1 << 30, new_tokens=2, seed=seed)
+    engine = Engine.load(engine_dir)
+    hybrid = bool(engine.spec.linear_attention_layers)
+    for mode, run in result["runs"].items():
+        for row in run["turns"]:
+            assert row["reused_tokens"] + row["prefilled_tokens"] == row["prompt_tokens"]
+            if mode == "no-prefix-cache" or (mode == "no-checkpoints" and hybrid):
+                assert row["reused_tokens"] == 0
+    turns = result["runs"]["cache"]["turns"]
+    assert turns[0]["reused_tokens"] == 0 and all(r["reused_tokens"] > 0 for r in turns[1:])
+    history, starts = [], []
+    resp = engine.spec.token_id("<tool_response>")
+    for turn in agent_session(engine, 700, 120, seed)[:-1]:
+        if resp in turn.tokens:
+            starts.append(len(history) + turn.tokens.index(resp))
+        history += turn.tokens
+    start = starts[EDITED]  # the edit keeps <tool_response> and changes what follows
+    want = start + 1 if not hybrid else max(i + 1 for i in range(start + 1) if history[i] in engine.boundary_ids)
+    assert turns[-1]["kind"] == "edit" and turns[-1]["reused_tokens"] == want

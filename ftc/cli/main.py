@@ -203,6 +203,7 @@ class BenchKind(str, Enum):
     experts = "experts"
     decode = "decode"
     prefill = "prefill"
+    agent = "agent"
 
 
 @app.command()
@@ -230,13 +231,24 @@ def bench(
     lengths: Annotated[str, typer.Option(help="prefill: prompt lengths, comma-separated.")] = "1024,2048,4096,8192",
     no_overlap: Annotated[bool, typer.Option("--no-overlap", help="prefill: one layer buffer, load then "
                                              "compute (the baseline).")] = False,
-    compare: Annotated[bool, typer.Option("--compare", help="prefill: both modes, two buffers and one.")] = False,
+    compare: Annotated[bool, typer.Option("--compare", help="prefill: both modes, two buffers and one; agent: "
+                                          "with the cache, without checkpoints, without any cache.")] = False,
     prefill_chunk: Annotated[int | None, typer.Option(help="Prompt chunk in tokens (default: the plan's).")] = None,
-    plot: Annotated[Path | None, typer.Option(help="prefill: also draw tok/s against length (PNG).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="prefill: tok/s against length; agent: time to first token "
+                                              "per turn (PNG).")] = None,
+    session_tokens: Annotated[int, typer.Option(help="agent: the session grows to about this many tokens.")] = 20000,
+    tool_output_tokens: Annotated[int, typer.Option(help="agent: tokens of each tool output.")] = 2000,
+    prefix_cache: Annotated[str, typer.Option(help="agent: KV memory of the prefix cache.")] = "8GiB",
+    checkpoint_cache: Annotated[str, typer.Option(help="agent: memory for recurrent-state checkpoints.")] = "4GiB",
+    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="agent: no cache at all.")] = False,
+    no_checkpoints: Annotated[bool, typer.Option("--no-checkpoints", help="agent: the KV cache only (a hybrid "
+                                                 "model then cannot resume).")] = False,
 ) -> None:
     """Measure an engine, or a spec built in memory with random weights; prints JSON."""
     from ftc_runtime.artifact import EngineManifest
+    from ftc_runtime.vram_plan import parse_size
 
+    from ..bench_agent import bench_agent, plot_agent
     from ..bench_decode import bench_decode
     from ..bench_experts import bench_experts
     from ..bench_prefill import bench_prefill, plot_prefill
@@ -257,6 +269,14 @@ def bench(
                                        seed, pool)
                 if plot:
                     plot_prefill(result, plot)
+            elif kind == BenchKind.agent:
+                modes = (["cache", "no-checkpoints", "no-prefix-cache"] if compare else
+                         ["no-prefix-cache" if no_prefix_cache else "no-checkpoints" if no_checkpoints else "cache"])
+                result = bench_agent(engine, offload, modes, session_tokens, tool_output_tokens,
+                                     parse_size(prefix_cache), parse_size(checkpoint_cache), seed=seed, pool=pool,
+                                     prefill_chunk=prefill_chunk)
+                if plot:
+                    plot_agent(result, plot)
             else:
                 spec = EngineManifest.read(engine).spec
                 trace, routing = routing_for(routing_trace, synthetic_locality, spec, 0)

@@ -65,12 +65,14 @@ class DeltaNetState:
         return DeltaNetState(self.conv.clone(), self.recurrent.clone())
 
 
-def gated_deltanet(x: torch.Tensor, w: DeltaNetWeights, shape: DeltaNetShape,
-                   state: DeltaNetState) -> tuple[torch.Tensor, DeltaNetState]:
-    """x [T, hidden] after `state`'s tokens → (output [T, hidden], the state after x)."""
+def gated_deltanet(x: torch.Tensor, w: DeltaNetWeights, shape: DeltaNetShape, state: DeltaNetState,
+                   capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, DeltaNetState, list[DeltaNetState]]:
+    """x [T, hidden] after `state`'s tokens → (output [T, hidden], the state after x, the states
+    after each token index in `capture` (ascending), without cutting x there)."""
     t = x.shape[0]
     s = shape
-    mixed, conv_state = _causal_conv(F.linear(x, w.in_proj_qkv), w.conv1d, state.conv)
+    inputs = F.linear(x, w.in_proj_qkv)
+    mixed, conv_state = _causal_conv(inputs, w.conv1d, state.conv)
     kd, vd = s.num_k_heads * s.k_dim, s.num_v_heads * s.v_dim
     q, k, v = mixed.split((kd, kd, vd), dim=-1)
     group = s.num_v_heads // s.num_k_heads
@@ -81,12 +83,19 @@ def gated_deltanet(x: torch.Tensor, w: DeltaNetWeights, shape: DeltaNetShape,
     k = _l2norm(k)
     beta = torch.sigmoid(F.linear(x, w.in_proj_b)).float()
     g = -w.A_log.float().exp() * F.softplus(F.linear(x, w.in_proj_a).float() + w.dt_bias.float())
-    rule = _delta_rule if t == 1 else _delta_rule_chunked
-    out, recurrent = rule(q, k, v, g, beta, state.recurrent)
+    if t == 1:
+        out, recurrent = _delta_rule(q, k, v, g, beta, state.recurrent)
+        taken = [recurrent.clone()] if capture else []
+    else:
+        out, recurrent, taken = _delta_rule_chunked(q, k, v, g, beta, state.recurrent, capture=capture)
     z = F.linear(x, w.in_proj_z).reshape(t, s.num_v_heads, s.v_dim)
     normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + s.eps)
     gated = (w.norm * normed.to(x.dtype)) * F.silu(z.float()).to(x.dtype)
-    return F.linear(gated.reshape(t, vd), w.out_proj), DeltaNetState(conv_state, recurrent)
+    # The convolution's state after token i: its last K − 1 inputs up to i.
+    seq = torch.cat([state.conv.to(inputs.dtype), inputs.t()], dim=1)
+    convs = [seq[:, i + 1:i + s.conv_kernel].clone() for i in capture]
+    return (F.linear(gated.reshape(t, vd), w.out_proj), DeltaNetState(conv_state, recurrent),
+            [DeltaNetState(c, r) for c, r in zip(convs, taken, strict=True)])
 
 
 def _causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,16 +129,19 @@ CHUNK = 64  # tokens per block of the chunked form: matmuls of 64×64 per head, 
 
 
 def _delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                        state: torch.Tensor, chunk: int = CHUNK,
+                        capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The same recurrence, a block of tokens at a time (what prefill needs: T/chunk steps of
     matmuls instead of T steps of vector products). Within a block, with G the cumulative sum of
     the log-decays g and S0 the state before it, the state after token i is
         S_i = exp(G_i) · S0 + Σ_{j ≤ i} exp(G_i − G_j) · k_j u_jᵀ
     where the "pseudo-values" u solve the unit lower-triangular system
         u_i + β_i Σ_{j < i} exp(G_i − G_j) (k_i · k_j) u_j = β_i (v_i − exp(G_i) S0ᵀ k_i),
-    so o_i = exp(G_i) S0ᵀ q_i + Σ_{j ≤ i} exp(G_i − G_j) (q_i · k_j) u_j. Shapes as `_delta_rule`."""
+    so o_i = exp(G_i) S0ᵀ q_i + Σ_{j ≤ i} exp(G_i − G_j) (q_i · k_j) u_j. Shapes as `_delta_rule`;
+    also returns S_i for each token index i in `capture` (ascending)."""
     s = state.float().clone()
     out = torch.empty_like(v)
+    taken: list[torch.Tensor] = []
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
     g, beta = g.transpose(0, 1), beta.transpose(0, 1)  # [H, T]
     for a in range(0, q.shape[1], chunk):
@@ -144,6 +156,10 @@ def _delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         rhs = bc[:, :, None] * (vc - torch.exp(cum)[:, :, None] * (kc @ s))
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         out[a:a + c] = (torch.exp(cum)[:, :, None] * (qc @ s) + ((qc @ kc.transpose(1, 2)) * decay) @ u).transpose(0, 1)
+        for i in (i - a for i in capture if a <= i < a + c):
+            at = cum[:, i:i + 1]
+            taken.append(torch.exp(at)[:, :, None] * s
+                         + (kc[:, :i + 1] * torch.exp(at - cum[:, :i + 1])[:, :, None]).transpose(1, 2) @ u[:, :i + 1])
         last = cum[:, -1:]
         s = torch.exp(last)[:, :, None] * s + (kc * torch.exp(last - cum)[:, :, None]).transpose(1, 2) @ u
-    return out, s
+    return out, s, taken

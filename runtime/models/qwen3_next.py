@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..experts import ExpertBackend
-from ..hybrid_cache import HybridCache
+from ..hybrid_cache import HybridCache, RecurrentCheckpoint
 from ..kv_cache import KVCache
 from ..spec import ModelSpec
 from .gated_deltanet import DeltaNetShape, DeltaNetState, DeltaNetWeights, gated_deltanet
@@ -110,17 +110,30 @@ class Qwen3NextModel:
                                 for _ in self.linear_index])
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: HybridCache, all_logits: bool = False) -> torch.Tensor:
-        """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32."""
+    def forward(self, ids: torch.Tensor, cache: HybridCache, all_logits: bool = False,
+                checkpoint_at: tuple[int, ...] = ()) -> torch.Tensor:
+        """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32.
+        `checkpoint_at`: indices into ids (ascending) after which the linear layers' state goes
+        into `cache.checkpoints`, taken within the chunk, which is not cut there."""
         start, n = cache.length, ids.numel()
         self.experts.begin_pass(n)
         cos, sin = self.rope_at(torch.arange(start, start + n, device=self.device))
         x = self.embed[ids.to(self.device)].to(self.dtype)
+        taken: list[list[DeltaNetState]] = []  # per linear layer, per checkpoint
         for i in range(self.spec.num_layers):
             h = rms_norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.spec.norm.eps)
-            x = x + self.mix(i, h, cos, sin, [cache])
+            if i in self.linear_index:
+                j = self.linear_index[i]
+                out, cache.linear[j], states = gated_deltanet(h, self.delta_weights[i], self.delta_shape,
+                                                              cache.linear[j], checkpoint_at)
+                taken.append(states)
+                x = x + out
+            else:
+                x = x + self.full_attention(i, h, cos, sin, [cache])
             x = x + self.mlp(i, rms_norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"],
                                          self.spec.norm.eps), start)
+        for c, at in enumerate(checkpoint_at):
+            cache.checkpoints[start + at + 1] = RecurrentCheckpoint(start + at + 1, tuple(t[c] for t in taken))
         cache.length = start + n
         return self.head(x if all_logits else x[-1:])
 
@@ -137,26 +150,23 @@ class Qwen3NextModel:
         x = self.embed[torch.tensor(tokens, device=self.device)].to(self.dtype)
         for i in range(self.spec.num_layers):
             h = rms_norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.spec.norm.eps)
-            x = x + self.mix(i, h, cos, sin, caches)
+            x = x + self.mix_batch(i, h, cos, sin, caches)
             x = x + self.mlp(i, rms_norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"],
                                          self.spec.norm.eps), positions[0])
         for c in caches:
             c.length += 1
         return self.head(x)
 
-    def mix(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            caches: list[HybridCache]) -> torch.Tensor:
-        """Layer i's token mixer over h [T, hidden]: one sequence's T tokens (one cache), or one
-        token of each of T sequences (T caches)."""
-        rows = [h] if len(caches) == 1 else list(h.split(1))
-        if i in self.linear_index:
-            j = self.linear_index[i]
-            outs = []
-            for row, cache in zip(rows, caches, strict=True):
-                out, cache.linear[j] = gated_deltanet(row, self.delta_weights[i], self.delta_shape, cache.linear[j])
-                outs.append(out)
-            return torch.cat(outs)
-        return self.full_attention(i, h, cos, sin, caches)
+    def mix_batch(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  caches: list[HybridCache]) -> torch.Tensor:
+        """Layer i's token mixer over one token of each of T sequences (h [T, hidden], T caches)."""
+        if i not in self.linear_index:
+            return self.full_attention(i, h, cos, sin, caches)
+        j, outs = self.linear_index[i], []
+        for row, cache in zip(h.split(1), caches, strict=True):
+            out, cache.linear[j], _ = gated_deltanet(row, self.delta_weights[i], self.delta_shape, cache.linear[j])
+            outs.append(out)
+        return torch.cat(outs)
 
     def full_attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        caches: list[HybridCache]) -> torch.Tensor:

@@ -5,9 +5,9 @@ decoding for its whole length), then one decode step for every
 running request together (`decode_batch`), and hands each request its new token through its
 callback. A cancelled request (its client gone) leaves before the next step, and its KV cache is
 freed with it. A request that fails ends alone, with the reason "error"; the others go on.
-With the engine's prefix cache, a prompt resumes after its longest cached prefix, prompt chunks
-also end after boundary tokens (for the hybrid models' checkpoints), and a finished request's
-tokens go into the cache."""
+With the engine's prefix cache, a prompt resumes after its longest cached prefix, the hybrid
+models' state is kept after each boundary token (taken inside prompt chunks), and a finished
+request's tokens go into the cache."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine import Engine
-from ..hybrid_cache import HybridCache, RecurrentCheckpoint
+from ..hybrid_cache import HybridCache
 from ..kv_cache import KVCache
 from ..prefix_cache import Resume
 from ..sampling import Sampler, SamplingParams
@@ -50,11 +50,11 @@ class Request:
     produced: int = 0
     next_token: int | None = None
     prompt_done: int = 0  # prompt tokens run so far (or restored from the prefix cache)
-    # With the prefix cache: the nodes it resumed from, the tokens the cache holds, checkpoints
-    # taken after boundary tokens (by sequence length).
+    # With the prefix cache: the nodes it resumed from, the tokens the cache holds, and whether
+    # to keep recurrent-state checkpoints after boundary tokens (in the cache's `checkpoints`).
     resume: Resume | None = None
     seq: list[int] = field(default_factory=list)
-    checkpoints: dict[int, RecurrentCheckpoint] | None = None
+    checkpoints: bool = False
 
     def cancel(self) -> None:
         """Asks the engine thread to drop the request before its next step (any thread may call)."""
@@ -119,7 +119,7 @@ class Scheduler:
             if prefix is not None:
                 r.resume = prefix.resume(r.prompt_ids, r.cache)
                 r.prompt_done, r.seq = r.resume.length, list(r.prompt_ids[:r.resume.length])
-                r.checkpoints = {} if prefix.recurrent else None
+                r.checkpoints = prefix.recurrent
             self.reading.append(r)
 
     def _read_prompt(self, r: Request) -> None:
@@ -130,14 +130,13 @@ class Scheduler:
             # bigger is faster); beside requests that are decoding, in short ones between their steps.
             chunk = self.engine.prefill_chunk if not self.running else min(self.prompt_chunk, self.engine.prefill_chunk)
             end = min(len(r.prompt_ids), r.prompt_done + chunk)
-            if r.checkpoints is not None:  # a chunk ends after a boundary token: its state is kept
-                end = next((i + 1 for i in range(r.prompt_done, end) if r.prompt_ids[i] in self.engine.boundary_ids),
-                           end)
-            logits = self.engine.model.forward(torch.tensor(r.prompt_ids[r.prompt_done:end]), r.cache)
+            ids = r.prompt_ids[r.prompt_done:end]
+            at = tuple(i for i, t in enumerate(ids) if t in self.engine.boundary_ids) if r.checkpoints else ()
+            logits = (self.engine.model.forward(torch.tensor(ids), r.cache, checkpoint_at=at) if at
+                      else self.engine.model.forward(torch.tensor(ids), r.cache))
             self.prefill_tokens += end - r.prompt_done
-            r.seq += r.prompt_ids[r.prompt_done:end]
+            r.seq += ids
             r.prompt_done = end
-            self._checkpoint(r)
             if end < len(r.prompt_ids):
                 return
             self.reading.remove(r)
@@ -173,9 +172,9 @@ class Scheduler:
             self._accept(r, token)
 
     def _checkpoint(self, r: Request) -> None:
-        """Keeps the linear layers' state when the sequence's last token is a boundary."""
-        if r.checkpoints is not None and r.seq and r.seq[-1] in self.engine.boundary_ids:
-            r.checkpoints[len(r.seq)] = r.cache.take()
+        """Keeps the linear layers' state when the token just decoded is a boundary."""
+        if r.checkpoints and r.seq[-1] in self.engine.boundary_ids:
+            r.cache.checkpoints[len(r.seq)] = r.cache.take()
 
     def _accept(self, r: Request, token: int) -> None:
         r.produced += 1
@@ -196,10 +195,10 @@ class Scheduler:
         prefix = self.engine.prefix_cache
         if r.resume is not None:
             if reason != "error":  # a failed step may have left the cache half-written
-                prefix.insert(r.seq, r.cache, r.checkpoints or {})
+                prefix.insert(r.seq, r.cache, r.cache.checkpoints if r.checkpoints else {})
             prefix.release(r.resume)
             r.resume = None
-        r.cache = r.sampler = r.next_token = r.checkpoints = None  # the KV cache goes with the request
+        r.cache = r.sampler = r.next_token = None  # the KV cache goes with the request
         _notify(r, None, reason)
 
 
