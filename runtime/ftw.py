@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .direct_read import ReadResult, aligned_empty, read_into
+
 MAGIC = b"FTW1"
 VERSION = 1
 ALIGN = 4096
@@ -199,22 +201,19 @@ class ExpertPool:
         return self._banks[name][row].view(torch.bfloat16).view(b.row_shape)
 
 
-def load(path: Path, on_bytes: Callable[[int], None] | None = None) -> ExpertPool:
-    """Read an FTW file into one host buffer and check every row against its checksum."""
+def load(path: Path, on_bytes: Callable[[int], None] | None = None, direct: bool = True,
+         on_read: Callable[[ReadResult], None] | None = None) -> ExpertPool:
+    """Read an FTW file's data region straight into one page-aligned host buffer (parallel reads,
+    O_DIRECT where the filesystem takes it: no page-cache copy, no repacking) and check every
+    row against its checksum. `on_read` receives the read's time and whether it was direct."""
     header, checksums = read_header(path)
-    buffer = torch.empty(header.data_bytes, dtype=torch.uint8)
-    view = memoryview(buffer.numpy())
-    chunk = 64 << 20
-    with open(path, "rb", buffering=0) as f:
-        f.seek(header.data_offset)
-        done = 0
-        while done < header.data_bytes:
-            n = f.readinto(view[done:done + chunk])
-            if not n:
-                raise FtwError(f"{path.name}: truncated while reading byte {header.data_offset + done}")
-            done += n
-            if on_bytes:
-                on_bytes(n)
+    buffer = aligned_empty(header.data_bytes)
+    try:
+        result = read_into(path, header.data_offset, buffer, direct=direct, on_bytes=on_bytes)
+    except EOFError as e:
+        raise FtwError(str(e)) from None
+    if on_read:
+        on_read(result)
     pool = ExpertPool(header, buffer)
     verify_rows(pool, checksums, path.name)
     return pool

@@ -202,6 +202,19 @@ def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_load_reports_the_loader_against_the_disk(engine):
+    """The loader's read of the expert file, the disk's own direct read of the same bytes, and
+    the engine around them; every figure positive and the byte count the file's data region."""
+    from ftc_runtime import ftw
+
+    r = ok("bench", engine, "load", "--device", "cpu")
+    x = json.loads(r.stdout)
+    header, _ = ftw.read_header(Path(engine) / "experts.ftw")
+    assert x["bytes"] == header.data_bytes
+    assert min(x["disk_s"], x["read_s"], x["total_s"], x["disk_gbps"], x["read_gbps"]) > 0
+    assert isinstance(x["read_direct"], bool) and x["total_s"] >= x["read_s"]
+
+
 # -- errors ------------------------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -116,3 +117,26 @@ def test_damaged_trailer_is_refused(tmp_path: Path):
     (tmp_path / "e.ftw").write_bytes(raw[: header.trailer_offset] + short)
     with pytest.raises(ftw.FtwError, match="checksum trailer has 5 rows"):
         ftw.load(tmp_path / "e.ftw")
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("pages", [True, False])
+def test_direct_reads_give_the_bytes_on_disk(tmp_path, direct, pages):
+    """Parallel reads of a file region into a page-aligned buffer: O_DIRECT where asked and the
+    offset and length are page multiples (and the filesystem takes it), buffered otherwise; either
+    way the bytes on disk. A region past the end of the file is refused."""
+    from ftc_runtime.direct_read import PAGE, aligned_empty, read_into, sequential_direct_read
+
+    n = random.randrange(1, 40) * PAGE + (0 if pages else random.randrange(1, PAGE))
+    data = os.urandom(PAGE + n + 100)
+    path = tmp_path / "region.bin"
+    path.write_bytes(data)
+    buffer = aligned_empty(n)
+    assert buffer.data_ptr() % PAGE == 0
+    result = read_into(path, PAGE, buffer, threads=3, direct=direct)
+    assert bytes(buffer.numpy()) == data[PAGE:PAGE + n]
+    if not direct or not pages:
+        assert not result.direct
+    assert sequential_direct_read(path, PAGE, n).seconds > 0
+    with pytest.raises(EOFError, match="region.bin"):
+        read_into(path, PAGE + 200, aligned_empty(n), direct=direct)

@@ -204,6 +204,7 @@ class BenchKind(str, Enum):
     decode = "decode"
     prefill = "prefill"
     agent = "agent"
+    load = "load"
 
 
 @app.command()
@@ -251,6 +252,7 @@ def bench(
     from ..bench_agent import bench_agent, plot_agent
     from ..bench_decode import bench_decode
     from ..bench_experts import bench_experts
+    from ..bench_load import bench_load
     from ..bench_prefill import bench_prefill, plot_prefill
 
     if tokens < 1 or new_tokens < 2 or prompt_tokens < 1:
@@ -269,6 +271,11 @@ def bench(
                                        seed, pool)
                 if plot:
                     plot_prefill(result, plot)
+            elif kind == BenchKind.load:
+                if pool is not None:
+                    raise ValueError("bench load: give a compiled engine directory (a random-weight spec has no "
+                                     "file to load)")
+                result = bench_load(engine, offload)
             elif kind == BenchKind.agent:
                 modes = (["cache", "no-checkpoints", "no-prefix-cache"] if compare else
                          ["no-prefix-cache" if no_prefix_cache else "no-checkpoints" if no_checkpoints else "cache"])
