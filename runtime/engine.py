@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class OffloadConfig:
     b_h: float | None = None  # target has neither, B_P = B_H, so every miss is filled
     max_context: int = 4096  # tokens of KV cache the budget reserves
     prefill_overlap: bool = True  # False: stream prompt layers through one buffer, load then compute
+    cpu_experts: bool = False  # every routed expert on the CPU (no slots): only activations cross PCIe
 
 
 @dataclass
@@ -150,6 +152,10 @@ class Engine:
             return cls(manifest, tokenizer, fam.model(spec, dense, CpuExperts(pool, kernel)), pool,
                        prefill_chunk=prefill_chunk)
         vram = _vram_plan(manifest, offload, expected, pool)
+        if offload.cpu_experts:
+            print("ftc: --cpu-experts: every routed expert runs on the CPU; only activations cross PCIe",
+                  file=sys.stderr)
+            vram = dataclasses.replace(vram, n_slots=0)
         b_p, b_h = offload.b_p or manifest.target.get("b_p"), offload.b_h or manifest.target.get("b_h")
         if b_p is None or b_h is None:  # not measured (a CPU-only target): every miss is filled
             b_p = b_h = 1.0

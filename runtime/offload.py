@@ -57,6 +57,13 @@ class OffloadedExperts(ExpertBackend):
         h = pool.header
         self.pool, self.kernel, self.device, self.planner = pool, kernel, torch.device(device), planner
         self.num_experts = h.num_experts
+        self.on_gpu = self.device.type == "cuda"
+        self.pinned = self.on_gpu and pin_in_place(pool.buffer)
+        if self.on_gpu and not self.pinned and n_slots:
+            # Copies from pageable memory would run at a fraction of PCIe speed, synchronously.
+            print("ftc: the expert pool could not be pinned (page-locked) for DMA: every routed expert runs "
+                  "on the CPU; only activations cross PCIe", file=sys.stderr)
+            n_slots = 0
         self.cache = ExpertCache(h.num_rows, n_slots, cache_policy)
         self.host_rows = pool.buffer.view(h.num_rows, h.expert_stride)
         self.gate_up, self.down = pool.bank("gate_up"), pool.bank("down")
@@ -70,8 +77,6 @@ class OffloadedExperts(ExpertBackend):
         # (pairs sorted by slot); None: torch.
         self.device_kernel, self.grouped_kernel = device_kernel, grouped_kernel
         self.prompt_counts = np.zeros(h.num_rows, dtype=np.int64)  # static policy: routed ids of the prompt
-        self.on_gpu = self.device.type == "cuda"
-        self.pinned = self.on_gpu and pin_in_place(pool.buffer)
         self._token: _TokenPath | None = None  # built at the first one-token call
         self.native_token_plan = True  # False: one-token calls take the general path (tests compare both)
         self._token_graph: torch.cuda.CUDAGraph | None = None

@@ -328,3 +328,15 @@ def test_a_failed_streamed_chunk_leaves_no_pass_behind(engine_dir, cpu_engine, m
     got, want = off.model.decode_batch(step, got_caches), cpu_engine.model.decode_batch(step, want_caches)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
     assert off.model.experts.stats.stream_layers == streamed
+
+
+def test_cpu_experts_run_every_routed_expert_on_the_cpu(engine_dir, cpu_engine, capsys):
+    """--cpu-experts: no expert slots at all (the budget's go unused), one log line, and the
+    all-CPU engine's tokens; prompts long enough to stream do not (there is nothing to stream into)."""
+    ids = [random.randrange(256) for _ in range(random.randrange(4, 60))]
+    want = list(cpu_engine.generate(ids, 12, SamplingParams(0.0), stop_at_eos=False))
+    off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", cpu_experts=True, b_p=20.0, b_h=40.0))
+    assert "--cpu-experts" in capsys.readouterr().err
+    assert list(off.generate(ids, 12, SamplingParams(0.0), stop_at_eos=False)) == want
+    s = off.model.experts.stats
+    assert off.vram.n_slots == 0 and s.hits == s.fills == s.stream_layers == 0 and s.cpu > 0

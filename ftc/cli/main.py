@@ -114,6 +114,8 @@ def run(
     slots: Annotated[int | None, typer.Option(help="Expert slots (default: what the budget holds).")] = None,
     miss_policy: Annotated[MissPolicyOpt, typer.Option(help="Where cache misses run.")] = "adaptive",
     cache_policy: Annotated[CachePolicyOpt, typer.Option(help="lru, or static (prompt's top experts).")] = "lru",
+    cpu_experts: Annotated[bool, typer.Option("--cpu-experts", help="With --device: every routed expert on the "
+                                              "CPU, the rest of the model on the device.")] = False,
     reprofile: Annotated[bool, typer.Option("--reprofile", help="Measure B_P/B_H again, record them in "
                                             "engine.json and split misses by them.")] = False,
     prefill_chunk: Annotated[int | None, typer.Option(help="Prompt chunk in tokens (default: the plan's).")] = None,
@@ -136,14 +138,14 @@ def run(
 
     if serve:
         limits = {"max_batch": max_batch, "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_tokens}
-        _serve(engine, offload_config(device, vram_budget, slots, miss_policy, cache_policy), prefill_chunk, host, port,
-               api_key, limits, prefix_cache)
+        offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts)
+        _serve(engine, offload, prefill_chunk, host, port, api_key, limits, prefix_cache)
         return
     if (prompt is None) == (prompt_ids is None):
         _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
     try:
         given_ids = parse_ids(prompt_ids) if prompt_ids is not None else None
-        offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy)
+        offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts)
         t0 = time.perf_counter()
         eng = Engine.load(engine, show_progress=not as_json, offload=offload, prefill_chunk=prefill_chunk)
         load_s = time.perf_counter() - t0
@@ -220,6 +222,7 @@ def bench(
     slots: Annotated[int | None, typer.Option(help="decode: expert slots (default: the budget's).")] = None,
     miss_policy: Annotated[MissPolicyOpt, typer.Option(help="decode: where cache misses run.")] = "adaptive",
     cache_policy: Annotated[CachePolicyOpt, typer.Option(help="decode: lru or static.")] = "lru",
+    cpu_experts: Annotated[bool, typer.Option("--cpu-experts", help="Every routed expert on the CPU.")] = False,
     routing_trace: Annotated[Path | None, typer.Option(help="decode: replay this trace (.npz).")] = None,
     synthetic_locality: Annotated[float | None, typer.Option(help="decode: replay a synthetic trace.")] = None,
     prompt_tokens: Annotated[int, typer.Option(help="decode: prompt length.")] = 128,
@@ -262,7 +265,7 @@ def bench(
             pool = None
             if engine.is_file():
                 engine, pool = engine_in_memory(engine, random_weights, seed, target, override, Path(tmp))
-            offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy)
+            offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts)
             if kind == BenchKind.experts:
                 result = bench_experts(engine, tokens, threads, seconds, pool=pool)
             elif kind == BenchKind.prefill:

@@ -15,18 +15,18 @@ CachePolicyOpt = Enum("CachePolicyOpt", {p: p for p in ("lru", "static")}, type=
 
 
 def offload_config(device: str | None, vram_budget: str | None, slots: int | None, miss_policy: str,
-                   cache_policy: str):
+                   cache_policy: str, cpu_experts: bool = False):
     """The OffloadConfig for --device and its options (None: every expert on the CPU)."""
     from ftc_runtime.engine import OffloadConfig
     from ftc_runtime.vram_plan import parse_size
 
     if device is None:
-        if vram_budget or slots is not None:
-            raise ValueError("--vram-budget and --slots need --device (cuda, or cpu to emulate a GPU)")
+        if vram_budget or slots is not None or cpu_experts:
+            raise ValueError("--vram-budget, --slots and --cpu-experts need --device (cuda, or cpu to emulate a GPU)")
         return None
     return OffloadConfig(device=device, vram_budget=parse_size(vram_budget) if vram_budget else None,
                          n_slots=slots, miss_policy=str(getattr(miss_policy, "value", miss_policy)),
-                         cache_policy=str(getattr(cache_policy, "value", cache_policy)))
+                         cache_policy=str(getattr(cache_policy, "value", cache_policy)), cpu_experts=cpu_experts)
 
 
 def reprofile_engine(engine_dir: Path, eng, offload) -> None:
