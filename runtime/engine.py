@@ -30,6 +30,7 @@ from .artifact import (
 from .chat_template import ChatTemplate
 from .cpu_info import gpu_engine_worker_cpus, pin_this_thread, worker_cpus
 from .decode_graphs import decode_graphs_for
+from .elastic_vram import ElasticVram, cuda_memory_info
 from .experts import CpuExperts
 from .kernels import CpuExpertKernel
 from .miss_planner import MissPlanner
@@ -96,6 +97,7 @@ class Engine:
         self.tool_parser = family(manifest.spec.family).tool_parser  # name in tool_parsers.TOOL_PARSERS
         self.boundary_ids = frozenset(manifest.spec.token_id(t) for t in manifest.spec.tokens.boundaries)
         self.prefix_cache: PrefixCache | None = None
+        self.elastic: ElasticVram | None = None  # a GPU engine's budget split between KV and expert slots
         # The conversation → prompt template (engines compiled before it was stored have none).
         root = manifest.root
         self.chat_template = (ChatTemplate.load(root / CHAT_TEMPLATE_FILE) if CHAT_TEMPLATE_FILE in manifest.files
@@ -169,7 +171,11 @@ class Engine:
                                    offload.prefill_overlap, grouped_kernel)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, settings().decode_graphs, settings().torch_compile)
-        return cls(manifest, tokenizer, model, pool, vram, prefill_chunk)
+        engine = cls(manifest, tokenizer, model, pool, vram, prefill_chunk)
+        if not offload.cpu_experts and offload.n_slots is None:  # an explicit slot count stays fixed
+            device = torch.device(offload.device)
+            engine.elastic = ElasticVram(vram, experts, cuda_memory_info(device) if device.type == "cuda" else None)
+        return engine
 
     def _check_ids(self, ids: list[int]) -> torch.Tensor:
         if not ids:
@@ -189,6 +195,15 @@ class Engine:
         longest cached prefix (budgets in bytes)."""
         self.prefix_cache = PrefixCache(kv_budget, checkpoint_budget, bool(self.spec.linear_attention_layers))
         return self.prefix_cache
+
+    def rebalance(self, needs: list[tuple[object, int]]) -> None:
+        """A safe point: fits the expert slots to the budget left by these sequences' caches
+        (each to hold the given number of tokens) and the prefix cache (no-op without a budget)."""
+        if self.elastic is None:
+            return
+        prefix = self.prefix_cache
+        kv = sum(cache.bytes_for(n) for cache, n in needs)
+        self.elastic.rebalance(kv + (prefix.kv_used + prefix.checkpoint_used if prefix else 0))
 
     def prefill(self, ids: torch.Tensor, cache, all_logits: bool = False, checkpoints: bool = False) -> torch.Tensor:
         """Runs the prompt `ids` after the cache's tokens in chunks of `prefill_chunk` tokens;
@@ -221,6 +236,7 @@ class Engine:
             seq = list(prompt_ids)  # the tokens whose keys and values the cache holds, once run
             try:
                 t0 = time.perf_counter()
+                self.rebalance([(cache, len(prompt_ids))])
                 stats.reused_tokens = resume.length if resume is not None else 0
                 token = sample(self.prefill(ids[stats.reused_tokens:], cache, checkpoints=checkpoints)[-1])
                 self.model.experts.end_of_prompt()
@@ -232,6 +248,7 @@ class Engine:
                     yield token
                     if token in eos or n == max_new_tokens:
                         return
+                    self.rebalance([(cache, cache.length + 1)])
                     logits = self.model.forward(torch.tensor([token]), cache)[-1]
                     seq.append(token)
                     if checkpoints and token in self.boundary_ids:

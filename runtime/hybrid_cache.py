@@ -38,6 +38,11 @@ class HybridCache:
     def length(self, n: int) -> None:
         self.kv.length = n
 
+    def bytes_for(self, n: int) -> int:
+        """Device bytes once the sequence holds n tokens: its KV cache and its linear layers' state."""
+        return self.kv.bytes_for(n) + sum(s.conv.numel() * s.conv.element_size()
+                                          + s.recurrent.numel() * s.recurrent.element_size() for s in self.linear)
+
     def take(self) -> RecurrentCheckpoint:
         """The linear layers' state at the current token, copied on its device."""
         return RecurrentCheckpoint(self.length, tuple(s.clone() for s in self.linear))

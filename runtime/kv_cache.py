@@ -31,6 +31,12 @@ class KVCache:
     def capacity(self) -> int:
         return self._k[0].shape[0] if self._k else 0
 
+    def bytes_for(self, n: int) -> int:
+        """Device bytes of this cache once it holds n tokens (growth doubles, as `reserve` does)."""
+        cap = self.capacity if n <= self.capacity else max(n, 2 * self.capacity)
+        k = self._k[0] if self._k else None
+        return 0 if k is None else 2 * len(self._k) * cap * k[0].numel() * k.element_size()
+
     def reserve(self, n: int) -> None:
         """Makes room for n tokens in every layer (storage moves when it grows)."""
         if n <= self.capacity:

@@ -90,6 +90,31 @@ class OffloadedExperts(ExpertBackend):
         self._said_no_stream = False
         self._plan_s = self._fills_s = 0.0  # host time of the current call's planning and fills
 
+    def resize(self, n_slots: int) -> None:
+        """Rebuilds the slot cache with n_slots slots, at a safe point (no CPU job, copy or kernel
+        in flight): the most recently used experts that fit are copied back from the host pool
+        (never from disk), the rest dropped; misses refill it as usual. The old slots are freed
+        before the new ones are allocated, so the two never need memory together."""
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        old = self.cache
+        held = np.flatnonzero(old.id_of >= 0)
+        keep = held[np.argsort(-old.last_used[held], kind="stable")][:n_slots]
+        keep = keep[np.argsort(old.last_used[keep], kind="stable")]  # oldest first: LRU order survives
+        ids = old.id_of[keep]
+        self.slots = None
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+        self.slots = torch.empty(n_slots, self.host_rows.shape[1], dtype=torch.uint8, device=self.device)
+        self.cache = ExpertCache(old.slot_of.size, n_slots, old.policy)
+        self.cache.step, self.cache.frozen, self.cache.cpu_step[:] = old.step, old.frozen, old.cpu_step
+        slots = np.arange(ids.size, dtype=np.int64)
+        self.cache.install(slots, ids)
+        self.cache.last_used[slots] = old.last_used[keep]
+        self.copy_rows_now(slots, ids)
+        # The token planner and its graph hold the old arrays' and slots' addresses.
+        self._token, self._token_graph, self._token_device_calls, self._stream = None, None, 0, None
+
     @property
     def recent_steps(self) -> int:
         """The planner's recent window in cache steps (a token takes one per MoE layer); 0 but

@@ -269,6 +269,13 @@ def _metrics(server: Server) -> str:
     if server.engine.vram is not None:
         rows += [(f"ftc_vram_{k}_bytes", "gauge", f"VRAM plan: {k}", getattr(server.engine.vram, k))
                  for k in ("dense", "kv", "workspace", "slots")]
+    elastic = server.engine.elastic
+    if elastic is not None and elastic.history:
+        now = elastic.history[-1]
+        rows += [("ftc_vram_budget_now_bytes", "gauge", "the budget as other processes leave it", now["budget"]),
+                 ("ftc_vram_kv_now_bytes", "gauge", "KV caches and prefix cache at the last safe point", now["kv"]),
+                 ("ftc_vram_slots_now_bytes", "gauge", "expert slots now", now["slots"]),
+                 ("ftc_vram_slot_changes_total", "counter", "expert slot cache rebuilds", len(elastic.changes))]
     return "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in rows)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -26,6 +27,7 @@ from ..hybrid_cache import HybridCache
 from ..kv_cache import KVCache
 from ..prefix_cache import Resume
 from ..sampling import Sampler, SamplingParams
+from ..vram_plan import VramError
 
 # What a request's callback receives, on the engine thread: (token id, None) for each new token,
 # then (None, finish reason) once: "stop" (a stop token), "length" (max_new_tokens), "cancelled"
@@ -96,10 +98,26 @@ class Scheduler:
             self._admit(block=not self.running and not self.reading)
             for r in [r for r in self.running + self.reading if r.cancelled.is_set()]:
                 self._finish(r, "cancelled")
+            self._safe_point()
             if self.reading:
                 self._read_prompt(self.reading[0])
             if self.running:
                 self._step()
+
+    def _safe_point(self) -> None:
+        """Between steps nothing holds an expert slot: the slots are fitted to the KV that the next
+        prompt chunk and decode step need. When even no slots leave room, the prompt being read
+        (else the newest running request) ends with an error; the others go on."""
+        while self.running or self.reading:
+            needs = [(r.cache, r.cache.length + 1) for r in self.running]
+            needs += [(r.cache, len(r.prompt_ids)) for r in self.reading[:1]]
+            try:
+                self.engine.rebalance(needs)
+                return
+            except VramError as e:
+                victim = self.reading[0] if self.reading else self.running[-1]
+                print(f"ftc: request {victim.id} ends: {e}", file=sys.stderr)
+                self._finish(victim, "error")
 
     def _admit(self, block: bool) -> None:
         while len(self.running) + len(self.reading) < self.max_batch:

@@ -1,0 +1,77 @@
+"""`ElasticVram`: one VRAM budget shared at run time by the KV caches and the expert slots.
+
+The plan (`VramPlan`) fixes the non-expert weights and the workspace; what is left is split as
+the sequences need it: when their KV caches grow, expert slots are given up; when sequences end,
+slots come back. The budget also shrinks while other processes hold device memory (as
+`cudaMemGetInfo` reports it) and grows back when they free it. Changes happen only at safe points
+that the engine and the scheduler choose (between steps: nothing in flight holds a slot), where
+the slot cache is rebuilt at its new size from the host pool (`OffloadedExperts.resize`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .offload import OffloadedExperts
+from .vram_plan import VramError, VramPlan, gib
+
+# (total bytes of the device, bytes that other processes hold on it)
+MemoryInfo = Callable[[], tuple[int, int]]
+# Slot count changes smaller than this share of the current count wait (a rebuild refills slots).
+HYSTERESIS = 0.05
+
+
+def cuda_memory_info(device: torch.device) -> MemoryInfo:
+    """What others hold: the device's used memory less what this process's allocator reserved."""
+    def info() -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(device)
+        return total, max(0, total - free - torch.cuda.memory_reserved(device))
+    return info
+
+
+@dataclass
+class ElasticVram:
+    plan: VramPlan
+    experts: OffloadedExperts
+    memory_info: MemoryInfo | None = None  # None: nothing else shares the device
+    max_slots: int | None = None  # at most (default: the plan's count)
+    changes: list[tuple[int, int]] = field(default_factory=list)  # (slots before, after)
+    history: list[dict] = field(default_factory=list)  # each rebalance's split (the last 64)
+
+    def __post_init__(self) -> None:
+        if self.max_slots is None:
+            self.max_slots = self.plan.n_slots
+
+    @property
+    def slots(self) -> int:
+        return self.experts.cache.n_slots
+
+    def budget(self) -> int:
+        """The budget as other processes leave it."""
+        if self.memory_info is None:
+            return self.plan.budget
+        total, others = self.memory_info()
+        return min(self.plan.budget, total - others)
+
+    def rebalance(self, kv_bytes: int) -> int:
+        """At a safe point, for sequences whose KV caches need `kv_bytes` by the next safe point:
+        the slot count that fits the budget, applied when it moved by more than the hysteresis
+        (always when shrinking is needed). Raises VramError when the KV alone does not fit."""
+        budget, fixed, stride = self.budget(), self.plan.dense + self.plan.workspace, self.plan.expert_stride
+        room = budget - fixed - kv_bytes
+        if room < 0:
+            raise VramError(f"VRAM budget {gib(budget)}: non-expert weights and workspace {gib(fixed)} and the "
+                            f"KV cache's {gib(kv_bytes)} do not fit, even with no expert slots")
+        target = min(self.max_slots, room // stride)
+        current = self.slots
+        if target < current or target - current > HYSTERESIS * max(current, 1):
+            self.experts.resize(target)
+            self.changes.append((current, target))
+            print(f"ftc: VRAM {gib(budget)}: KV {gib(kv_bytes)}, expert slots {current} → {target}", file=sys.stderr)
+        self.history = [*self.history[-63:], {"budget": budget, "fixed": fixed, "kv": kv_bytes,
+                                              "slots": self.slots * stride}]
+        return self.slots
