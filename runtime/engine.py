@@ -198,12 +198,13 @@ class Engine:
 
     def rebalance(self, needs: list[tuple[object, int]]) -> None:
         """A safe point: fits the expert slots to the budget left by these sequences' caches
-        (each to hold the given number of tokens) and the prefix cache (no-op without a budget)."""
+        (each to hold the given number of tokens) and the prefix cache's KV (its checkpoints live
+        in host memory); a no-op without a budget."""
         if self.elastic is None:
             return
         prefix = self.prefix_cache
         kv = sum(cache.bytes_for(n) for cache, n in needs)
-        self.elastic.rebalance(kv + (prefix.kv_used + prefix.checkpoint_used if prefix else 0))
+        self.elastic.rebalance(kv + (prefix.kv_used if prefix else 0))
 
     def prefill(self, ids: torch.Tensor, cache, all_logits: bool = False, checkpoints: bool = False) -> torch.Tensor:
         """Runs the prompt `ids` after the cache's tokens in chunks of `prefill_chunk` tokens;

@@ -2,9 +2,10 @@
 keys and values of its full-attention layers and the Gated DeltaNet state of its linear layers.
 
 The linear layers' state replaces their whole past, so it cannot be cut back to an earlier token
-the way a KV cache can. `take` copies it at the current token (a few MB on the device, no host
-round trip) and `restore` rewinds the sequence there: the full-attention layers keep their keys
-and values before that token (later appends overwrite the rest), the linear layers get the copy.
+the way a KV cache can. `take` copies it at the current token (on the device, no host round trip)
+and `restore` rewinds the sequence there, from a copy on any device (the prefix cache keeps them
+in host memory): the full-attention layers keep their keys and values before that token (later
+appends overwrite the rest), the linear layers get the copy.
 """
 
 from __future__ import annotations
@@ -55,5 +56,7 @@ class HybridCache:
         if len(checkpoint.states) != len(self.linear):
             raise ValueError(f"restore: the checkpoint has {len(checkpoint.states)} linear layers, "
                              f"the model {len(self.linear)}")
-        self.linear = [s.clone() for s in checkpoint.states]
+        device = self.linear[0].recurrent.device if self.linear else None
+        self.linear = [DeltaNetState(s.conv.to(device, copy=True), s.recurrent.to(device, copy=True))
+                       for s in checkpoint.states]
         self.length = checkpoint.length
