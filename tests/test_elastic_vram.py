@@ -67,6 +67,9 @@ def test_a_growing_context_gives_up_expert_slots_and_gets_them_back(engine_dir, 
     assert list(engine.generate(short, 5, SamplingParams(0.0), stop_at_eos=False)) == \
         list(cpu_engine.generate(short, 5, SamplingParams(0.0), stop_at_eos=False))
     assert elastic.history[-1]["budget"] == budget - taken and elastic.slots < before
+    elastic.memory_info = lambda: (budget, 0)  # the other process is gone: the slots come back
+    list(engine.generate(short, 2, SamplingParams(0.0), stop_at_eos=False))
+    assert elastic.slots == before
     assert all(h["fixed"] + h["kv"] + h["slots"] <= h["budget"] for h in elastic.history)
     elastic.memory_info = lambda: (budget, budget - plan.dense)  # nothing left beside the weights
     with pytest.raises(VramError, match="even with no expert slots"):
