@@ -80,7 +80,7 @@ class PrefixCache:
     def resume(self, ids: list[int], cache: KVCache | HybridCache) -> Resume:
         """Restores the longest usable cached prefix of `ids` (at most all but the last token, so
         that the prompt still yields logits) into an empty `cache`, and holds its nodes until
-        `release`. Returns how many tokens it restored."""
+        `release`; the `Resume` says how many tokens it restored."""
         self.stats.lookups += 1
         path, matched = self._match(ids[:-1])
         if self.recurrent:  # to the end of the deepest whole node whose checkpoint survives
