@@ -203,6 +203,7 @@ def test_the_agent_bench_reports_what_each_mode_reuses(engine_dir):
             assert row["reused_tokens"] + row["prefilled_tokens"] == row["prompt_tokens"]
             if mode == "no-prefix-cache" or (mode == "no-checkpoints" and hybrid):
                 assert row["reused_tokens"] == 0
+    assert set(result["edit_speedup"]) == {"cache", "no-checkpoints", "no-prefix-cache"}
     turns = result["runs"]["cache"]["turns"]
     assert turns[0]["reused_tokens"] == 0 and all(r["reused_tokens"] > 0 for r in turns[1:])
     history, starts = [], []
