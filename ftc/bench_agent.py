@@ -26,6 +26,8 @@ from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.ftw import ExpertPool
 
+from .plot import png_axes
+
 MODES = {"cache": (True, True), "no-checkpoints": (True, False), "no-prefix-cache": (False, False)}
 
 
@@ -120,21 +122,10 @@ def _replay(engine: Engine, turns: list[Turn], new_tokens: int) -> dict:
 
 def plot_agent(result: dict, path: Path) -> None:
     """Time to first token per turn, one line per mode, as a PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError(f"--plot {path}: needs matplotlib (pip install matplotlib)") from None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, run in result["runs"].items():
-        ax.plot([r["turn"] for r in run["turns"]], [r["ttft_s"] for r in run["turns"]], marker="o", label=mode)
-    ax.set_xlabel("turn (the last: the edit)")
-    ax.set_ylabel("time to first token (s)")
-    ax.set_yscale("log")
-    ax.set_title(f"{result['engine']} agent session ({result['device']})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with png_axes(path) as ax:
+        for mode, run in result["runs"].items():
+            ax.plot([r["turn"] for r in run["turns"]], [r["ttft_s"] for r in run["turns"]], marker="o", label=mode)
+        ax.set_xlabel("turn (the last: the edit)")
+        ax.set_ylabel("time to first token (s)")
+        ax.set_yscale("log")
+        ax.set_title(f"{result['engine']} agent session ({result['device']})")

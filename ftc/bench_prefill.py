@@ -18,6 +18,8 @@ from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.ftw import ExpertPool
 from ftc_runtime.offload_stats import OffloadStats
 
+from .plot import png_axes
+
 
 def bench_prefill(engine_dir: Path, offload: OffloadConfig, lengths: list[int], overlap_modes: list[bool],
                   prefill_chunk: int | None = None, seed: int = 0, pool: ExpertPool | None = None) -> dict:
@@ -74,29 +76,18 @@ def _run(engine: Engine, n: int, overlap: bool, seconds: float) -> dict:
 
 def plot_prefill(result: dict, path: Path) -> None:
     """Throughput against prompt length, one line per mode, with the PCIe ceiling, as a PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError(f"--plot {path}: needs matplotlib (pip install matplotlib)") from None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for overlap, label in ((True, "two layer buffers"), (False, "one buffer (--no-overlap)")):
-        runs = sorted((r for r in result["runs"] if r["overlap"] == overlap), key=lambda r: r["tokens"])
-        if runs:
-            ax.plot([r["tokens"] for r in runs], [r["tok_s"] for r in runs], marker="o", label=label)
-            ceiling = [(r["tokens"], r["pcie_ceiling_tok_s"]) for r in runs if r["pcie_ceiling_tok_s"]]
-            if ceiling and overlap:
-                ax.plot(*zip(*ceiling, strict=True), linestyle="--", color="gray", label="PCIe ceiling")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("prefill tokens / s")
-    ax.set_title(f"{result['engine']} prefill ({result['device']})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with png_axes(path) as ax:
+        for overlap, label in ((True, "two layer buffers"), (False, "one buffer (--no-overlap)")):
+            runs = sorted((r for r in result["runs"] if r["overlap"] == overlap), key=lambda r: r["tokens"])
+            if runs:
+                ax.plot([r["tokens"] for r in runs], [r["tok_s"] for r in runs], marker="o", label=label)
+                ceiling = [(r["tokens"], r["pcie_ceiling_tok_s"]) for r in runs if r["pcie_ceiling_tok_s"]]
+                if ceiling and overlap:
+                    ax.plot(*zip(*ceiling, strict=True), linestyle="--", color="gray", label="PCIe ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("prefill tokens / s")
+        ax.set_title(f"{result['engine']} prefill ({result['device']})")
 
 
 def _sync(device: torch.device) -> None:

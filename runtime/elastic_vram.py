@@ -11,6 +11,7 @@ the slot cache is rebuilt at its new size from the host pool (`OffloadedExperts.
 from __future__ import annotations
 
 import sys
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ class ElasticVram:
     memory_info: MemoryInfo | None = None  # None: nothing else shares the device
     max_slots: int | None = None  # at most (default: the plan's count)
     changes: list[tuple[int, int]] = field(default_factory=list)  # (slots before, after)
-    history: list[dict] = field(default_factory=list)  # each rebalance's split (the last 64)
+    history: deque[dict] = field(default_factory=lambda: deque(maxlen=64))  # the last rebalances' splits
 
     def __post_init__(self) -> None:
         if self.max_slots is None:
@@ -72,6 +73,5 @@ class ElasticVram:
             self.experts.resize(target)
             self.changes.append((current, target))
             print(f"ftc: VRAM {gib(budget)}: KV {gib(kv_bytes)}, expert slots {current} → {target}", file=sys.stderr)
-        self.history = [*self.history[-63:], {"budget": budget, "fixed": fixed, "kv": kv_bytes,
-                                              "slots": self.slots * stride}]
+        self.history.append({"budget": budget, "fixed": fixed, "kv": kv_bytes, "slots": self.slots * stride})
         return self.slots

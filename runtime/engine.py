@@ -206,6 +206,10 @@ class Engine:
         kv = sum(cache.bytes_for(n) for cache, n in needs)
         self.elastic.rebalance(kv + (prefix.kv_used if prefix else 0))
 
+    def boundaries_in(self, ids: list[int]) -> tuple[int, ...]:
+        """Indices of the spec's boundary tokens in `ids`: where a hybrid model's state is kept."""
+        return tuple(i for i, t in enumerate(ids) if t in self.boundary_ids)
+
     def prefill(self, ids: torch.Tensor, cache, all_logits: bool = False, checkpoints: bool = False) -> torch.Tensor:
         """Runs the prompt `ids` after the cache's tokens in chunks of `prefill_chunk` tokens;
         returns the logits of its last token [1, vocab] (every token's with all_logits). With
@@ -214,9 +218,8 @@ class Engine:
         outs = []
         for a in range(0, ids.numel(), self.prefill_chunk):
             chunk = ids[a:a + self.prefill_chunk]
-            at = tuple(i for i, t in enumerate(chunk.tolist()) if t in self.boundary_ids) if checkpoints else ()
-            outs.append(self.model.forward(chunk, cache, all_logits, checkpoint_at=at) if at
-                        else self.model.forward(chunk, cache, all_logits))
+            at = self.boundaries_in(chunk.tolist()) if checkpoints else ()
+            outs.append(self.model.forward(chunk, cache, all_logits, checkpoint_at=at))
         return torch.cat(outs) if all_logits else outs[-1]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,

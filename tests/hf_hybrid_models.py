@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
 
+from hf_models import expert_layout
+
 VOCAB = 320
 
 
@@ -53,18 +55,8 @@ def save_hybrid_checkpoint(model: torch.nn.Module, directory: Path, layout: str,
     """layout 'fused' (experts.gate_up_proj [E, 2I, H]) or 'per_expert'; `nested`: Qwen3.5 as the
     image-text model's language model."""
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    if layout == "per_expert":
-        for name in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:
-            prefix = name[: -len("gate_up_proj")]
-            gate_up, down = state.pop(name), state.pop(prefix + "down_proj")
-            inter = gate_up.shape[1] // 2
-            for e in range(gate_up.shape[0]):
-                state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :inter].clone()
-                state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, inter:].clone()
-                state[f"{prefix}{e}.down_proj.weight"] = down[e].clone()
-    elif layout != "fused":
-        raise ValueError(layout)
+    state = expert_layout({k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()},
+                          layout)
     config = model.config.to_dict()
     if nested:
         state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
@@ -74,7 +66,3 @@ def save_hybrid_checkpoint(model: torch.nn.Module, directory: Path, layout: str,
     (directory / "config.json").write_text(json.dumps(config))
     return directory
 
-
-@torch.no_grad()
-def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0].float()

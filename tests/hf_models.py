@@ -65,17 +65,7 @@ def save_checkpoint(model: Qwen3MoeForCausalLM, directory: Path, layout: str, sh
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    if layout == "per_expert":
-        for name in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:
-            prefix = name[: -len("gate_up_proj")]
-            gate_up, down = state.pop(name), state.pop(prefix + "down_proj")
-            inter = gate_up.shape[1] // 2
-            for e in range(gate_up.shape[0]):
-                state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :inter].clone()
-                state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, inter:].clone()
-                state[f"{prefix}{e}.down_proj.weight"] = down[e].clone()
-    elif layout != "fused":
-        raise ValueError(layout)
+    state = expert_layout(state, layout)
     names = sorted(state)
     if shards == 1:
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
@@ -91,8 +81,26 @@ def save_checkpoint(model: Qwen3MoeForCausalLM, directory: Path, layout: str, sh
     return directory
 
 
+def expert_layout(state: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """transformers' fused experts (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`) as they
+    are ('fused') or split into per-expert `experts.J.{gate,up,down}_proj.weight` ('per_expert')."""
+    if layout == "fused":
+        return state
+    if layout != "per_expert":
+        raise ValueError(layout)
+    for name in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:
+        prefix = name[: -len("gate_up_proj")]
+        gate_up, down = state.pop(name), state.pop(prefix + "down_proj")
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :inter].clone()
+            state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, inter:].clone()
+            state[f"{prefix}{e}.down_proj.weight"] = down[e].clone()
+    return state
+
+
 @torch.no_grad()
-def reference_logits(model: Qwen3MoeForCausalLM, ids: list[int]) -> torch.Tensor:
+def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
 
 

@@ -17,7 +17,8 @@ from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.models import family
 
-from hf_hybrid_models import VOCAB, build_hybrid, reference_logits, save_hybrid_checkpoint
+from hf_hybrid_models import VOCAB, build_hybrid, save_hybrid_checkpoint
+from hf_models import reference_logits
 
 CASES = [  # (family, expert layout, Qwen3.5 as the image-text model's language model)
     ("qwen3_5_moe", "fused", True),

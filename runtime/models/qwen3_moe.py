@@ -16,14 +16,26 @@ from ..kv_cache import KVCache
 from ..spec import ModelSpec
 
 
+def end_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The embedding, the final norm and (untied) the LM head, by checkpoint name."""
+    h = spec.hidden_size
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+def mlp_tensor_shapes(prefix: str, intermediate: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU MLP's gate, up and down projections under `prefix` (e.g. `model.layers.3.mlp.`)."""
+    return {prefix + "gate_proj.weight": (intermediate, hidden), prefix + "up_proj.weight": (intermediate, hidden),
+            prefix + "down_proj.weight": (hidden, intermediate)}
+
+
 def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every non-expert tensor of the model, by checkpoint name, with its shape."""
     a, m, h = spec.attention, spec.moe, spec.hidden_size
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h),
-                                          "model.norm.weight": (h,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    shapes = end_tensor_shapes(spec)
     moe_layers = set(spec.moe_layers)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -38,9 +50,7 @@ def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if i in moe_layers:
             shapes[p + "mlp.gate.weight"] = (m.num_experts, h)
         else:
-            d = m.dense_intermediate_size
-            shapes |= {p + "mlp.gate_proj.weight": (d, h), p + "mlp.up_proj.weight": (d, h),
-                       p + "mlp.down_proj.weight": (h, d)}
+            shapes |= mlp_tensor_shapes(p + "mlp.", m.dense_intermediate_size, h)
     return shapes
 
 
@@ -184,8 +194,13 @@ class Qwen3MoeModel:
         return KVCache(self.spec.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-        """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32."""
+    def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = False,
+                checkpoint_at: tuple[int, ...] = ()) -> torch.Tensor:
+        """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32.
+        `checkpoint_at` is the hybrid models' (`Qwen3NextModel.forward`): this one keeps no
+        recurrent state, so there is nothing to take."""
+        if checkpoint_at:
+            raise ValueError(f"{self.spec.family} has no recurrent state to checkpoint")
         if self.decode_graphs is not None and ids.numel() == 1:
             return self.decode_graphs.step(ids, cache)
         start = cache.length

@@ -19,7 +19,17 @@ from ..hybrid_cache import HybridCache, RecurrentCheckpoint
 from ..kv_cache import KVCache
 from ..spec import ModelSpec
 from .gated_deltanet import DeltaNetShape, DeltaNetState, DeltaNetWeights, gated_deltanet
-from .qwen3_moe import apply_rope, cached_attention, dense_mlp, rms_norm, rope_cos_sin, rope_inv_freq, route
+from .qwen3_moe import (
+    apply_rope,
+    cached_attention,
+    dense_mlp,
+    end_tensor_shapes,
+    mlp_tensor_shapes,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    route,
+)
 
 # (1 + w) norms: the stored weight is the offset from 1 (the linear layers' gated norm is plain w).
 _ONE_PLUS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
@@ -29,10 +39,7 @@ _ONE_PLUS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_
 def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every non-expert tensor of the model, by canonical checkpoint name, with its shape."""
     a, m, h = spec.attention, spec.moe, spec.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h),
-                                          "model.norm.weight": (h,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    shapes = end_tensor_shapes(spec)
     moe_layers = set(spec.moe_layers)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -55,15 +62,10 @@ def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if i in moe_layers:
             shapes[p + "mlp.gate.weight"] = (m.num_experts, h)
             if m.num_shared_experts:
-                s = m.shared_expert_intermediate_size
-                shapes |= {p + "mlp.shared_expert.gate_proj.weight": (s, h),
-                           p + "mlp.shared_expert.up_proj.weight": (s, h),
-                           p + "mlp.shared_expert.down_proj.weight": (h, s),
-                           p + "mlp.shared_expert_gate.weight": (1, h)}
+                shapes |= mlp_tensor_shapes(p + "mlp.shared_expert.", m.shared_expert_intermediate_size, h)
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
         else:
-            d = m.dense_intermediate_size
-            shapes |= {p + "mlp.gate_proj.weight": (d, h), p + "mlp.up_proj.weight": (d, h),
-                       p + "mlp.down_proj.weight": (h, d)}
+            shapes |= mlp_tensor_shapes(p + "mlp.", m.dense_intermediate_size, h)
     return shapes
 
 

@@ -149,9 +149,8 @@ class Scheduler:
             chunk = self.engine.prefill_chunk if not self.running else min(self.prompt_chunk, self.engine.prefill_chunk)
             end = min(len(r.prompt_ids), r.prompt_done + chunk)
             ids = r.prompt_ids[r.prompt_done:end]
-            at = tuple(i for i, t in enumerate(ids) if t in self.engine.boundary_ids) if r.checkpoints else ()
-            logits = (self.engine.model.forward(torch.tensor(ids), r.cache, checkpoint_at=at) if at
-                      else self.engine.model.forward(torch.tensor(ids), r.cache))
+            at = self.engine.boundaries_in(ids) if r.checkpoints else ()
+            logits = self.engine.model.forward(torch.tensor(ids), r.cache, checkpoint_at=at)
             self.prefill_tokens += end - r.prompt_done
             r.seq += ids
             r.prompt_done = end
