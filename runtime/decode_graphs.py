@@ -1,7 +1,8 @@
 """`DecodeGraphs`: one decode step (one token) with each layer's non-expert work replayed as one
 CUDA graph, so that a layer costs one launch instead of ~60 kernel launches from Python.
 
-Per layer one graph, cut where the step must leave the GPU for the routed experts:
+Per layer one graph, cut where the step must leave the GPU for the routed experts (for Qwen3-MoE
+here; the hybrid family's layers are in hybrid_decode_graphs.py):
 - the previous MoE layer's output (its device part plus the copy of its CPU part) joins x;
 - input norm, q/k/v, q/k norms, RoPE; k and v written into the KV cache at the step's position (a
   device tensor); attention over the cache's whole capacity with the positions after this token
@@ -31,7 +32,12 @@ from .models.qwen3_moe import Qwen3MoeModel, attention_in, attention_out, decode
 
 
 class DecodeGraphs:
-    def __init__(self, model: Qwen3MoeModel, compile_fns: bool):
+    """The machinery shared by the model families: static buffers, one graph per layer and one
+    for the head, captured on the second step of a KV storage, and the step loop with the host
+    round trip of each MoE layer. A family's subclass gives its functions (`functions`, fused by
+    torch.compile), their warm-up and the body of one layer (`_layer`)."""
+
+    def __init__(self, model, compile_fns: bool):
         if model.device.type != "cuda":
             raise ValueError("DecodeGraphs needs a CUDA device")
         self.model = model
@@ -44,7 +50,8 @@ class DecodeGraphs:
         self.position = torch.zeros(1, dtype=torch.long, device=dev)
         self.logits = torch.zeros(1, spec.vocab_size, dtype=torch.float32, device=dev)
         self.cpu_part = torch.zeros(1, hidden, dtype=torch.float32, device=dev)  # a CPU part, copied in
-        self.fns = {f.__name__: f for f in (attention_in, attention_out, decode_attention, route, dense_mlp)}
+        self.shared: torch.Tensor | None = None  # a shared expert's output, where the family has one
+        self.fns = self.functions()
         if compile_fns:
             # Compiled in this process, without a pool of compile workers: with one, the CPU experts
             # of the run right after compiling were 5× slower on the device (probably those
@@ -52,10 +59,15 @@ class DecodeGraphs:
             import torch._inductor.config as inductor_config
 
             inductor_config.compile_threads = 1
-            eager, self.fns = self.fns, {name: torch.compile(f, dynamic=False, fullgraph=True)
+            # decode_attention stays eager: its key length changes with every doubling of the KV
+            # storage, and each new length would compile it again until dynamo's recompile limit
+            # fails the step (an agent session at 20K tokens did); it is two matmuls and a softmax.
+            eager, self.fns = self.fns, {name: f if name == "decode_attention" else
+                                         torch.compile(f, dynamic=False, fullgraph=True)
                                          for name, f in self.fns.items()}
             try:
-                self._warm_up()
+                with torch.inference_mode():  # as decode runs: compiled code is specialized to the grad mode
+                    self._warm_up()
             except Exception as e:  # noqa: BLE001 (any compiler failure: the same functions run uncompiled)
                 print(f"ftc: torch.compile failed for decode, running uncompiled ({type(e).__name__}: {e})",
                       file=sys.stderr)
@@ -65,24 +77,21 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.warm = False  # a step ran eagerly on the current storage
 
-    @torch.inference_mode()  # as decode runs: compiled code is specialized to the grad mode
-    def _warm_up(self) -> None:
-        """Compiles every function once, at load, on the static buffers, the weights of the first
-        layer of each kind and a KV storage of the first capacity (outputs are discarded); a later
-        capacity compiles `decode_attention` again at its first step."""
-        m, eps = self.model, self.model.spec.norm.eps
-        q, k, _ = self.fns["attention_in"](self.x, *m.attention_in_weights(0), self.cos, self.sin, eps, m.heads)
-        keys = k.new_zeros(INITIAL_CAPACITY, *k.shape[1:])
-        valid = torch.arange(INITIAL_CAPACITY, device=keys.device) <= self.position
-        attn = self.fns["decode_attention"](q, keys, keys, valid, m.heads)
-        _, h = self.fns["attention_out"](self.x, attn, *m.attention_out_weights(0), eps)
-        kinds = {m.is_moe(i): i for i in reversed(range(m.spec.num_layers))}
-        if True in kinds:
-            self.fns["route"](h, *m.router_args(kinds[True]))
-        if False in kinds:
-            self.fns["dense_mlp"](h, *m.dense_mlp_weights(kinds[False]))
+    def functions(self) -> dict[str, Callable]:
+        """The pure tensor functions a layer runs, by name (each compiled once for all layers)."""
+        raise NotImplementedError
 
-    def step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _warm_up(self) -> None:
+        """Runs every function once (compiling it, at load) on the static buffers and the weights
+        of the first layer of each kind; the outputs are discarded."""
+        raise NotImplementedError
+
+    def _layer(self, i: int, cache) -> None:
+        """Layer i's non-expert work on x: joins the previous MLP output, mixes tokens, and either
+        stages the routed experts' input for the host or writes a dense MLP's output to `mlp`."""
+        raise NotImplementedError
+
+    def step(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """Logits [1, vocab] fp32 of the token `ids` (one) after the cache's tokens."""
         m, position = self.model, cache.length
         cache.reserve(position + 1)
@@ -95,7 +104,7 @@ class DecodeGraphs:
             self.pool = torch.cuda.graph_pool_handle()
             self.graph_storage = cache.generation
             self.warm = False
-        cos, sin = m.rope(position, 1)
+        cos, sin = m.rope_at(torch.tensor([position], device=m.device))
         self.cos.copy_(cos)
         self.sin.copy_(sin)
         self.position.fill_(position)
@@ -127,23 +136,46 @@ class DecodeGraphs:
         graph.replay()
 
     def _join_previous(self, i: int) -> None:
-        """x += the previous layer's MLP output; a MoE layer's is its device part plus its CPU part."""
+        """x += the previous layer's MLP output; a MoE layer's is its device part plus its CPU part
+        (plus its shared expert's, where there is one)."""
         m = self.model
         if i > 0 and m.is_moe(i - 1):
             on_device, on_host = m.experts.token_outputs()
             self.cpu_part.copy_(on_host, non_blocking=True)
             self.mlp.copy_(on_device + self.cpu_part)
+            if self.shared is not None:
+                self.mlp.add_(self.shared)
         self.x.add_(self.mlp)
+
+    def _head(self) -> None:
+        self._join_previous(self.model.spec.num_layers)
+        self.logits.copy_(self.model.head(self.x))
+
+
+class AttentionDecodeGraphs(DecodeGraphs):
+    """Qwen3-MoE's layers: attention over the KV cache, then the router or a dense MLP."""
+
+    def functions(self) -> dict[str, Callable]:
+        return {f.__name__: f for f in (attention_in, attention_out, decode_attention, route, dense_mlp)}
+
+    def _warm_up(self) -> None:
+        m, eps = self.model, self.model.spec.norm.eps
+        q, k, _ = self.fns["attention_in"](self.x, *m.attention_in_weights(0), self.cos, self.sin, eps, m.heads)
+        keys = k.new_zeros(INITIAL_CAPACITY, *k.shape[1:])
+        valid = torch.arange(INITIAL_CAPACITY, device=keys.device) <= self.position
+        attn = self.fns["decode_attention"](q, keys, keys, valid, m.heads)
+        _, h = self.fns["attention_out"](self.x, attn, *m.attention_out_weights(0), eps)
+        kinds = {m.is_moe(i): i for i in reversed(range(m.spec.num_layers))}
+        if True in kinds:
+            self.fns["route"](h, *m.router_args(kinds[True]))
+        if False in kinds:
+            self.fns["dense_mlp"](h, *m.dense_mlp_weights(kinds[False]))
 
     def _layer(self, i: int, cache: KVCache) -> None:
         m, f, eps = self.model, self.fns, self.model.spec.norm.eps
         self._join_previous(i)
         q, k, v = f["attention_in"](self.x, *m.attention_in_weights(i), self.cos, self.sin, eps, m.heads)
-        keys, values = cache.storage(i)
-        keys.index_copy_(0, self.position, k)
-        values.index_copy_(0, self.position, v)
-        valid = torch.arange(keys.shape[0], device=keys.device) <= self.position
-        attn = f["decode_attention"](q, keys, values, valid, m.heads)
+        attn = f["decode_attention"](q, *self.store_kv(cache, i, k, v), m.heads)
         x, h = f["attention_out"](self.x, attn, *m.attention_out_weights(i), eps)
         self.x.copy_(x)
         if m.is_moe(i):
@@ -152,19 +184,30 @@ class DecodeGraphs:
         else:
             self.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
 
-    def _head(self) -> None:
-        self._join_previous(self.model.spec.num_layers)
-        self.logits.copy_(self.model.head(self.x))
+    def store_kv(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Writes k, v at the step's position (a device tensor) of the cache's `layer`: its whole
+        key and value storage and the mask of the positions this token sees."""
+        keys, values = cache.storage(layer)
+        keys.index_copy_(0, self.position, k)
+        values.index_copy_(0, self.position, v)
+        return keys, values, torch.arange(keys.shape[0], device=keys.device) <= self.position
 
 
-def decode_graphs_for(model: Qwen3MoeModel, enabled: bool, compile_fns: bool) -> DecodeGraphs | None:
-    """DecodeGraphs on a CUDA device with an expert backend that stages its input (`stage`,
-    `launch_staged`, `finish_staged`, `token_outputs`) when enabled; None elsewhere (eager)."""
-    if not enabled or not isinstance(model, Qwen3MoeModel) or model.device.type != "cuda" \
-            or not hasattr(model.experts, "launch_staged"):
+def decode_graphs_for(model, enabled: bool, compile_fns: bool) -> DecodeGraphs | None:
+    """The model family's DecodeGraphs on a CUDA device with an expert backend that stages its
+    input (`stage`, `launch_staged`, `finish_staged`, `token_outputs`) when enabled; None
+    elsewhere (eager)."""
+    if not enabled or model.device.type != "cuda" or not hasattr(model.experts, "launch_staged"):
+        return None
+    from .hybrid_decode_graphs import HybridDecodeGraphs  # a subclass of this module's
+    from .models.qwen3_next import Qwen3NextModel
+
+    kind = {Qwen3MoeModel: AttentionDecodeGraphs, Qwen3NextModel: HybridDecodeGraphs}.get(type(model))
+    if kind is None:
         return None
     try:
-        return DecodeGraphs(model, compile_fns)
+        return kind(model, compile_fns)
     except RuntimeError as e:  # a torch without graph support for this device: eager decode still works
         print(f"ftc: CUDA graphs off for decode ({e})", file=sys.stderr)
         return None

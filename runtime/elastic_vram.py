@@ -22,8 +22,13 @@ from .vram_plan import VramError, VramPlan, gib
 
 # (total bytes of the device, bytes that other processes hold on it)
 MemoryInfo = Callable[[], tuple[int, int]]
-# Slot count changes smaller than this share of the current count wait (a rebuild refills slots).
-HYSTERESIS = 0.05
+# A rebuild copies every kept expert back from host memory (about 19 GB, 0.4 s, in qwen3.6's split
+# of 32 GiB), so rebuilds must be rare: a shrink goes this share of the count below the fit, so
+# that a KV cache (or a prefix cache) growing turn by turn does not rebuild at every safe point
+# (on the device an agent session did, and paid 0.4-0.6 s of each turn's time to first token),
+# and growing waits until the fit is twice that share above the count, so that a shrink is not
+# undone at the next safe point.
+HEADROOM = 0.05
 
 
 def cuda_memory_info(device: torch.device) -> MemoryInfo:
@@ -60,16 +65,21 @@ class ElasticVram:
 
     def rebalance(self, kv_bytes: int) -> int:
         """At a safe point, for sequences whose KV caches need `kv_bytes` by the next safe point:
-        the slot count that fits the budget, applied when it moved by more than the hysteresis
-        (always when shrinking is needed). Raises VramError when the KV alone does not fit."""
+        the slot count, shrunk below the fit by HEADROOM whenever it no longer fits, grown to the
+        fit once that is 2 × HEADROOM above it. Raises VramError when the KV alone does not fit."""
         budget, fixed, stride = self.budget(), self.plan.dense + self.plan.workspace, self.plan.expert_stride
         room = budget - fixed - kv_bytes
         if room < 0:
             raise VramError(f"VRAM budget {gib(budget)}: non-expert weights and workspace {gib(fixed)} and the "
                             f"KV cache's {gib(kv_bytes)} do not fit, even with no expert slots")
-        target = min(self.max_slots, room // stride)
-        current = self.slots
-        if target < current or target - current > HYSTERESIS * max(current, 1):
+        fit, current = min(self.max_slots, room // stride), self.slots
+        if fit < current:
+            target = max(0, fit - int(HEADROOM * current))
+        elif fit - current > 2 * HEADROOM * max(current, 1):
+            target = fit
+        else:
+            target = current
+        if target != current:
             self.experts.resize(target)
             self.changes.append((current, target))
             print(f"ftc: VRAM {gib(budget)}: KV {gib(kv_bytes)}, expert slots {current} → {target}", file=sys.stderr)

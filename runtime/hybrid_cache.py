@@ -5,7 +5,8 @@ The linear layers' state replaces their whole past, so it cannot be cut back to 
 the way a KV cache can. `take` copies it at the current token (on the device, no host round trip)
 and `restore` rewinds the sequence there, from a copy on any device (the prefix cache keeps them
 in host memory): the full-attention layers keep their keys and values before that token (later
-appends overwrite the rest), the linear layers get the copy.
+appends overwrite the rest), the linear layers get the copy, in their own storage (which never
+moves: CUDA graphs hold it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ class HybridCache:
     def length(self, n: int) -> None:
         self.kv.length = n
 
+    @property
+    def generation(self) -> int:
+        """Renewed when the KV storage moves; the linear layers' storage never does."""
+        return self.kv.generation
+
+    def reserve(self, n: int) -> None:
+        self.kv.reserve(n)
+
     def bytes_for(self, n: int) -> int:
         """Device bytes once the sequence holds n tokens: its KV cache and its linear layers' state."""
         return self.kv.bytes_for(n) + sum(s.conv.numel() * s.conv.element_size()
@@ -56,7 +65,6 @@ class HybridCache:
         if len(checkpoint.states) != len(self.linear):
             raise ValueError(f"restore: the checkpoint has {len(checkpoint.states)} linear layers, "
                              f"the model {len(self.linear)}")
-        device = self.linear[0].recurrent.device if self.linear else None
-        self.linear = [DeltaNetState(s.conv.to(device, copy=True), s.recurrent.to(device, copy=True))
-                       for s in checkpoint.states]
+        for state, saved in zip(self.linear, checkpoint.states, strict=True):
+            state.assign(saved)
         self.length = checkpoint.length

@@ -204,3 +204,81 @@ def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path):
     # the same steps again, their experts now split between hits, fills and the CPU differently
     # (bf16 sums in another order); a checkpoint not restored would be 10 tokens off
     assert float((again - torch.stack(steps)).norm() / again.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("seed", range(4))
+@torch.inference_mode()
+def test_fla_delta_rule_matches_the_torch_recurrence(seed, monkeypatch):
+    """flash-linear-attention's kernels (chunked for prompts, fused recurrent for one token, pieces
+    ending at captured tokens) against the torch recurrence on the same bf16 inputs, from a random
+    state, with grouped value heads."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    from ftc_runtime.models import gated_deltanet as gd
+
+    rng = random.Random(seed * 101 + random.randrange(10**6))
+    torch.manual_seed(rng.randrange(10**6))
+    t = rng.choice([1, rng.randrange(2, 64), rng.randrange(64, 300)])
+    nk, group, d = rng.choice([1, 2, 4]), rng.choice([1, 2]), rng.choice([64, 128])
+    q, k = (torch.randn(t, nk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(t, nk * group, d, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(t, nk * group, device="cuda") * rng.choice([0.05, 1.0, 4.0])
+    beta = torch.rand(t, nk * group, device="cuda").bfloat16().float()  # what the kernels are given
+    state = torch.randn(nk * group, d, d, device="cuda")
+    capture = tuple(sorted(rng.sample(range(t), min(t, rng.randrange(0, 4)))))
+    assert gd.fla_delta_rule is not None
+    got = gd.delta_rule(q, k, v, g, beta, state, capture)
+    monkeypatch.setattr(gd, "fla_delta_rule", None)
+    want = gd.delta_rule(q, k, v, g, beta, state, capture)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    # bf16 outputs of fp32 sums (the kernels round their matmul inputs to bf16 too): 1 % is loose
+    # enough for those, a lost decay or a state off by one token is off by tens of percent
+    assert rel(got[0], want[0]) < 1e-2 and rel(got[1], want[1]) < 1e-2
+    assert len(got[2]) == len(want[2]) == len(capture)
+    for a, b in zip(got[2], want[2], strict=True):
+        assert rel(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled):
+    """The hybrid family's decode graphs (Gated DeltaNet steps with their state updated in place,
+    gated attention, the shared expert) give the eager path's logits, across a restored checkpoint
+    and a second sequence (graphs captured again); compiled, both are held to the fp32 CPU engine
+    as the qwen3_moe graphs are above."""
+    spec = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3.6-moe-tiny.yaml"
+    engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, output=tmp_path / "hybrid"))
+    monkeypatch.setenv("FTC_TORCH_COMPILE", "1" if compiled else "0")
+    cfg = OffloadConfig(device="cuda", n_slots=random.randrange(4, 40), b_p=25.0, b_h=50.0)
+    graphs = Engine.load(engine, offload=cfg)
+    assert graphs.model.decode_graphs is not None
+    monkeypatch.setenv("FTC_DECODE_GRAPHS", "0")
+    eager = Engine.load(engine, offload=cfg)
+    assert eager.model.decode_graphs is None
+
+    def session(e: Engine) -> list[torch.Tensor]:
+        rng = random.Random(5)
+        ids = [rng.randrange(500) for _ in range(40)]
+        cache = e.model.new_cache()
+        e.prefill(torch.tensor(ids[:20]), cache)
+        checkpoint = cache.take()
+        out = [e.model.forward(torch.tensor([t]), cache)[-1].cpu() for t in ids[20:30]]
+        cache.restore(checkpoint)
+        out += [e.model.forward(torch.tensor([t]), cache)[-1].cpu() for t in ids[30:40]]
+        return out + _teacher_forced_logits(e, ids[::-1], 8)
+
+    got, want = session(graphs), session(eager)
+    assert graphs.model.decode_graphs.graphs
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    if not compiled:
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert rel(a, b) < 1e-3, f"step {step}: {rel(a, b):.2e}"
+        return
+    ref = session(Engine.load(engine))
+    err_graphs = sum(rel(a, r) for a, r in zip(got, ref, strict=True)) / len(ref)
+    err_eager = sum(rel(b, r) for b, r in zip(want, ref, strict=True)) / len(ref)
+    assert err_graphs < 4 * err_eager + 2e-3, f"compiled {err_graphs:.2e}, eager bf16 {err_eager:.2e}"

@@ -1,5 +1,6 @@
 """Gated DeltaNet, the linear-attention layer of the Qwen3.5/3.6 hybrid family, in torch (the CPU
-path and the reference for GPU kernels), with its per-sequence state made explicit.
+path, and the reference for flash-linear-attention's kernels that run the recurrence on a GPU:
+fla_delta_rule.py), with its per-sequence state made explicit.
 
 For each token t (per value head, state S of shape [key dim, value dim], kept in fp32):
     S ← exp(g_t) · S                       (decay; g_t = −exp(A_log) · softplus(a_t + dt_bias) ≤ 0)
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .fla_delta_rule import fla_delta_rule
+
 
 @dataclass(frozen=True)
 class DeltaNetShape:
@@ -30,6 +33,10 @@ class DeltaNetShape:
     @property
     def conv_channels(self) -> int:
         return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
+
+    @property
+    def heads(self) -> tuple[int, int, int, int]:
+        return self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,14 @@ class DeltaNetWeights:
     A_log: torch.Tensor  # [v heads]
     norm: torch.Tensor  # [v dim]
     out_proj: torch.Tensor  # [hidden, v heads · v dim]
+
+    def projections(self) -> tuple[torch.Tensor, ...]:
+        """`project`'s weights, in its order."""
+        return self.in_proj_qkv, self.in_proj_b, self.in_proj_a, self.conv1d, self.A_log, self.dt_bias
+
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        """`finish`'s weights, in its order."""
+        return self.in_proj_z, self.norm, self.out_proj
 
 
 @dataclass
@@ -64,38 +79,81 @@ class DeltaNetState:
     def clone(self) -> DeltaNetState:
         return DeltaNetState(self.conv.clone(), self.recurrent.clone())
 
+    def assign(self, other: DeltaNetState) -> None:
+        """Copies `other` (any device) into this state's storage, which stays put: the CUDA graphs
+        of decode hold its addresses."""
+        self.conv.copy_(other.conv)
+        self.recurrent.copy_(other.recurrent)
+
 
 def gated_deltanet(x: torch.Tensor, w: DeltaNetWeights, shape: DeltaNetShape, state: DeltaNetState,
                    capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, DeltaNetState, list[DeltaNetState]]:
     """x [T, hidden] after `state`'s tokens → (output [T, hidden], the state after x, the states
     after each token index in `capture` (ascending), without cutting x there)."""
-    t = x.shape[0]
-    s = shape
-    inputs = F.linear(x, w.in_proj_qkv)
-    mixed, conv_state = _causal_conv(inputs, w.conv1d, state.conv)
-    kd, vd = s.num_k_heads * s.k_dim, s.num_v_heads * s.v_dim
-    q, k, v = mixed.split((kd, kd, vd), dim=-1)
-    group = s.num_v_heads // s.num_k_heads
-    q = q.reshape(t, s.num_k_heads, s.k_dim).repeat_interleave(group, dim=1).float()
-    k = k.reshape(t, s.num_k_heads, s.k_dim).repeat_interleave(group, dim=1).float()
-    v = v.reshape(t, s.num_v_heads, s.v_dim).float()
-    q = _l2norm(q) * s.k_dim ** -0.5
-    k = _l2norm(k)
-    beta = torch.sigmoid(F.linear(x, w.in_proj_b)).float()
-    g = -w.A_log.float().exp() * F.softplus(F.linear(x, w.in_proj_a).float() + w.dt_bias.float())
-    if t == 1:
-        out, recurrent = _delta_rule(q, k, v, g, beta, state.recurrent)
-        taken = [recurrent.clone()] if capture else []
-    else:
-        out, recurrent, taken = _delta_rule_chunked(q, k, v, g, beta, state.recurrent, capture=capture)
-    z = F.linear(x, w.in_proj_z).reshape(t, s.num_v_heads, s.v_dim)
-    normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + s.eps)
-    gated = (w.norm * normed.to(x.dtype)) * F.silu(z.float()).to(x.dtype)
+    q, k, v, g, beta, inputs, conv = project(x, *w.projections(), state.conv, shape.heads)
+    out, recurrent, taken = delta_rule(q, k, v, g, beta, state.recurrent, capture)
     # The convolution's state after token i: its last K − 1 inputs up to i.
     seq = torch.cat([state.conv.to(inputs.dtype), inputs.t()], dim=1)
-    convs = [seq[:, i + 1:i + s.conv_kernel].clone() for i in capture]
-    return (F.linear(gated.reshape(t, vd), w.out_proj), DeltaNetState(conv_state, recurrent),
+    convs = [seq[:, i + 1:i + shape.conv_kernel].clone() for i in capture]
+    return (finish(out, x, *w.outputs(), shape.eps), DeltaNetState(conv, recurrent),
             [DeltaNetState(c, r) for c, r in zip(convs, taken, strict=True)])
+
+
+def decode_step(x: torch.Tensor, w: DeltaNetWeights, shape: DeltaNetShape, state: DeltaNetState) -> torch.Tensor:
+    """One token x [1, hidden]: its output, with `state` updated in place (its storage stays put,
+    as the CUDA graphs of decode need)."""
+    out, new, _ = gated_deltanet(x, w, shape, state)
+    state.assign(new)
+    return out
+
+
+# The two halves of the layer around its recurrence, as functions of tensors only (no weights
+# object), so that torch.compile sees one function for every layer.
+
+def project(x: torch.Tensor, qkv_w: torch.Tensor, b_w: torch.Tensor, a_w: torch.Tensor, conv_w: torch.Tensor,
+            A_log: torch.Tensor, dt_bias: torch.Tensor, conv_prev: torch.Tensor, heads: tuple[int, int, int, int]
+            ) -> tuple[torch.Tensor, ...]:
+    """x [T, hidden] → q, k [T, k heads, k dim] and v [T, v heads, v dim] in x's dtype (q and k not
+    yet normalized), the log-decays g and the betas [T, v heads] in fp32, the convolution's input
+    [T, channels] and its state after x."""
+    nk, nv, dk, dv = heads
+    t = x.shape[0]
+    inputs = F.linear(x, qkv_w)
+    mixed, conv_state = _causal_conv(inputs, conv_w, conv_prev)
+    q, k, v = mixed.split((nk * dk, nk * dk, nv * dv), dim=-1)
+    beta = torch.sigmoid(F.linear(x, b_w).float())
+    g = -A_log.float().exp() * F.softplus(F.linear(x, a_w).float() + dt_bias.float())
+    return q.reshape(t, nk, dk), k.reshape(t, nk, dk), v.reshape(t, nv, dv), g, beta, inputs, conv_state
+
+
+def finish(out: torch.Tensor, x: torch.Tensor, z_w: torch.Tensor, norm_w: torch.Tensor, out_w: torch.Tensor,
+           eps: float) -> torch.Tensor:
+    """The recurrence's output [T, v heads, v dim] → gated RMSNorm (norm(o) · SiLU(z), z from the
+    layer's input x) and the output projection: [T, hidden]."""
+    t, nv, dv = out.shape
+    out = out.float()
+    z = F.linear(x, z_w).reshape(t, nv, dv)
+    normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
+    gated = (norm_w * normed.to(x.dtype)) * F.silu(z.float()).to(x.dtype)
+    return F.linear(gated.reshape(t, nv * dv), out_w)
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor, capture: tuple[int, ...] = ()
+               ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The recurrence over q, k [T, k heads, k dim] (not normalized), v [T, v heads, v dim], g and
+    beta [T, v heads] from `state` [v heads, k dim, v dim] fp32: (outputs [T, v heads, v dim], the
+    final state, the states after each token index in `capture`). On a GPU with
+    flash-linear-attention installed its Triton kernels run it; elsewhere the torch code below."""
+    if q.is_cuda and fla_delta_rule is not None:
+        return fla_delta_rule(q, k, v, g, beta, state, capture)
+    group = v.shape[1] // q.shape[1]
+    q = _l2norm(q.float()).repeat_interleave(group, dim=1) * q.shape[-1] ** -0.5
+    k = _l2norm(k.float()).repeat_interleave(group, dim=1)
+    if q.shape[0] == 1:
+        out, final = _delta_rule(q, k, v.float(), g, beta, state)
+        return out, final, [final.clone()] if capture else []
+    return _delta_rule_chunked(q, k, v.float(), g, beta, state, capture=capture)
 
 
 def _causal_conv(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from ..experts import ExpertBackend
 from ..hybrid_cache import HybridCache, RecurrentCheckpoint
 from ..kv_cache import KVCache
 from ..spec import ModelSpec
-from .gated_deltanet import DeltaNetShape, DeltaNetState, DeltaNetWeights, gated_deltanet
+from .gated_deltanet import DeltaNetShape, DeltaNetState, DeltaNetWeights, decode_step, gated_deltanet
 from .qwen3_moe import (
     apply_rope,
     cached_attention,
@@ -69,6 +69,44 @@ def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The layer's pieces as functions of tensors only, shared by the eager path and the CUDA graphs of
+# decode (`HybridDecodeGraphs`), so that torch.compile sees one function for all layers.
+
+def gated_attention_in(h: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor,
+                       q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       eps: float, heads: tuple[int, int, int], output_gate: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Projections, q/k norms and partial RoPE of the normalized input h [T, hidden]: q [T, heads,
+    d], k and v [T, kv heads, d], and the output gate's logits [T, heads · d] (or None)."""
+    n_q, n_kv, d = heads
+    t = h.shape[0]
+    q = F.linear(h, q_w)
+    gate = None
+    if output_gate:  # per head: d query channels, then d gate channels
+        q, gate = q.view(t, n_q, 2 * d).chunk(2, dim=-1)
+        gate = gate.reshape(t, n_q * d)
+    q = apply_rope(rms_norm(q.reshape(t, n_q, d), q_norm_w, eps), cos, sin)
+    k = apply_rope(rms_norm(F.linear(h, k_w).view(t, n_kv, d), k_norm_w, eps), cos, sin)
+    return q, k, F.linear(h, v_w).view(t, n_kv, d), gate
+
+
+def gated_attention_out(attn: torch.Tensor, gate: torch.Tensor | None, o_w: torch.Tensor) -> torch.Tensor:
+    return F.linear(attn if gate is None else attn * torch.sigmoid(gate), o_w)
+
+
+def residual_norm(x: torch.Tensor, out: torch.Tensor, norm_w: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + out, and its post-attention norm."""
+    x = x + out
+    return x, rms_norm(x, norm_w, eps)
+
+
+def shared_expert(h: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
+                  router_w: torch.Tensor) -> torch.Tensor:
+    """The shared expert behind its sigmoid gate."""
+    return torch.sigmoid(F.linear(h, router_w)) * dense_mlp(h, gate_w, up_w, down_w)
+
+
 class Qwen3NextModel:
     """Sequences on `device`: fp32 activations on the CPU, bf16 on a GPU; the Gated DeltaNet
     state stays fp32."""
@@ -97,7 +135,7 @@ class Qwen3NextModel:
         self.delta_shape = None if la is None else DeltaNetShape(
             la.num_k_heads, la.num_v_heads, la.k_head_dim, la.v_head_dim, la.conv_kernel, spec.norm.eps)
         self.delta_weights = {i: self._delta_weights(i) for i in self.linear_index}
-        self.decode_graphs = None  # the graphs of decode are Qwen3MoeModel's only
+        self.decode_graphs = None  # HybridDecodeGraphs, set by the engine on a GPU
 
     def _delta_weights(self, i: int) -> DeltaNetWeights:
         p = f"model.layers.{i}.linear_attn."
@@ -117,6 +155,8 @@ class Qwen3NextModel:
         """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32.
         `checkpoint_at`: indices into ids (ascending) after which the linear layers' state goes
         into `cache.checkpoints`, taken within the chunk, which is not cut there."""
+        if self.decode_graphs is not None and ids.numel() == 1 and not checkpoint_at:
+            return self.decode_graphs.step(ids, cache)
         start, n = cache.length, ids.numel()
         self.experts.begin_pass(n)
         cos, sin = self.rope_at(torch.arange(start, start + n, device=self.device))
@@ -125,9 +165,9 @@ class Qwen3NextModel:
         for i in range(self.spec.num_layers):
             h = rms_norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.spec.norm.eps)
             if i in self.linear_index:
-                j = self.linear_index[i]
-                out, cache.linear[j], states = gated_deltanet(h, self.delta_weights[i], self.delta_shape,
-                                                              cache.linear[j], checkpoint_at)
+                state = cache.linear[self.linear_index[i]]
+                out, after, states = gated_deltanet(h, self.delta_weights[i], self.delta_shape, state, checkpoint_at)
+                state.assign(after)
                 taken.append(states)
                 x = x + out
             else:
@@ -164,48 +204,51 @@ class Qwen3NextModel:
         """Layer i's token mixer over one token of each of T sequences (h [T, hidden], T caches)."""
         if i not in self.linear_index:
             return self.full_attention(i, h, cos, sin, caches)
-        j, outs = self.linear_index[i], []
-        for row, cache in zip(h.split(1), caches, strict=True):
-            out, cache.linear[j], _ = gated_deltanet(row, self.delta_weights[i], self.delta_shape, cache.linear[j])
-            outs.append(out)
-        return torch.cat(outs)
+        j = self.linear_index[i]
+        return torch.cat([decode_step(row, self.delta_weights[i], self.delta_shape, cache.linear[j])
+                          for row, cache in zip(h.split(1), caches, strict=True)])
 
     def full_attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        caches: list[HybridCache]) -> torch.Tensor:
-        p, eps = f"model.layers.{i}.self_attn.", self.spec.norm.eps
-        n_q, n_kv, d = self.heads
-        t = h.shape[0]
-        q = F.linear(h, self.w[p + "q_proj.weight"])
-        gate = None
-        if self.spec.attention.output_gate:  # per head: d query channels, then d gate channels
-            q, gate = q.view(t, n_q, 2 * d).chunk(2, dim=-1)
-            gate = gate.reshape(t, n_q * d)
-        q = apply_rope(rms_norm(q.reshape(t, n_q, d), self.w[p + "q_norm.weight"], eps), cos, sin)
-        k = apply_rope(rms_norm(F.linear(h, self.w[p + "k_proj.weight"]).view(t, n_kv, d),
-                                self.w[p + "k_norm.weight"], eps), cos, sin)
-        v = F.linear(h, self.w[p + "v_proj.weight"]).view(t, n_kv, d)
+        q, k, v, gate = gated_attention_in(h, *self.attention_in_weights(i), cos, sin, self.spec.norm.eps,
+                                           self.heads, self.spec.attention.output_gate)
         layer = self.kv_index[i]
         if len(caches) == 1:
             attn = cached_attention(caches[0].kv, layer, q, k, v, self.heads)
         else:
             attn = torch.cat([cached_attention(c.kv, layer, q[j:j + 1], k[j:j + 1], v[j:j + 1], self.heads)
                               for j, c in enumerate(caches)])
-        if gate is not None:
-            attn = attn * torch.sigmoid(gate)
-        return F.linear(attn, self.w[p + "o_proj.weight"])
+        return gated_attention_out(attn, gate, self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
+
+    def attention_in_weights(self, i: int) -> tuple[torch.Tensor, ...]:
+        p = f"model.layers.{i}.self_attn."
+        return tuple(self.w[p + n] for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_norm.weight",
+                                             "k_norm.weight"))
+
+    def shared_expert_weights(self, i: int) -> tuple[torch.Tensor, ...]:
+        p = f"model.layers.{i}.mlp.shared_expert"
+        return tuple(self.w[p + n] for n in (".gate_proj.weight", ".up_proj.weight", ".down_proj.weight",
+                                             "_gate.weight"))
+
+    def is_moe(self, i: int) -> bool:
+        return i in self.moe_index
+
+    def router_args(self, i: int) -> tuple:
+        """`route`'s arguments after h: gate weight, top-k, renormalize."""
+        m = self.spec.moe
+        return self.w[f"model.layers.{i}.mlp.gate.weight"], m.top_k, m.norm_topk_prob
+
+    def dense_mlp_weights(self, i: int) -> tuple[torch.Tensor, ...]:
+        p = f"model.layers.{i}.mlp."
+        return self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"], self.w[p + "down_proj.weight"]
 
     def mlp(self, i: int, h: torch.Tensor, first_position: int) -> torch.Tensor:
-        p = f"model.layers.{i}.mlp."
         if i not in self.moe_index:
-            return dense_mlp(h, self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"],
-                             self.w[p + "down_proj.weight"])
-        m = self.spec.moe
-        ids, weights = route(h, self.w[p + "gate.weight"], m.top_k, m.norm_topk_prob)
+            return dense_mlp(h, *self.dense_mlp_weights(i))
+        ids, weights = route(h, *self.router_args(i))
         out = self.experts.forward(self.moe_index[i], h.float(), ids, weights, first_position).to(self.dtype)
-        if m.num_shared_experts:
-            shared = dense_mlp(h, self.w[p + "shared_expert.gate_proj.weight"],
-                               self.w[p + "shared_expert.up_proj.weight"], self.w[p + "shared_expert.down_proj.weight"])
-            out = out + torch.sigmoid(F.linear(h, self.w[p + "shared_expert_gate.weight"])) * shared
+        if self.spec.moe.num_shared_experts:
+            out = out + shared_expert(h, *self.shared_expert_weights(i))
         return out
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
