@@ -47,21 +47,27 @@ class ElasticVram:
     max_slots: int | None = None  # at most (default: the plan's count)
     changes: list[tuple[int, int]] = field(default_factory=list)  # (slots before, after)
     history: deque[dict] = field(default_factory=lambda: deque(maxlen=64))  # the last rebalances' splits
+    others_at_start: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if self.max_slots is None:
             self.max_slots = self.plan.n_slots
+        # What others held when the budget was planned: what they take beyond it comes out of the
+        # budget, as on a card of the budget's size (`--vram-budget` standing in for a smaller one).
+        if self.memory_info is not None:
+            self.others_at_start = self.memory_info()[1]
 
     @property
     def slots(self) -> int:
         return self.experts.cache.n_slots
 
     def budget(self) -> int:
-        """The budget as other processes leave it."""
+        """The budget as other processes leave it: less what they took since the start, and at
+        most what the device has beside them."""
         if self.memory_info is None:
             return self.plan.budget
         total, others = self.memory_info()
-        return min(self.plan.budget, total - others)
+        return min(self.plan.budget - max(0, others - self.others_at_start), total - others)
 
     def rebalance(self, kv_bytes: int) -> int:
         """At a safe point, for sequences whose KV caches need `kv_bytes` by the next safe point:

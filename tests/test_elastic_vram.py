@@ -11,6 +11,7 @@ import pytest
 
 from ftc.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine, SamplingParams
+from ftc_runtime.elastic_vram import ElasticVram
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.serve.scheduler import Request, Scheduler
 from ftc_runtime.vram_plan import VramError
@@ -107,3 +108,26 @@ def test_a_request_that_cannot_fit_ends_alone(engine_dir, cpu_engine):
         scheduler.close()
     assert results["huge"] == ([], "error")
     assert results["small"] == (list(cpu_engine.generate(small, 8, SamplingParams(0.0), stop_at_eos=False)), "length")
+
+
+def test_a_stand_in_budget_loses_what_others_take_after_the_start(engine_dir):
+    """A budget smaller than the device (`--vram-budget` standing in for a smaller card): memory
+    that other processes take after the start comes out of the budget, as it would on that card,
+    although the device itself still has room; what they held before is not counted twice."""
+    budget = _budget_for(engine_dir, 200, 40)
+    engine = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", vram_budget=budget, max_context=64,
+                                                           b_p=20.0, b_h=40.0))
+    stride, held = engine.vram.expert_stride, [3 * budget]
+    elastic = ElasticVram(engine.vram, engine.model.experts, lambda: (100 * budget, held[0]))
+    assert elastic.budget() == budget
+    cache = engine.model.new_cache()
+    before = elastic.rebalance(cache.bytes_for(200))
+    taken = random.randrange(5, before) * stride
+    held[0] += taken
+    assert elastic.budget() == budget - taken
+    after = elastic.rebalance(cache.bytes_for(200))
+    assert after < before and elastic.history[-1]["budget"] == budget - taken
+    assert all(h["fixed"] + h["kv"] + h["slots"] <= h["budget"] for h in elastic.history)
+    held[0] -= taken
+    assert elastic.rebalance(cache.bytes_for(200)) >= before  # back to the fit (`before` may sit below it)
+    _check_slots_hold_their_rows(engine.model.experts)

@@ -282,3 +282,63 @@ def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compil
     err_graphs = sum(rel(a, r) for a, r in zip(got, ref, strict=True)) / len(ref)
     err_eager = sum(rel(b, r) for b, r in zip(want, ref, strict=True)) / len(ref)
     assert err_graphs < 4 * err_eager + 2e-3, f"compiled {err_graphs:.2e}, eager bf16 {err_eager:.2e}"
+
+
+# Another process on the GPU: it starts CUDA, then holds the number of bytes it reads on stdin
+# until its stdin closes.
+_HOLDER = ("import sys, torch; torch.zeros(1, device='cuda'); print('ready', flush=True); "
+           "held = torch.empty(int(sys.stdin.readline()), dtype=torch.uint8, device='cuda'); "
+           "torch.cuda.synchronize(); print('held', flush=True); sys.stdin.read()")
+
+
+def test_gpu_elastic_vram_gives_slots_to_another_process_and_takes_them_back(tmp_path):
+    """`--vram-budget` on the GPU, experts large enough (25 MB each) that their slots dominate:
+    another process starts CUDA and allocates after the engine's start, so that the budget keeps
+    room for about 40 % of the slots (its CUDA context counts: it is memory taken too). At the
+    next safe point the slot cache shrinks (rebuilt from the host pool, its slots holding their
+    rows), decode steps still match the all-CPU engine, the split stays in the budget; when the
+    process exits the slots come back."""
+    import subprocess
+    import sys
+
+    engine = compile_engine(CompileOptions(source=SPEC, random_weights=True, seed=3, output=tmp_path / "big",
+                                           overrides=("moe.expert_intermediate_size=16384",)))
+    probe = Engine.load(engine, offload=OffloadConfig(device="cuda", b_p=25.0, b_h=50.0))
+    plan, kv = probe.vram, probe.model.new_cache().bytes_for(64)
+    del probe
+    torch.cuda.empty_cache()
+    n = plan.pool_experts
+    budget = plan.dense + plan.workspace + kv + n * plan.expert_stride
+    gpu = Engine.load(engine, offload=OffloadConfig(device="cuda", vram_budget=budget, max_context=64,
+                                                    b_p=25.0, b_h=50.0))
+    elastic, cpu = gpu.elastic, Engine.load(engine)
+    assert elastic is not None and elastic.slots == n
+    ids = [random.randrange(500) for _ in range(24)]
+    want = _teacher_forced_logits(cpu, ids, 16)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        keep = n * 2 // 5
+        taken = max(0, elastic.budget() - (plan.dense + plan.workspace + kv + keep * plan.expert_stride))
+        holder.stdin.write(f"{taken}\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "held"
+        cache = gpu.model.new_cache()
+        gpu.rebalance([(cache, 64)])  # the safe point
+        shrunk = elastic.slots
+        assert shrunk <= keep and elastic.history[-1]["budget"] <= budget - taken
+        for slot, row in enumerate(gpu.model.experts.cache.id_of.tolist()):
+            if row >= 0:
+                assert torch.equal(gpu.model.experts.slots[slot].cpu(), gpu.model.experts.host_rows[row])
+        got = _teacher_forced_logits(gpu, ids, 16)
+        err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, want, strict=True))
+        assert err < 8e-2, err  # bf16 against fp32, as the engine tests above
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    gpu.rebalance([(gpu.model.new_cache(), 64)])
+    # all of them, or one less: this process's own memory outside torch's allocator (kernel
+    # modules loaded since the start) counts as taken by others too
+    assert elastic.slots >= n - 1
+    assert all(h["fixed"] + h["kv"] + h["slots"] <= h["budget"] for h in elastic.history)
