@@ -15,6 +15,7 @@ miss only costs prefill.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -188,24 +189,31 @@ class PrefixCache:
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict(self) -> None:
-        while self.checkpoint_used > self.checkpoint_budget:
-            held = [n for n in self._nodes() if n.checkpoint is not None and n.refs == 0]
-            if not held:
-                break
-            victim = min(held, key=lambda n: n.last_used)
+        """Least recently used first, among what no sequence holds: checkpoints down to their
+        budget, then leaves (with their checkpoints) down to the KV budget; a parent whose last
+        child goes becomes a leaf in turn. One walk of the tree, then a heap."""
+        if self.checkpoint_used <= self.checkpoint_budget and self.kv_used <= self.kv_budget:
+            return
+        nodes = self._nodes()
+        held = [(n.last_used, id(n), n) for n in nodes if n.checkpoint is not None and n.refs == 0]
+        heapq.heapify(held)
+        while self.checkpoint_used > self.checkpoint_budget and held:
+            victim = heapq.heappop(held)[2]
             self.checkpoint_used -= checkpoint_bytes(victim.checkpoint)
             victim.checkpoint = None
             self.stats.checkpoint_evictions += 1
-        while self.kv_used > self.kv_budget:
-            leaves = [n for n in self._nodes() if not n.children and n.refs == 0]
-            if not leaves:
-                break
-            victim = min(leaves, key=lambda n: n.last_used)
-            del victim.parent.children[victim.tokens[0]]
+        leaves = [(n.last_used, id(n), n) for n in nodes if not n.children and n.refs == 0]
+        heapq.heapify(leaves)
+        while self.kv_used > self.kv_budget and leaves:
+            victim = heapq.heappop(leaves)[2]
+            parent = victim.parent
+            del parent.children[victim.tokens[0]]
             self.kv_used -= victim.kv_bytes
             if victim.checkpoint is not None:
                 self.checkpoint_used -= checkpoint_bytes(victim.checkpoint)
             self.stats.kv_evictions += 1
+            if parent is not self.root and not parent.children and parent.refs == 0:
+                heapq.heappush(leaves, (parent.last_used, id(parent), parent))
 
     def _nodes(self) -> list[RadixNode]:
         out, stack = [], list(self.root.children.values())
