@@ -86,7 +86,8 @@ def bench_agent(engine_dir: Path, offload: OffloadConfig | None, modes: list[str
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     first = next(iter(runs.values()))
-    result = {"engine": first["engine"], "device": str(offload.device) if offload else "cpu", "runs": runs}
+    result = {"engine": first["engine"], "device": str(offload.device) if offload else "cpu",
+              "stream_min_tokens": offload.stream_min_tokens if offload else None, "runs": runs}
     if "no-prefix-cache" in runs:  # the edit turn's time to first token against a full re-prefill
         full = runs["no-prefix-cache"]["turns"][-1]["ttft_s"]
         result["edit_speedup"] = {m: round(full / r["turns"][-1]["ttft_s"], 2) for m, r in runs.items()

@@ -64,7 +64,8 @@ def _run(engine: Engine, n: int, overlap: bool, seconds: float) -> dict:
     return {
         "engine": engine.spec.name, "tokens": n, "overlap": overlap, "prefill_chunk": engine.prefill_chunk,
         "chunks": chunks, "streaming": experts.stream_min_tokens is not None
-        and experts.cache.n_slots >= experts.stream_slots, "stream_layers": s.stream_layers,
+        and experts.cache.n_slots >= experts.stream_slots, "stream_min_tokens": experts.stream_min_tokens,
+        "stream_layers": s.stream_layers,
         "seconds": round(seconds, 4), "tok_s": round(n / seconds, 2), "s_per_chunk": round(seconds / chunks, 4),
         "pcie_bytes": crossed, "b_p": experts.planner.b_p,
         "pcie_ceiling_s": round(ceiling_s, 4) if ceiling_s is not None else None,

@@ -58,6 +58,9 @@ class OffloadConfig:
     max_context: int = 4096  # tokens of KV cache the budget reserves
     prefill_overlap: bool = True  # False: stream prompt layers through one buffer, load then compute
     cpu_experts: bool = False  # every routed expert on the CPU (no slots): only activations cross PCIe
+    # Prompt chunks of at least this many tokens stream whole MoE layers (None: the engine's plan);
+    # shorter ones take decode's path, their misses split between fills and the CPU.
+    stream_min_tokens: int | None = None
 
 
 @dataclass
@@ -166,9 +169,10 @@ class Engine:
                               manifest.target.get("b_p_concurrent") if measured else None,
                               manifest.target.get("b_h_concurrent") if measured else None)
         device_kernel, grouped_kernel = _gpu_expert_kernels(root, offload.device)
+        stream_min = offload.stream_min_tokens or plan.prefill_stream_min_tokens
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
-                                   offload.cache_policy, device_kernel, plan.prefill_stream_min_tokens,
-                                   offload.prefill_overlap, grouped_kernel)
+                                   offload.cache_policy, device_kernel, stream_min, offload.prefill_overlap,
+                                   grouped_kernel)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, settings().decode_graphs, settings().torch_compile)
         engine = cls(manifest, tokenizer, model, pool, vram, prefill_chunk)

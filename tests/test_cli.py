@@ -200,6 +200,10 @@ def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path):
         assert x["stream_layers"] > 0 and x["pcie_ceiling_s"] is None  # no PCIe link to compare with
     if has_matplotlib:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # chunks shorter than --stream-min-tokens take decode's path: nothing streams
+    r = ok("bench", engine, "prefill", "--device", "cpu", "--slots", "40", "--lengths", str(lengths[0]),
+           "--prefill-chunk", "32", "--stream-min-tokens", "33")
+    assert json.loads(r.stdout)["runs"][0]["stream_layers"] == 0
 
 
 def test_bench_load_reports_the_loader_against_the_disk(engine):

@@ -205,9 +205,11 @@ def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap
     the all-CPU engine's, chunks split the prompt unevenly, and streamed slots stay valid entries."""
     e = cpu_engine.spec.moe.num_experts
     ids = [random.randrange(256) for _ in range(random.randrange(30, 60))]
+    threshold = random.choice([None, random.randrange(1, 70)])  # None: the plan's
     cfg = OffloadConfig(device="cpu", n_slots=slots, b_p=random.uniform(5, 50), b_h=random.uniform(20, 100),
-                        prefill_overlap=overlap)
+                        prefill_overlap=overlap, stream_min_tokens=threshold)
     off = Engine.load(engine_dir, offload=cfg, prefill_chunk=chunk)
+    threshold = threshold or off.manifest.plan.prefill_stream_min_tokens
     got, got_cache = _prefill(off, ids)
     want, want_cache = _prefill(cpu_engine, ids)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -215,15 +217,14 @@ def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap
         assert torch.allclose(got_cache.keys(layer), want_cache.keys(layer), rtol=1e-4, atol=1e-5)
         assert torch.allclose(got_cache.values(layer), want_cache.values(layer), rtol=1e-4, atol=1e-5)
     experts = off.model.experts
-    streams = slots >= experts.stream_slots and chunk >= off.manifest.plan.prefill_stream_min_tokens
+    streams = slots >= experts.stream_slots
     n_moe = len(cpu_engine.spec.moe_layers)
-    full_chunks = sum(1 for i in range(0, len(ids), chunk)
-                      if len(ids[i:i + chunk]) >= off.manifest.plan.prefill_stream_min_tokens)
+    full_chunks = sum(1 for i in range(0, len(ids), chunk) if len(ids[i:i + chunk]) >= threshold)
     assert experts.stats.stream_layers == (n_moe * full_chunks if streams else 0)
     assert experts.stream_slots == e * (2 if overlap else 1)
     _check_slots_hold_their_rows(experts)
     last_chunk = ids[(len(ids) - 1) // chunk * chunk:]
-    if streams and len(last_chunk) >= off.manifest.plan.prefill_stream_min_tokens:
+    if streams and len(last_chunk) >= threshold:
         # the last layer streamed stays cached for decode, and the layers before it fill every
         # slot (streaming takes the slots it has not used first, not two fixed buffers)
         last = (n_moe - 1) * e + np.arange(e)

@@ -238,6 +238,9 @@ def bench(
     compare: Annotated[bool, typer.Option("--compare", help="prefill: both modes, two buffers and one; agent: "
                                           "with the cache, without checkpoints, without any cache.")] = False,
     prefill_chunk: Annotated[int | None, typer.Option(help="Prompt chunk in tokens (default: the plan's).")] = None,
+    stream_min_tokens: Annotated[int | None, typer.Option(help="Prompt chunks of at least this many tokens stream "
+                                                          "whole MoE layers (default: the plan's); shorter ones "
+                                                          "split their misses as decode does.")] = None,
     plot: Annotated[Path | None, typer.Option(help="prefill: tok/s against length; agent: time to first token "
                                               "per turn (PNG).")] = None,
     session_tokens: Annotated[int, typer.Option(help="agent: the session grows to about this many tokens.")] = 20000,
@@ -265,7 +268,8 @@ def bench(
             pool = None
             if engine.is_file():
                 engine, pool = engine_in_memory(engine, random_weights, seed, target, override, Path(tmp))
-            offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts)
+            offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
+                                     stream_min_tokens)
             if kind == BenchKind.experts:
                 result = bench_experts(engine, tokens, threads, seconds, pool=pool)
             elif kind == BenchKind.prefill:

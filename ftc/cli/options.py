@@ -15,18 +15,22 @@ CachePolicyOpt = Enum("CachePolicyOpt", {p: p for p in ("lru", "static")}, type=
 
 
 def offload_config(device: str | None, vram_budget: str | None, slots: int | None, miss_policy: str,
-                   cache_policy: str, cpu_experts: bool = False):
+                   cache_policy: str, cpu_experts: bool = False, stream_min_tokens: int | None = None):
     """The OffloadConfig for --device and its options (None: every expert on the CPU)."""
     from ftc_runtime.engine import OffloadConfig
     from ftc_runtime.vram_plan import parse_size
 
     if device is None:
-        if vram_budget or slots is not None or cpu_experts:
-            raise ValueError("--vram-budget, --slots and --cpu-experts need --device (cuda, or cpu to emulate a GPU)")
+        if vram_budget or slots is not None or cpu_experts or stream_min_tokens is not None:
+            raise ValueError("--vram-budget, --slots, --cpu-experts and --stream-min-tokens need --device (cuda, "
+                             "or cpu to emulate a GPU)")
         return None
+    if stream_min_tokens is not None and stream_min_tokens < 1:
+        raise ValueError(f"--stream-min-tokens {stream_min_tokens}: give a token count of at least 1")
     return OffloadConfig(device=device, vram_budget=parse_size(vram_budget) if vram_budget else None,
                          n_slots=slots, miss_policy=str(getattr(miss_policy, "value", miss_policy)),
-                         cache_policy=str(getattr(cache_policy, "value", cache_policy)), cpu_experts=cpu_experts)
+                         cache_policy=str(getattr(cache_policy, "value", cache_policy)), cpu_experts=cpu_experts,
+                         stream_min_tokens=stream_min_tokens)
 
 
 def reprofile_engine(engine_dir: Path, eng, offload) -> None:
