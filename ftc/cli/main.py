@@ -14,8 +14,12 @@ import typer
 from rich.console import Console
 
 from .options import (
-    CachePolicyOpt,
-    MissPolicyOpt,
+    CachePolicyArg,
+    CpuExpertsArg,
+    MissPolicyArg,
+    PrefillChunkArg,
+    SlotsArg,
+    VramBudgetArg,
     engine_in_memory,
     err,
     offload_config,
@@ -110,15 +114,14 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (tokens, text, timings).")] = False,
     device: Annotated[str | None, typer.Option(help="Run the model on this torch device with an expert slot "
                                                "cache there ('cuda', or 'cpu' to emulate one).")] = None,
-    vram_budget: Annotated[str | None, typer.Option(help="Cap on device memory, e.g. 32GiB.")] = None,
-    slots: Annotated[int | None, typer.Option(help="Expert slots (default: what the budget holds).")] = None,
-    miss_policy: Annotated[MissPolicyOpt, typer.Option(help="Where cache misses run.")] = "adaptive",
-    cache_policy: Annotated[CachePolicyOpt, typer.Option(help="lru, or static (prompt's top experts).")] = "lru",
-    cpu_experts: Annotated[bool, typer.Option("--cpu-experts", help="With --device: every routed expert on the "
-                                              "CPU, the rest of the model on the device.")] = False,
+    vram_budget: VramBudgetArg = None,
+    slots: SlotsArg = None,
+    miss_policy: MissPolicyArg = "adaptive",
+    cache_policy: CachePolicyArg = "lru",
+    cpu_experts: CpuExpertsArg = False,
     reprofile: Annotated[bool, typer.Option("--reprofile", help="Measure B_P/B_H again, record them in "
                                             "engine.json and split misses by them.")] = False,
-    prefill_chunk: Annotated[int | None, typer.Option(help="Prompt chunk in tokens (default: the plan's).")] = None,
+    prefill_chunk: PrefillChunkArg = None,
     serve: Annotated[bool, typer.Option("--serve", help="Serve the OpenAI API over HTTP instead.")] = False,
     host: Annotated[str, typer.Option(help="--serve: address to bind (loopback unless told).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="--serve: TCP port.")] = 8000,
@@ -218,11 +221,11 @@ def bench(
     seconds: Annotated[float, typer.Option(help="Seconds per measurement.")] = 3.0,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Also write the JSON here.")] = None,
     device: Annotated[str, typer.Option(help="decode: torch device of the model and slot cache.")] = "cuda",
-    vram_budget: Annotated[str | None, typer.Option(help="decode: cap on device memory, e.g. 32GiB.")] = None,
-    slots: Annotated[int | None, typer.Option(help="decode: expert slots (default: the budget's).")] = None,
-    miss_policy: Annotated[MissPolicyOpt, typer.Option(help="decode: where cache misses run.")] = "adaptive",
-    cache_policy: Annotated[CachePolicyOpt, typer.Option(help="decode: lru or static.")] = "lru",
-    cpu_experts: Annotated[bool, typer.Option("--cpu-experts", help="Every routed expert on the CPU.")] = False,
+    vram_budget: VramBudgetArg = None,
+    slots: SlotsArg = None,
+    miss_policy: MissPolicyArg = "adaptive",
+    cache_policy: CachePolicyArg = "lru",
+    cpu_experts: CpuExpertsArg = False,
     routing_trace: Annotated[Path | None, typer.Option(help="decode: replay this trace (.npz).")] = None,
     synthetic_locality: Annotated[float | None, typer.Option(help="decode: replay a synthetic trace.")] = None,
     prompt_tokens: Annotated[int, typer.Option(help="decode: prompt length.")] = 128,
@@ -237,7 +240,7 @@ def bench(
                                              "compute (the baseline).")] = False,
     compare: Annotated[bool, typer.Option("--compare", help="prefill: both modes, two buffers and one; agent: "
                                           "with the cache, without checkpoints, without any cache.")] = False,
-    prefill_chunk: Annotated[int | None, typer.Option(help="Prompt chunk in tokens (default: the plan's).")] = None,
+    prefill_chunk: PrefillChunkArg = None,
     stream_min_tokens: Annotated[int | None, typer.Option(help="Prompt chunks of at least this many tokens stream "
                                                           "whole MoE layers (default: the plan's); shorter ones "
                                                           "split their misses as decode does.")] = None,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import Annotated
 
+import typer
 from rich.console import Console
 
 err = Console(stderr=True)
@@ -12,6 +14,15 @@ err = Console(stderr=True)
 
 MissPolicyOpt = Enum("MissPolicyOpt", {p: p for p in ("adaptive", "gpu", "cpu", "half")}, type=str)
 CachePolicyOpt = Enum("CachePolicyOpt", {p: p for p in ("lru", "static")}, type=str)
+
+# The offload options that `ftc run` and `ftc bench` share (`offload_config` turns them into one).
+VramBudgetArg = Annotated[str | None, typer.Option(help="Cap on device memory, e.g. 32GiB.")]
+SlotsArg = Annotated[int | None, typer.Option(help="Expert slots (default: what the budget holds).")]
+MissPolicyArg = Annotated[MissPolicyOpt, typer.Option(help="Where cache misses run.")]
+CachePolicyArg = Annotated[CachePolicyOpt, typer.Option(help="lru, or static (the prompt's top experts).")]
+CpuExpertsArg = Annotated[bool, typer.Option("--cpu-experts", help="With --device: every routed expert on the CPU, "
+                                             "the rest of the model on the device.")]
+PrefillChunkArg = Annotated[int | None, typer.Option(help="Prompt chunk in tokens (default: the plan's).")]
 
 
 def offload_config(device: str | None, vram_budget: str | None, slots: int | None, miss_policy: str,
