@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -31,7 +32,7 @@ from .kv_cache import INITIAL_CAPACITY, KVCache
 from .models.qwen3_moe import Qwen3MoeModel, attention_in, attention_out, decode_attention, dense_mlp, route
 
 
-class DecodeGraphs:
+class DecodeGraphs(ABC):
     """The machinery shared by the model families: static buffers, one graph per layer and one
     for the head, captured on the second step of a KV storage, and the step loop with the host
     round trip of each MoE layer. A family's subclass gives its functions (`functions`, fused by
@@ -77,19 +78,19 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.warm = False  # a step ran eagerly on the current storage
 
+    @abstractmethod
     def functions(self) -> dict[str, Callable]:
         """The pure tensor functions a layer runs, by name (each compiled once for all layers)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _warm_up(self) -> None:
         """Runs every function once (compiling it, at load) on the static buffers and the weights
         of the first layer of each kind; the outputs are discarded."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _layer(self, i: int, cache) -> None:
         """Layer i's non-expert work on x: joins the previous MLP output, mixes tokens, and either
         stages the routed experts' input for the host or writes a dense MLP's output to `mlp`."""
-        raise NotImplementedError
 
     def step(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """Logits [1, vocab] fp32 of the token `ids` (one) after the cache's tokens."""
@@ -151,6 +152,15 @@ class DecodeGraphs:
         self._join_previous(self.model.spec.num_layers)
         self.logits.copy_(self.model.head(self.x))
 
+    def store_kv(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Writes k, v at the step's position (a device tensor) of the cache's `layer`: its whole
+        key and value storage and the mask of the positions this token sees."""
+        keys, values = cache.storage(layer)
+        keys.index_copy_(0, self.position, k)
+        values.index_copy_(0, self.position, v)
+        return keys, values, torch.arange(keys.shape[0], device=keys.device) <= self.position
+
 
 class AttentionDecodeGraphs(DecodeGraphs):
     """Qwen3-MoE's layers: attention over the KV cache, then the router or a dense MLP."""
@@ -183,15 +193,6 @@ class AttentionDecodeGraphs(DecodeGraphs):
             m.experts.stage(h.float(), ids, weights)
         else:
             self.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
-
-    def store_kv(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Writes k, v at the step's position (a device tensor) of the cache's `layer`: its whole
-        key and value storage and the mask of the positions this token sees."""
-        keys, values = cache.storage(layer)
-        keys.index_copy_(0, self.position, k)
-        values.index_copy_(0, self.position, v)
-        return keys, values, torch.arange(keys.shape[0], device=keys.device) <= self.position
 
 
 def decode_graphs_for(model, enabled: bool, compile_fns: bool) -> DecodeGraphs | None:

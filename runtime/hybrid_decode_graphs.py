@@ -17,15 +17,15 @@ from collections.abc import Callable
 
 import torch
 
-from .decode_graphs import AttentionDecodeGraphs
+from .decode_graphs import DecodeGraphs
 from .hybrid_cache import HybridCache
 from .kv_cache import INITIAL_CAPACITY
-from .models.gated_deltanet import delta_rule, finish, project
+from .models.gated_deltanet import DeltaNetState, delta_rule, finish, project
 from .models.qwen3_moe import decode_attention, dense_mlp, rms_norm, route
 from .models.qwen3_next import gated_attention_in, gated_attention_out, residual_norm, shared_expert
 
 
-class HybridDecodeGraphs(AttentionDecodeGraphs):
+class HybridDecodeGraphs(DecodeGraphs):
     def __init__(self, model, compile_fns: bool):
         super().__init__(model, compile_fns)
         if model.spec.moe.num_shared_experts:
@@ -79,8 +79,7 @@ class HybridDecodeGraphs(AttentionDecodeGraphs):
         w, shape, state = m.delta_weights[i], m.delta_shape, cache.linear[m.linear_index[i]]
         q, k, v, g, beta, _, conv = f["project"](h, *w.projections(), state.conv, shape.heads)
         out, recurrent, _ = delta_rule(q, k, v, g, beta, state.recurrent)
-        state.conv.copy_(conv)
-        state.recurrent.copy_(recurrent)
+        state.assign(DeltaNetState(conv, recurrent))
         return f["finish"](out, h, *w.outputs(), shape.eps)
 
     def _attention(self, i: int, h: torch.Tensor, cache: HybridCache) -> torch.Tensor:
