@@ -16,6 +16,8 @@ from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.serve.scheduler import Request, Scheduler
 from ftc_runtime.vram_plan import VramError
 
+from slot_checks import check_slots_hold_their_rows
+
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 
 
@@ -29,11 +31,6 @@ def engine_dir(tmp_path_factory) -> Path:
 def cpu_engine(engine_dir) -> Engine:
     return Engine.load(engine_dir)
 
-
-def _check_slots_hold_their_rows(experts) -> None:
-    for slot, row in enumerate(experts.cache.id_of.tolist()):
-        if row >= 0:
-            assert bytes(experts.slots[slot].numpy()) == bytes(experts.host_rows[row].numpy())
 
 
 def _budget_for(engine_dir: Path, tokens: int, slots: int) -> int:
@@ -75,7 +72,7 @@ def test_a_growing_context_gives_up_expert_slots_and_gets_them_back(engine_dir, 
     elastic.memory_info = lambda: (budget, budget - plan.dense)  # nothing left beside the weights
     with pytest.raises(VramError, match="even with no expert slots"):
         list(engine.generate(short, 5, SamplingParams(0.0), stop_at_eos=False))
-    _check_slots_hold_their_rows(engine.model.experts)
+    check_slots_hold_their_rows(engine.model.experts)
 
 
 def test_a_request_that_cannot_fit_ends_alone(engine_dir, cpu_engine):
@@ -130,4 +127,4 @@ def test_a_stand_in_budget_loses_what_others_take_after_the_start(engine_dir):
     assert all(h["fixed"] + h["kv"] + h["slots"] <= h["budget"] for h in elastic.history)
     held[0] -= taken
     assert elastic.rebalance(cache.bytes_for(200)) >= before  # back to the fit (`before` may sit below it)
-    _check_slots_hold_their_rows(engine.model.experts)
+    check_slots_hold_their_rows(engine.model.experts)

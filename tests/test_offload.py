@@ -17,6 +17,8 @@ from ftc_runtime.miss_planner import MISS_POLICIES, MissPlanner
 from ftc_runtime.offload import OffloadedExperts
 from ftc_runtime.vram_plan import VramError, parse_size, plan_vram
 
+from slot_checks import check_slots_hold_their_rows
+
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 
 
@@ -31,11 +33,6 @@ def engine_dir(tmp_path_factory) -> Path:
 def cpu_engine(engine_dir) -> Engine:
     return Engine.load(engine_dir)
 
-
-def _check_slots_hold_their_rows(off: OffloadedExperts) -> None:
-    for slot, row in enumerate(off.cache.id_of.tolist()):
-        if row >= 0:
-            assert torch.equal(off.slots[slot].cpu(), off.host_rows[row])
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -60,7 +57,7 @@ def test_offloaded_experts_equal_cpu_experts(cpu_engine, seed):
         assert rel < 1e-5, f"step {step}, policy {planner.policy}/{off.cache.policy}, slots {n_slots}: {rel:.2e}"
         if step == 5:
             off.end_of_prompt()
-        _check_slots_hold_their_rows(off)
+        check_slots_hold_their_rows(off)
         assert off.cache.resident <= n_slots
     s = off.stats
     assert s.hits + s.fills + s.cpu == s.unique
@@ -102,7 +99,7 @@ def test_native_one_token_plan_equals_the_general_path(cpu_engine, seed):
     counts = ("calls", "unique", "hits", "fills", "cpu")
     assert [native.stats.to_dict()[c] for c in counts] == [general.stats.to_dict()[c] for c in counts]
     assert native._token is not None and general._token is None
-    _check_slots_hold_their_rows(native)
+    check_slots_hold_their_rows(native)
 
 
 def test_adaptive_split_sends_q_misses_to_the_device(cpu_engine):
@@ -139,7 +136,7 @@ def test_misses_the_cpu_computed_lately_are_filled(cpu_engine, native):
             assert (s.hits, s.fills, s.cpu) == (1 + k, k, k - 1)
         else:  # one more fill a token: hits 0, 1, 2
             assert (s.hits, s.fills, s.cpu) == (3, 3, 3 * k - 6)
-        _check_slots_hold_their_rows(off)
+        check_slots_hold_their_rows(off)
 
 
 @pytest.mark.parametrize("miss_policy,cache_policy,slots", [("adaptive", "lru", 5), ("gpu", "lru", 20),
@@ -222,7 +219,7 @@ def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap
     full_chunks = sum(1 for i in range(0, len(ids), chunk) if len(ids[i:i + chunk]) >= threshold)
     assert experts.stats.stream_layers == (n_moe * full_chunks if streams else 0)
     assert experts.stream_slots == e * (2 if overlap else 1)
-    _check_slots_hold_their_rows(experts)
+    check_slots_hold_their_rows(experts)
     last_chunk = ids[(len(ids) - 1) // chunk * chunk:]
     if streams and len(last_chunk) >= threshold:
         # the last layer streamed stays cached for decode, and the layers before it fill every
@@ -252,7 +249,7 @@ def test_copies_start_at_the_first_uncached_layer(cpu_engine):
         if layer == 0:
             assert off._stream.loaded == {0: 0, 1: 0, 2: e}
     assert off.stats.streamed == e
-    _check_slots_hold_their_rows(off)
+    check_slots_hold_their_rows(off)
 
 
 @pytest.mark.parametrize("overlap,slots", [(True, 40), (True, 56), (False, 40), (True, 32)])
@@ -277,7 +274,7 @@ def test_a_second_streamed_chunk_finds_the_first_layers_cached(engine_dir, cpu_e
     assert streamed_second <= n_moe * e - (slots - buffers)
     want, _ = _prefill(cpu_engine, ids)
     assert torch.allclose(torch.cat([first, second]), want, rtol=1e-4, atol=1e-4)
-    _check_slots_hold_their_rows(experts)
+    check_slots_hold_their_rows(experts)
 
 
 @pytest.mark.parametrize("offloaded", [False, True])

@@ -1,0 +1,30 @@
+"""Checks shared by the offload tests on the CPU and on the GPU."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_slots_hold_their_rows(experts) -> None:
+    """Every filled slot of an `OffloadedExperts` (on any device) holds its expert's row of the host pool."""
+    for slot, row in enumerate(experts.cache.id_of.tolist()):
+        if row >= 0:
+            assert torch.equal(experts.slots[slot].cpu(), experts.host_rows[row]), (slot, row)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def assert_graphs_match(got: list[torch.Tensor], want: list[torch.Tensor], reference, compiled: bool) -> None:
+    """Decode graphs' logits `got` against the eager path's `want`: uncompiled the same kernels,
+    so within 1e-3 at every step; compiled, both held to the fp32 CPU engine's (`reference()`),
+    the graphs' error at most 4× the eager bf16 one (plus 2e-3)."""
+    if not compiled:
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert rel(a, b) < 1e-3, f"step {step}: {rel(a, b):.2e}"
+        return
+    ref = reference()
+    err_graphs = sum(rel(a, r) for a, r in zip(got, ref, strict=True)) / len(ref)
+    err_eager = sum(rel(b, r) for b, r in zip(want, ref, strict=True)) / len(ref)
+    assert err_graphs < 4 * err_eager + 2e-3, f"compiled {err_graphs:.2e}, eager bf16 {err_eager:.2e}"
