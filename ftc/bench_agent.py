@@ -100,6 +100,7 @@ def _replay(engine: Engine, turns: list[Turn], new_tokens: int) -> dict:
     outputs: list[tuple[int, int]] = []  # where each tool output sits (<tool_response> to its end)
     rows = []
     resp, resp_end = engine.spec.token_id("<tool_response>"), engine.spec.token_id("</tool_response>")
+    stats = getattr(engine.model.experts, "stats", None)  # offloaded experts: what prompts streamed
     for n, turn in enumerate(turns):
         if turn.kind == "edit":
             a, b = outputs[EDITED]
@@ -108,6 +109,7 @@ def _replay(engine: Engine, turns: list[Turn], new_tokens: int) -> dict:
             if resp in turn.tokens:
                 outputs.append((len(history) + turn.tokens.index(resp), len(history) + turn.tokens.index(resp_end) + 1))
             history = history + turn.tokens
+        streamed = stats.streamed if stats else 0
         t0 = time.perf_counter()
         gen = engine.generate(history, new_tokens, SamplingParams(0.0), stop_at_eos=False)
         next(iter(gen))
@@ -115,7 +117,8 @@ def _replay(engine: Engine, turns: list[Turn], new_tokens: int) -> dict:
         list(gen)  # the rest of the answer, dropped: the next turn resends the scripted one
         rows.append({"turn": n, "kind": turn.kind, "prompt_tokens": len(history),
                      "reused_tokens": gen.stats.reused_tokens,
-                     "prefilled_tokens": len(history) - gen.stats.reused_tokens, "ttft_s": round(ttft, 4)})
+                     "prefilled_tokens": len(history) - gen.stats.reused_tokens, "ttft_s": round(ttft, 4),
+                     "streamed_experts": stats.streamed - streamed if stats else None})
     prefix = engine.prefix_cache
     return {"engine": engine.spec.name, "turns": rows, "cache": prefix.stats.to_dict() if prefix else None,
             "checkpoints": prefix.checkpoints if prefix else 0}

@@ -240,7 +240,7 @@ class Engine:
                 return
             cache, sample, prefix = self.model.new_cache(), Sampler(sampling), self.prefix_cache
             resume = prefix.resume(prompt_ids, cache) if prefix is not None else None
-            checkpoints = prefix is not None and prefix.recurrent
+            checkpoints = prefix is not None and prefix.takes_checkpoints
             seq = list(prompt_ids)  # the tokens whose keys and values the cache holds, once run
             try:
                 t0 = time.perf_counter()

@@ -4,11 +4,10 @@ A long chunk routes to nearly every expert of every layer, so it moves each laye
 experts over PCIe once and computes everything on the device. While the device computes MoE layer
 j, a copy stream fills the slots of the next layer that has uncached experts (layers the cache
 holds whole in between cost nothing); events order them (a slot is refilled only after the
-layers that read it are done). Copies go to slots this chunk has not used yet (least recently
-used first) while there are any, then to the chunk's own most recently used slots
-(`ExpertCache.scan_victims`), never to those of a layer still to be computed. So the cache ends
-holding the chunk's first layers, as many as it takes, its last layers having cycled through two
-layers' worth of slots (E each): the next chunk or prompt finds the first layers cached, streams
+layers that read it are done). Copies go to the slots whose next use is farthest
+(`ExpertCache.scan_victims`: the layers just computed, then the farthest ahead), never to those
+of the layers in flight. So the cache keeps a fixed set of layers, as many as it holds beside two
+layers' worth of slots (E each) that cycle: the next chunk or prompt finds them cached, streams
 only the rest, and starts on that while it computes the cached ones; decode starts warm. With
 one buffer (`overlap=False`) each layer is loaded, then computed: the baseline that double
 buffering is measured against.
@@ -38,20 +37,20 @@ class LayerStream:
         self.ready: dict[int, torch.cuda.Event] = {}  # MoE layer → its copies have landed
         self.last_done: torch.cuda.Event | None = None  # the device is done with the last layer computed
         self.loaded: dict[int, int] = {}  # MoE layer → experts it copied (0: all were cached)
-        self.since_step = experts.cache.step  # slots used from this step on are this chunk's
         self.num_layers = experts.pool.header.num_moe_layers
-        self.load(0, np.empty(0, dtype=np.int64))
+        self.load(0, np.empty(0, dtype=np.int64), 0)
 
-    def load(self, j: int, held: np.ndarray) -> bool:
-        """Queues the copies of MoE layer j's uncached experts into the scan's victims, never a
-        slot in `held` (the layers computed before j), after the device is done with every layer
-        computed so far (any of them may have read those slots). False, loading nothing, when the
-        cache has too few other slots."""
+    def load(self, j: int, held: np.ndarray, now: int) -> bool:
+        """While layer `now` computes, queues the copies of MoE layer j's uncached experts into the
+        scan's victims, never a slot in `held` (the layers from `now` to j), after the device is
+        done with every layer computed so far (any of them may have read those slots). False,
+        loading nothing, when the cache has too few other slots."""
         cache, e = self.experts.cache, self.experts.num_experts
         ids = j * e + np.arange(e, dtype=np.int64)
         slots = cache.slot_of[ids]
         missing = ids[slots < 0]
-        dst = cache.scan_victims(missing.size, np.concatenate([slots[slots >= 0], held]), self.since_step)
+        dst = cache.scan_victims(missing.size, np.concatenate([slots[slots >= 0], held]), now,
+                                 self.num_layers)
         if dst.size < missing.size:
             return False
         self.loaded[j] = missing.size
@@ -74,7 +73,7 @@ class LayerStream:
         cache holds cost nothing, so the copies of the next uncached layer run beside the compute
         of every cached layer before it (a chunk after the first finds its first layers cached)."""
         for p in range(j + 1, self.num_layers):
-            if p not in self.loaded and not self.load(p, self._slots_of(range(j, p))):
+            if p not in self.loaded and not self.load(p, self._slots_of(range(j, p)), j):
                 return  # the layers before p hold too much of the cache: try again after layer j
             if self.loaded[p]:
                 return
@@ -94,9 +93,8 @@ class LayerStream:
             host_ids, host_w = experts.routed(j, first_position, host_ids, weights.float().cpu().numpy())
             ids, weights = torch.from_numpy(host_ids).to(x.device), torch.from_numpy(host_w).to(x.device)
         if j not in self.loaded:
-            self.load(j, np.empty(0, dtype=np.int64))
-        # The slots this layer reads become the most recent before the next layers' loads, so that
-        # the chunk's own slots order by layer and `scan_victims` reuses the latest layers' first.
+            self.load(j, np.empty(0, dtype=np.int64), j)
+        # The slots this layer reads count as used now: decode's LRU after the chunk sees them.
         cache.touch(np.unique(cache.slot_of[j * e + host_ids.reshape(-1)]))
         if self.overlap:
             self.load_ahead(j)  # the next uncached layer crosses PCIe while this one computes

@@ -184,19 +184,24 @@ def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path):
     gpu = Engine.load(engine, offload=OffloadConfig(device="cuda", n_slots=24, b_p=25.0, b_h=50.0), prefill_chunk=37)
     ids = [random.randrange(500) for _ in range(100)]
     a, b = gpu.logits(ids).cpu(), cpu.logits(ids)
-    # bf16 activations against fp32, as the qwen3_moe engine above (4.0e-2 measured there)
-    assert float((a - b).norm() / b.norm()) < 8e-2
+    # bf16 activations against fp32. A token whose top-8 experts differ between the two (a near
+    # tie in the router) is 0.13-0.30 off on its own, so a window of 10 tokens can be 0.12 off
+    # (device, 6 random prompts: 0.030-0.071 over 100 tokens, 0.011-0.122 over tokens 60-70)
+    assert rel(a, b) < 0.1
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     cache = gpu.model.new_cache()
     gpu.prefill(torch.tensor(ids[:60]), cache)
     checkpoint = cache.take()
-    steps = [gpu.model.forward(torch.tensor([t]), cache)[-1].cpu() for t in ids[60:70]]
-    assert float((torch.stack(steps) - b[60:70]).norm() / b[60:70].norm()) < 8e-2
+    steps = torch.stack([gpu.model.forward(torch.tensor([t]), cache)[-1].cpu() for t in ids[60:70]])
+    # One-token steps carry the state as well as the prompt path does: against the device's own
+    # prompt logits (0.019-0.063 measured), and no further from fp32 than those (at most +0.008)
+    assert rel(steps, a[60:70]) < 8e-2
+    assert rel(steps, b[60:70]) < rel(a[60:70], b[60:70]) + 0.05
     cache.restore(checkpoint)
     again = torch.stack([gpu.model.forward(torch.tensor([t]), cache)[-1].cpu() for t in ids[60:70]])
     # the same steps again, their experts now split between hits, fills and the CPU differently
     # (bf16 sums in another order); a checkpoint not restored would be 10 tokens off
-    assert float((again - torch.stack(steps)).norm() / again.norm()) < 2e-2
+    assert rel(again, steps) < 2e-2
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -314,7 +319,11 @@ def test_gpu_elastic_vram_gives_slots_to_another_process_and_takes_them_back(tmp
         holder.stdin.close()
         holder.wait(timeout=60)
     gpu.rebalance([(gpu.model.new_cache(), 64)])
-    # all of them, or one less: this process's own memory outside torch's allocator (kernel
-    # modules loaded since the start) counts as taken by others too
-    assert elastic.slots >= n - 1
+    # The holder has gone; what "others" still hold beyond the start is this process's own memory
+    # outside torch's allocator (kernel modules loaded lazily since the start: 84 MB on the
+    # device), which the engine cannot tell from another process's. All slots come back but
+    # those; a holder whose memory was not given back would fail the bound on `own`.
+    own = max(0, elastic.memory_info()[1] - elastic.others_at_start)
+    assert own < 256 * 2**20, own
+    assert elastic.slots >= n - -(-own // plan.expert_stride) - 1 > shrunk
     assert all(h["fixed"] + h["kv"] + h["slots"] <= h["budget"] for h in elastic.history)

@@ -277,6 +277,34 @@ def test_a_second_streamed_chunk_finds_the_first_layers_cached(engine_dir, cpu_e
     check_slots_hold_their_rows(experts)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_turns_of_an_agent_stream_at_most_the_uncached_share(engine_dir, cpu_engine, overlap):
+    """An agent's turns: prompt chunks streamed whole, a few decode steps (LRU fills) between.
+    Every chunk after the first streams at most the pool less the slots beyond the buffers, as a
+    second chunk straight after the first does (the earlier rule, evicting what the chunk had not
+    used yet, streamed 87 % of the pool per turn with 45 % of it cached); logits equal the all-CPU
+    engine's throughout."""
+    e, n_moe = cpu_engine.spec.moe.num_experts, len(cpu_engine.spec.moe_layers)
+    buffers = e * (2 if overlap else 1)
+    slots = random.randrange(buffers + 1, n_moe * e)
+    chunk = 24
+    off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=slots, b_p=20.0, b_h=40.0,
+                                                        prefill_overlap=overlap), prefill_chunk=chunk)
+    experts = off.model.experts
+    ids = [random.randrange(256) for _ in range(5 * (chunk + 3))]
+    got, cache = [], off.model.new_cache()
+    for turn in range(5):
+        prompt, answer = ids[turn * (chunk + 3):][:chunk], ids[turn * (chunk + 3) + chunk:][:3]
+        before = experts.stats.streamed
+        got.append(off.prefill(torch.tensor(prompt), cache, all_logits=True))
+        if turn:
+            assert experts.stats.streamed - before <= n_moe * e - (slots - buffers)
+        got += [off.model.forward(torch.tensor([t]), cache) for t in answer]
+    want, _ = _prefill(cpu_engine, ids)
+    assert torch.allclose(torch.cat(got), want, rtol=1e-4, atol=1e-4)
+    check_slots_hold_their_rows(experts)
+
+
 @pytest.mark.parametrize("offloaded", [False, True])
 def test_batched_decode_equals_one_sequence_at_a_time(engine_dir, cpu_engine, offloaded):
     """Sequences of different lengths decoded together (one call per step) give each sequence the

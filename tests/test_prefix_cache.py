@@ -119,6 +119,24 @@ def test_tiny_budgets_evict_and_keep_outputs_correct(engine_dir, budgets):
         assert cache.stats.checkpoint_evictions + cache.stats.kv_evictions > 0
 
 
+def test_without_room_for_checkpoints_prompts_capture_none(engine_dir):
+    """KV only (`--no-checkpoints`): a hybrid model cannot resume without a checkpoint, so its
+    prompts capture none (each capture costs one more recurrence call per linear layer) and
+    restore nothing; a pure-attention model restores its KV as before. Outputs never change."""
+    engine = Engine.load(engine_dir)
+    parts = _session(engine, random.Random())
+    plain, _, _ = _run(engine, parts, 0)
+    cached = Engine.load(engine_dir)
+    cache = cached.enable_prefix_cache(1 << 30, 0)
+    outs, reused, _ = _run(cached, parts, 0)
+    assert outs == plain
+    assert cache.checkpoints == 0 and cache.stats.checkpoint_evictions == 0
+    if cached.spec.linear_attention_layers:
+        assert not any(reused)
+    else:
+        assert reused[-1] > 0
+
+
 def test_held_nodes_are_never_evicted(engine_dir):
     """A sequence that resumed from the cache holds its nodes: inserting others under a budget
     too small for anything evicts everything else, never them; once released, they go too."""

@@ -137,7 +137,7 @@ class Scheduler:
             if prefix is not None:
                 r.resume = prefix.resume(r.prompt_ids, r.cache)
                 r.prompt_done, r.seq = r.resume.length, list(r.prompt_ids[:r.resume.length])
-                r.checkpoints = prefix.recurrent
+                r.checkpoints = prefix.takes_checkpoints
             self.reading.append(r)
 
     def _read_prompt(self, r: Request) -> None:
