@@ -184,10 +184,11 @@ def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path):
     gpu = Engine.load(engine, offload=OffloadConfig(device="cuda", n_slots=24, b_p=25.0, b_h=50.0), prefill_chunk=37)
     ids = [random.randrange(500) for _ in range(100)]
     a, b = gpu.logits(ids).cpu(), cpu.logits(ids)
-    # bf16 activations against fp32. A token whose top-8 experts differ between the two (a near
-    # tie in the router) is 0.13-0.30 off on its own, so a window of 10 tokens can be 0.12 off
-    # (device, 6 random prompts: 0.030-0.071 over 100 tokens, 0.011-0.122 over tokens 60-70)
-    assert rel(a, b) < 0.1
+    # bf16 activations against fp32, as the qwen3_moe engine above (device, 6 random prompts:
+    # 0.030-0.071 over these 100 tokens). A token whose top-8 experts differ between the two (a
+    # near tie in the router) is 0.13-0.30 off on its own, so a window of 10 tokens can be 0.12 off
+    # (0.011-0.122 over tokens 60-70): the decode steps below are held to the prompt path instead
+    assert rel(a, b) < 8e-2
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     cache = gpu.model.new_cache()
     gpu.prefill(torch.tensor(ids[:60]), cache)
@@ -325,5 +326,6 @@ def test_gpu_elastic_vram_gives_slots_to_another_process_and_takes_them_back(tmp
     # those; a holder whose memory was not given back would fail the bound on `own`.
     own = max(0, elastic.memory_info()[1] - elastic.others_at_start)
     assert own < 256 * 2**20, own
-    assert elastic.slots >= n - -(-own // plan.expert_stride) - 1 > shrunk
+    own_slots = -(-own // plan.expert_stride)  # rounded up
+    assert elastic.slots >= n - own_slots - 1 > shrunk
     assert all(h["fixed"] + h["kv"] + h["slots"] <= h["budget"] for h in elastic.history)
