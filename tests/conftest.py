@@ -4,6 +4,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ftc.pipeline import CompileOptions, compile_engine
+from ftc_runtime import Engine
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
@@ -19,3 +22,18 @@ def kernel_cache(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("ftc-cache")
     os.environ["FTC_CACHE_DIR"] = str(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE engine of the offload and elastic-VRAM tests (modules that test another
+    engine define their own). AVX2 kernels: fp32 activations, so the offloaded path and the
+    all-CPU engine agree to fp32 rounding."""
+    spec = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
+    return compile_engine(CompileOptions(source=spec, target="cpu", random_weights=True, seed=7,
+                                         output=tmp_path_factory.mktemp("tiny") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(engine_dir) -> Engine:
+    return Engine.load(engine_dir)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from ftc.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.elastic_vram import ElasticVram
 from ftc_runtime.engine import OffloadConfig
@@ -17,20 +16,6 @@ from ftc_runtime.serve.scheduler import Request, Scheduler
 from ftc_runtime.vram_plan import VramError
 
 from slot_checks import check_slots_hold_their_rows
-
-SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
-
-
-@pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory) -> Path:
-    return compile_engine(CompileOptions(source=SPEC, target="cpu", random_weights=True, seed=7,
-                                         output=tmp_path_factory.mktemp("elastic") / "tiny"))
-
-
-@pytest.fixture(scope="module")
-def cpu_engine(engine_dir) -> Engine:
-    return Engine.load(engine_dir)
-
 
 
 def _budget_for(engine_dir: Path, tokens: int, slots: int) -> int:

@@ -141,6 +141,19 @@ def _teacher_forced_logits(engine: Engine, ids: list[int], prompt: int) -> list[
     return out
 
 
+def _graphs_and_eager(engine_dir: Path, monkeypatch, compiled: bool) -> tuple[Engine, Engine]:
+    """The engine on the GPU twice, with the same random slot count: with decode graphs (functions
+    compiled or not) and without them."""
+    monkeypatch.setenv("FTC_TORCH_COMPILE", "1" if compiled else "0")
+    cfg = OffloadConfig(device="cuda", n_slots=random.randrange(4, 40), b_p=25.0, b_h=50.0)
+    graphs = Engine.load(engine_dir, offload=cfg)
+    assert graphs.model.decode_graphs is not None
+    monkeypatch.setenv("FTC_DECODE_GRAPHS", "0")
+    eager = Engine.load(engine_dir, offload=cfg)
+    assert eager.model.decode_graphs is None
+    return graphs, eager
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled):
     """Replayed CUDA graphs (the first step on a KV storage eager, the second captured, then
@@ -152,13 +165,7 @@ def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled):
     differences into other experts, so both are held to the fp32 CPU engine: measured on the
     device 1.6e-2 and 1.7e-2 compiled against 1.2e-2 and 7.1e-3 eager; the bound (4× eager) still
     catches a wrong fusion, whose error would be of order 1."""
-    monkeypatch.setenv("FTC_TORCH_COMPILE", "1" if compiled else "0")
-    cfg = OffloadConfig(device="cuda", n_slots=random.randrange(4, 40), b_p=25.0, b_h=50.0)
-    graphs = Engine.load(engine_dir, offload=cfg)
-    assert graphs.model.decode_graphs is not None
-    monkeypatch.setenv("FTC_DECODE_GRAPHS", "0")
-    eager = Engine.load(engine_dir, offload=cfg)
-    assert eager.model.decode_graphs is None
+    graphs, eager = _graphs_and_eager(engine_dir, monkeypatch, compiled)
     # Two sequences: the second one's KV storage is new, and it grows past its first 256 tokens,
     # so the graphs are captured again twice.
     ids = [random.randrange(256) for _ in range(30)]
@@ -244,13 +251,7 @@ def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compil
     as the qwen3_moe graphs are above."""
     spec = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3.6-moe-tiny.yaml"
     engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, output=tmp_path / "hybrid"))
-    monkeypatch.setenv("FTC_TORCH_COMPILE", "1" if compiled else "0")
-    cfg = OffloadConfig(device="cuda", n_slots=random.randrange(4, 40), b_p=25.0, b_h=50.0)
-    graphs = Engine.load(engine, offload=cfg)
-    assert graphs.model.decode_graphs is not None
-    monkeypatch.setenv("FTC_DECODE_GRAPHS", "0")
-    eager = Engine.load(engine, offload=cfg)
-    assert eager.model.decode_graphs is None
+    graphs, eager = _graphs_and_eager(engine, monkeypatch, compiled)
 
     def session(e: Engine) -> list[torch.Tensor]:
         rng = random.Random(5)

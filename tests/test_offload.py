@@ -4,13 +4,11 @@ the all-CPU path computes, whatever the slot count, miss policy and cache policy
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from ftc.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.miss_planner import MISS_POLICIES, MissPlanner
@@ -18,21 +16,6 @@ from ftc_runtime.offload import OffloadedExperts
 from ftc_runtime.vram_plan import VramError, parse_size, plan_vram
 
 from slot_checks import check_slots_hold_their_rows
-
-SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
-
-
-@pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory) -> Path:
-    """AVX2 kernels: fp32 activations, so both paths agree to fp32 rounding."""
-    return compile_engine(CompileOptions(source=SPEC, target="cpu", random_weights=True, seed=7,
-                                         output=tmp_path_factory.mktemp("off") / "tiny"))
-
-
-@pytest.fixture(scope="module")
-def cpu_engine(engine_dir) -> Engine:
-    return Engine.load(engine_dir)
-
 
 
 @pytest.mark.parametrize("seed", range(12))
