@@ -10,10 +10,14 @@ from ftc_runtime import Engine
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
-    if not torch.cuda.is_available():
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip_gpu)
+    # The agent-harness tests install Claude Code and OpenCode from the npm registry: opt-in only.
+    skip_agents = pytest.mark.skip(reason="opt-in: pytest -m agents")
+    asked_for_agents = "agents" in (config.getoption("markexpr") or "")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "agents" in item.keywords and not asked_for_agents:
+            item.add_marker(skip_agents)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -45,6 +46,13 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
+# Hosts a server bound to loopback answers by default: a page elsewhere that resolves its own name
+# to 127.0.0.1 (DNS rebinding) sends its own name as Host, and is refused.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+# Seconds that in-flight requests get to end once the server is told to stop (SIGTERM, Ctrl-C).
+SHUTDOWN_S = 3
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model_name: str
@@ -52,6 +60,31 @@ class ServerConfig:
     max_batch: int = 16
     max_prompt_tokens: int = 32768
     max_new_tokens: int = 8192
+    max_body_bytes: int = 8 << 20  # a request body larger than this is refused before it is parsed
+    allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted (None: any)
+
+
+def default_allowed_hosts(bind: str) -> tuple[str, ...] | None:
+    """Loopback names for a loopback bind (DNS-rebinding protection), else any host."""
+    return LOOPBACK_HOSTS if bind in LOOPBACK_HOSTS or bind.startswith("127.") else None
+
+
+def default_prefix_cache_bytes(engine: Engine) -> int:
+    """The prefix cache's KV budget when serving: an eighth of the device budget on a GPU engine
+    (the elastic split gives the rest to expert slots), else a quarter of the host memory left
+    after loading, at most 8 GiB. The hybrid models' checkpoints get as much again, in host memory."""
+    if engine.vram is not None:
+        return engine.vram.budget // 8
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(available // 4, 8 << 30)
+
+
+def run_server(app: FastAPI, host: str, port: int) -> None:
+    """Serves until SIGTERM or Ctrl-C; in-flight requests get SHUTDOWN_S seconds, then fail."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                  timeout_graceful_shutdown=SHUTDOWN_S)).run()
 
 
 class TokenStream:
