@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 from ftc.pipeline import CompileOptions, compile_engine  # noqa: E402
 from ftc_runtime import Engine, SamplingParams  # noqa: E402
 from ftc_runtime.sampling import Sampler  # noqa: E402
-from ftc_runtime.serve.app import ServerConfig, create_app  # noqa: E402
+from live_server import free_port, serving  # noqa: E402
 
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 KEY = "test-key-" + str(random.randrange(10**9))
@@ -34,26 +32,6 @@ KEY = "test-key-" + str(random.randrange(10**9))
 def engine(tmp_path_factory) -> Engine:
     out = tmp_path_factory.mktemp("serve") / "tiny"
     return Engine.load(compile_engine(CompileOptions(source=SPEC, target="cpu", random_weights=True, output=out)))
-
-
-@contextmanager
-def serving(engine: Engine, **config) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(engine, ServerConfig(model_name=engine.spec.name, **config))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -335,9 +313,7 @@ def test_ftc_run_serve_binds_loopback_and_answers(engine):
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ftc = Path(sys.executable).parent / "ftc"
     proc = subprocess.Popen([str(ftc), "run", str(engine.manifest.root), "--serve", "--port", str(port),
                              "--api-key", KEY], stderr=subprocess.PIPE, text=True)

@@ -1,0 +1,39 @@
+"""A real ftc server on loopback for tests: uvicorn in a thread over an engine loaded in this process."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from ftc_runtime import Engine
+from ftc_runtime.serve.app import ServerConfig, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(engine: Engine, **config) -> Iterator[str]:
+    """The base URL of a server of `engine` (ServerConfig fields as keywords), stopped on exit."""
+    port = free_port()
+    app = create_app(engine, ServerConfig(model_name=engine.spec.name, **config))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
