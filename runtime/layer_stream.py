@@ -78,6 +78,12 @@ class LayerStream:
             if self.loaded[p]:
                 return
 
+    def abandon(self) -> None:
+        """The chunk ended before its last MoE layer: later work on the device waits for the copies
+        queued so far, since the cache already lists their slots as filled."""
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.experts.device).wait_stream(self.copy_stream)
+
     def _slots_of(self, layers: range) -> np.ndarray:
         e = self.experts.num_experts
         slots = self.experts.cache.slot_of[layers.start * e:layers.stop * e]

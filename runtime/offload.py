@@ -131,7 +131,11 @@ class OffloadedExperts(ExpertBackend):
     def begin_pass(self, n_tokens: int, prompt: bool = True) -> None:
         """A prompt chunk of n_tokens is streamed layer by layer when it is long enough and the
         cache can lend the buffers (LRU policy only: the static set is never replaced); a decode
-        batch never is. Either way a pass left unfinished (a failed chunk) is dropped here."""
+        batch never is. Either way a pass left unfinished (a failed or abandoned chunk) is dropped
+        here, once the device's queue waits for its copies still in flight (their slots count as
+        filled)."""
+        if self._stream is not None:
+            self._stream.abandon()
         self._stream = None
         if not prompt or self.stream_min_tokens is None or n_tokens < self.stream_min_tokens \
                 or self.cache.policy != "lru":

@@ -10,7 +10,9 @@ the device, beside the sequences' caches) and one for checkpoints, which live in
 is tens of MB at real shapes (qwen3.6: 30 linear layers of fp32 state), restoring it is one copy of
 about a millisecond, and the device's memory goes to expert slots instead. A node that a running
 sequence holds (reference count) is never evicted, and correctness never depends on the cache: a
-miss only costs prefill.
+miss only costs prefill. Sequences live in namespaces (a server keeps one per API key), each a
+tree of its own: a prompt never resumes from another namespace's tokens, so time to first token
+tells nothing about what another user sent.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class PrefixCache:
     def __init__(self, kv_budget: int, checkpoint_budget: int, recurrent: bool):
         self.kv_budget, self.checkpoint_budget = kv_budget, checkpoint_budget
         self.recurrent = recurrent  # the model has linear layers: resume only at checkpoints
-        self.root = RadixNode((), [])
+        self.roots: dict[str, RadixNode] = {}  # namespace → its tree's root
         self.kv_used = self.checkpoint_used = 0
         self.stats = PrefixStats()
 
@@ -86,12 +88,12 @@ class PrefixCache:
 
     # -- lookup ------------------------------------------------------------------------------
 
-    def resume(self, ids: list[int], cache: KVCache | HybridCache) -> Resume:
-        """Restores the longest usable cached prefix of `ids` (at most all but the last token, so
-        that the prompt still yields logits) into an empty `cache`, and holds its nodes until
-        `release`; the `Resume` says how many tokens it restored."""
+    def resume(self, ids: list[int], cache: KVCache | HybridCache, namespace: str = "") -> Resume:
+        """Restores the longest usable cached prefix of `ids` in `namespace` (at most all but the
+        last token, so that the prompt still yields logits) into an empty `cache`, and holds its
+        nodes until `release`; the `Resume` says how many tokens it restored."""
         self.stats.lookups += 1
-        path, matched = self._match(ids[:-1])
+        path, matched = self._match(self._root(namespace), ids[:-1])
         if self.recurrent:  # to the end of the deepest whole node whose checkpoint survives
             if matched < self._depth(path):
                 path = path[:-1]
@@ -112,9 +114,14 @@ class PrefixCache:
         for node in resume.held:
             node.refs -= 1
 
-    def _match(self, ids: list[int]) -> tuple[list[RadixNode], int]:
-        """The nodes along `ids` and how many tokens match (the last node may match only partly)."""
-        node, path, i = self.root, [], 0
+    def _root(self, namespace: str) -> RadixNode:
+        return self.roots.setdefault(namespace, RadixNode((), []))
+
+    @staticmethod
+    def _match(root: RadixNode, ids: list[int]) -> tuple[list[RadixNode], int]:
+        """The nodes along `ids` below `root` and how many tokens match (the last node may match
+        only partly)."""
+        node, path, i = root, [], 0
         while i < len(ids) and ids[i] in node.children:
             child = node.children[ids[i]]
             n = _common(child.tokens, ids[i:])
@@ -146,13 +153,15 @@ class PrefixCache:
 
     # -- insert ------------------------------------------------------------------------------
     def insert(self, ids: list[int], cache: KVCache | HybridCache,
-               checkpoints: dict[int, RecurrentCheckpoint]) -> None:
+               checkpoints: dict[int, RecurrentCheckpoint], namespace: str = "") -> None:
         """Adds the sequence `ids` (whose keys and values `cache` holds, at least len(ids) of them)
-        and its checkpoints (by the number of tokens they follow), then evicts down to the budgets."""
+        and its checkpoints (by the number of tokens they follow) to `namespace`, then evicts down
+        to the budgets."""
         kv = cache.kv if isinstance(cache, HybridCache) else cache
         if kv.length < len(ids):
             raise ValueError(f"insert: the cache holds {kv.length} tokens, the sequence has {len(ids)}")
-        node, i = self.root, 0
+        root = self._root(namespace)
+        node, i = root, 0
         while i < len(ids):
             child = node.children.get(ids[i])
             if child is None:
@@ -168,7 +177,7 @@ class PrefixCache:
             child.last_used = next(_clock)
             node, i = child, i + n
         for at, checkpoint in checkpoints.items():
-            self._attach(ids[:at], checkpoint)
+            self._attach(root, ids[:at], checkpoint)
         self._evict()
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:
@@ -183,8 +192,8 @@ class PrefixCache:
         upper.children[node.tokens[0]] = node
         return upper
 
-    def _attach(self, prefix: list[int], checkpoint: RecurrentCheckpoint) -> None:
-        path, matched = self._match(prefix)
+    def _attach(self, root: RadixNode, prefix: list[int], checkpoint: RecurrentCheckpoint) -> None:
+        path, matched = self._match(root, prefix)
         if not prefix or matched < len(prefix):
             return  # evicted meanwhile
         node = path[-1]
@@ -220,11 +229,11 @@ class PrefixCache:
             if victim.checkpoint is not None:
                 self.checkpoint_used -= checkpoint_bytes(victim.checkpoint)
             self.stats.kv_evictions += 1
-            if parent is not self.root and not parent.children and parent.refs == 0:
+            if parent.parent is not None and not parent.children and parent.refs == 0:
                 heapq.heappush(leaves, (parent.last_used, id(parent), parent))
 
     def _nodes(self) -> list[RadixNode]:
-        out, stack = [], list(self.root.children.values())
+        out, stack = [], [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)

@@ -1,10 +1,16 @@
-"""Next-token choice: greedy at temperature 0, else temperature and nucleus (top-p) sampling."""
+"""Next-token choice: greedy at temperature 0 (or below `MIN_TEMPERATURE`), else temperature and
+nucleus (top-p) sampling."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+# Below this temperature sampling is greedy: dividing logits by a temperature near 0 overflows to
+# inf - inf = NaN probabilities, and what remains is the argmax anyway.
+MIN_TEMPERATURE = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,8 @@ class SamplingParams:
             raise ValueError(f"temperature = {self.temperature}: expected a number >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p = {self.top_p}: expected a number in (0, 1]")
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed = {self.seed}: expected an integer in [-2^63, 2^64 - 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k = {self.top_k}: expected a number >= 0 (0: no limit)")
 
@@ -30,7 +38,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] fp32."""
-        if self.params.temperature == 0:
+        if self.params.temperature < MIN_TEMPERATURE:
             return int(torch.argmax(logits))
         logits = logits.float()
         if 0 < self.params.top_k < logits.numel():

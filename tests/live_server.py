@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+from fastapi import FastAPI
 
 from ftc_runtime import Engine
 from ftc_runtime.serve.app import ServerConfig, create_app
@@ -23,8 +24,14 @@ def free_port() -> int:
 @contextmanager
 def serving(engine: Engine, **config) -> Iterator[str]:
     """The base URL of a server of `engine` (ServerConfig fields as keywords), stopped on exit."""
+    with serving_app(create_app(engine, ServerConfig(model_name=engine.spec.name, **config))) as base:
+        yield base
+
+
+@contextmanager
+def serving_app(app: FastAPI) -> Iterator[str]:
+    """The base URL of `app` served on a free loopback port, stopped on exit."""
     port = free_port()
-    app = create_app(engine, ServerConfig(model_name=engine.spec.name, **config))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -22,6 +22,7 @@ httpx = pytest.importorskip("httpx")
 from ftc.pipeline import CompileOptions, compile_engine  # noqa: E402
 from ftc_runtime import Engine, SamplingParams  # noqa: E402
 from ftc_runtime.sampling import Sampler  # noqa: E402
+
 from live_server import free_port, serving  # noqa: E402
 
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
@@ -184,7 +185,7 @@ def test_anthropic_errors_have_anthropic_shape(url, engine):
     m = engine.spec.name
     cases = [{"model": m, "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
              {"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
-             {"model": m, "max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]},
+             {"model": m, "max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]},
              {"model": m, "max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "hi"}]},
              {"model": m, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
              {"model": m, "max_tokens": 5, "messages": [], "tools": []},
@@ -232,7 +233,7 @@ def _bad_requests(model: str) -> dict[str, tuple[str, dict | str]]:
         "temperature_high": ("/v1/chat/completions", {"model": model, "messages": msg, "temperature": 9}),
         "top_p_zero": ("/v1/chat/completions", {"model": model, "messages": msg, "top_p": 0}),
         "max_tokens_zero": ("/v1/chat/completions", {"model": model, "messages": msg, "max_tokens": 0}),
-        "max_tokens_huge": ("/v1/chat/completions", {"model": model, "messages": msg, "max_tokens": 10**9}),
+        "max_tokens_negative": ("/v1/chat/completions", {"model": model, "messages": msg, "max_tokens": -5}),
         "too_long_prompt": ("/v1/chat/completions", {"model": model, "messages": [
             {"role": "user", "content": "word " * 3000}]}),
         "tool_bad_name": ("/v1/chat/completions", {"model": model, "messages": msg, "tools": [

@@ -7,6 +7,8 @@ Tensor names follow the HF checkpoint (`model.layers.L.self_attn.q_proj.weight`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -195,10 +197,11 @@ class Qwen3MoeModel:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, all_logits: bool = False,
-                checkpoint_at: tuple[int, ...] = ()) -> torch.Tensor:
+                checkpoint_at: tuple[int, ...] = (), between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32.
         `checkpoint_at` is the hybrid models' (`Qwen3NextModel.forward`): this one keeps no
-        recurrent state, so there is nothing to take."""
+        recurrent state, so there is nothing to take. `between_layers` is called after each layer
+        and may raise to abandon the pass (the cache's length then stays where it was)."""
         if checkpoint_at:
             raise ValueError(f"{self.spec.family} has no recurrent state to checkpoint")
         if self.decode_graphs is not None and ids.numel() == 1:
@@ -212,6 +215,8 @@ class Qwen3MoeModel:
             x, h = attention_out(x, self.attend(i, q, k, v, cache), *self.attention_out_weights(i),
                                  self.spec.norm.eps)
             x = x + self.mlp(i, h, start)
+            if between_layers is not None:
+                between_layers()
         cache.length = start + ids.numel()
         if not all_logits:
             x = x[-1:]

@@ -11,6 +11,8 @@ projections (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`): the compiler
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -151,10 +153,12 @@ class Qwen3NextModel:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: HybridCache, all_logits: bool = False,
-                checkpoint_at: tuple[int, ...] = ()) -> torch.Tensor:
+                checkpoint_at: tuple[int, ...] = (), between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32.
         `checkpoint_at`: indices into ids (ascending) after which the linear layers' state goes
-        into `cache.checkpoints`, taken within the chunk, which is not cut there."""
+        into `cache.checkpoints`, taken within the chunk, which is not cut there. `between_layers`
+        is called after each layer and may raise to abandon the pass (the linear layers' state is
+        then part-way through the chunk: the sequence must end)."""
         if self.decode_graphs is not None and ids.numel() == 1 and not checkpoint_at:
             return self.decode_graphs.step(ids, cache)
         start, n = cache.length, ids.numel()
@@ -174,6 +178,8 @@ class Qwen3NextModel:
                 x = x + self.full_attention(i, h, cos, sin, [cache])
             x = x + self.mlp(i, rms_norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"],
                                          self.spec.norm.eps), start)
+            if between_layers is not None:
+                between_layers()
         for c, at in enumerate(checkpoint_at):
             cache.checkpoints[start + at + 1] = RecurrentCheckpoint(start + at + 1, tuple(t[c] for t in taken))
         cache.length = start + n

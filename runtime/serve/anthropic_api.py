@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import secrets
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..sampling import SamplingParams
 from ..tool_parsers import AssistantOutput, parse_output, tool_parser
-from .app import ApiError, Server, TokenStream, ToolName, message_parts, server_of
+from .app import ApiError, Server, ToolName, namespace_of, server_of
+from .token_stream import MAX_STOP_CHARS, MAX_STOPS, TokenStream, message_parts, with_keepalive
 
 router = APIRouter()
 
@@ -36,7 +37,7 @@ class Block(_Body):
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # a system turn mid-conversation, as agent harnesses send
     content: str | list[Block]
 
 
@@ -46,13 +47,24 @@ class ToolDef(_Body):
     input_schema: dict[str, Any]
 
 
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(_Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1)
+
+
 class CountRequest(_Body):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[Block] | None = None
     tools: list[ToolDef] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
 
 
 class MessagesRequest(CountRequest):
@@ -61,30 +73,36 @@ class MessagesRequest(CountRequest):
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] | None = Field(None, max_length=MAX_STOPS)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountRequest, request: Request) -> dict:
     server = server_of(request)
-    return {"input_tokens": len(_prompt_ids(server, body))}
+    ids, _ = await _prompt_ids(server, body)
+    return {"input_tokens": len(ids)}
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     server = server_of(request)
-    ids = _prompt_ids(server, body)
+    ids, opening = await _prompt_ids(server, body)
     server.check_prompt(ids, "messages")
-    limit = server.new_tokens(body.max_tokens, body.max_tokens)
+    limit = server.new_tokens(body.max_tokens, len(ids))
     sampling = SamplingParams(body.temperature, body.top_p, secrets.randbits(63), body.top_k)
-    stops = list(body.stop_sequences or [])
-    stream = TokenStream(server, ids, limit, sampling, stops)
+    stream = TokenStream(server, ids, limit, sampling, list(body.stop_sequences or []), namespace_of(request),
+                         opening)
     tools = _tools(body)
     msg_id, parser = f"msg_{uuid.uuid4().hex}", tool_parser(server.engine.tool_parser)
     if body.stream:
-        return StreamingResponse(_events(stream, msg_id, server.config.model_name, tools, parser),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    out = parse_output(await stream.text(request), parser, tools)
+        ping = 'event: ping\ndata: {"type": "ping"}\n\n'
+        events = with_keepalive(_events(stream, msg_id, server.config.model_name, tools, parser), ping,
+                                server.config.keepalive_s)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    text = await stream.text(request)
+    if stream.finish_reason == "error":
+        raise ApiError(500, f"the engine failed on this request: {stream.error}", None, "api_error")
+    out = parse_output(text, parser, tools)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": server.config.model_name,
             "content": _blocks(out), "stop_reason": _stop_reason(stream, out), "stop_sequence": stream.stop_sequence,
             "usage": {"input_tokens": stream.prompt_tokens, "output_tokens": stream.completion_tokens}}
@@ -118,6 +136,9 @@ async def _events(stream: TokenStream, msg_id: str, model: str, tools: list[dict
         delta = {"type": "thinking_delta", "thinking": value} if block == "thinking" else \
             {"type": "text_delta", "text": value}
         yield event("content_block_delta", {"index": index, "delta": delta})
+    if stream.finish_reason == "error":  # Anthropic's error event ends the stream
+        yield event("error", {"error": {"type": "api_error", "message": f"the engine failed: {stream.error}"}})
+        return
     if open_kind is not None:
         yield event("content_block_stop", {"index": index})
     stop_reason = "tool_use" if n_calls else _stop_reason(stream, AssistantOutput(""))
@@ -145,26 +166,36 @@ def _stop_reason(stream: TokenStream, out: AssistantOutput) -> str:
     return "max_tokens" if stream.finish_reason == "length" else "end_turn"
 
 
-def _prompt_ids(server: Server, body: CountRequest) -> list[int]:
+async def _prompt_ids(server: Server, body: CountRequest) -> tuple[list[int], str]:
+    """The prompt's ids and, where tool_choice forces a call, the opening of that call (its ids
+    are the prompt's last)."""
     server.check_model(body.model)
     messages = []
     if body.system:
-        text = body.system if isinstance(body.system, str) else "".join(b.text or "" for b in body.system)
-        messages.append({"role": "system", "content": text})
+        messages.append({"role": "system", "content": _text(body.system)})
     for m in body.messages:
         messages += _template_messages(m)
+    forced = body.tool_choice is not None and body.tool_choice.type in ("any", "tool")
     options = {}
     if body.thinking is not None:
-        options["enable_thinking"] = body.thinking.get("type") == "enabled"
-    prompt = server.engine.chat_template.render(messages, _tools(body) or None, **options)
-    return server.engine.tokenizer.encode(prompt)
+        if forced and body.thinking.type == "enabled":
+            raise ApiError(400, f"tool_choice {body.tool_choice.type!r} forces a tool call, which thinking "
+                           "cannot precede: use tool_choice auto or none with thinking", "tool_choice")
+        options["enable_thinking"] = body.thinking.type != "disabled"
+    ids = await server.prompt_ids(messages, _tools(body) or None, **options)
+    opening = tool_parser(server.engine.tool_parser).open_tag + "\n" if forced else ""
+    return ids + (server.engine.tokenizer.encode(opening) if opening else []), opening
+
+
+def _text(content: str | list[Block]) -> str:
+    return content if isinstance(content, str) else "".join(b.text or "" for b in content if b.type == "text")
 
 
 def _template_messages(m: Message) -> list[dict[str, Any]]:
     """One Anthropic message as chat-template messages: tool results become tool turns."""
-    if isinstance(m.content, str):
-        return [{"role": m.role, "content": m.content}]
-    text = "".join(b.text or "" for b in m.content if b.type == "text")
+    if isinstance(m.content, str) or m.role == "system":
+        return [{"role": m.role, "content": _text(m.content)}]
+    text = _text(m.content)
     if m.role == "assistant":
         out: dict[str, Any] = {"role": "assistant", "content": text}
         thinking = "".join(b.thinking or "" for b in m.content if b.type == "thinking")
@@ -190,7 +221,18 @@ def _template_messages(m: Message) -> list[dict[str, Any]]:
 
 
 def _tools(body: CountRequest) -> list[dict[str, Any]]:
-    if body.tool_choice and body.tool_choice.get("type") == "none":
+    """The tools to offer: none for tool_choice none, the named one alone for tool_choice tool."""
+    choice, tools = body.tool_choice, body.tools or []
+    if choice is not None and choice.type == "none":
         return []
+    if choice is not None and choice.type in ("any", "tool") and not tools:
+        raise ApiError(400, f"tool_choice {choice.type!r} forces a tool call, but the request offers no tools",
+                       "tool_choice")
+    if choice is not None and choice.type == "tool":
+        if choice.name is None:
+            raise ApiError(400, "tool_choice type 'tool' needs the tool's name", "tool_choice.name")
+        tools = [t for t in tools if t.name == choice.name]
+        if not tools:
+            raise ApiError(400, f"tool_choice names {choice.name!r}, which is not among the tools", "tool_choice.name")
     return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}} for t in body.tools or []]
+                                              "parameters": t.input_schema}} for t in tools]

@@ -1,28 +1,26 @@
-"""The HTTP app: auth, errors in the API's own shape, health, metrics, and the generation stream
-that every route reads (`TokenStream`). The routes are in `openai_api` and `anthropic_api`."""
+"""The HTTP app: the request guard, errors in the API's own shape, health, metrics, shutdown,
+and what both APIs share: the server's limits and a conversation turned into prompt ids off the
+event loop. The routes are in `openai_api` and `anthropic_api`; the generation stream that they
+read is `token_stream.TokenStream`."""
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import os
 import re
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import AfterValidator
 from starlette.exceptions import HTTPException
 
+from ..chat_template import ChatTemplateError
 from ..engine import Engine
-from ..sampling import SamplingParams
-from ..tokenizer import StreamDecoder
-from ..tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser
-from .scheduler import Request as EngineRequest
+from .guard import NAMESPACE, RequestGuard, error_body
 from .scheduler import Scheduler
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -62,6 +60,12 @@ class ServerConfig:
     max_new_tokens: int = 8192
     max_body_bytes: int = 8 << 20  # a request body larger than this is refused before it is parsed
     allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted (None: any)
+    api_keys: tuple[str, ...] = ()  # more keys besides api_key; each its own prefix-cache namespace
+    keepalive_s: float = 5.0  # a stream with nothing to send sends a keep-alive line this often
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return ((self.api_key,) if self.api_key is not None else ()) + self.api_keys
 
 
 def default_allowed_hosts(bind: str) -> tuple[str, ...] | None:
@@ -83,132 +87,92 @@ def run_server(app: FastAPI, host: str, port: int) -> None:
     """Serves until SIGTERM or Ctrl-C; in-flight requests get SHUTDOWN_S seconds, then fail."""
     import uvicorn
 
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+    class StoppingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # The engine stops first, within a layer: in-flight requests end with an error their
+            # clients can read, before uvicorn waits for their connections.
+            scheduler = app.state.server.scheduler
+            if scheduler is not None:
+                scheduler.stop()
+            super().handle_exit(sig, frame)
+
+    StoppingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                   timeout_graceful_shutdown=SHUTDOWN_S)).run()
-
-
-class TokenStream:
-    """One request's text as the engine thread produces it: `deltas()` yields text pieces, then
-    ends; `finish_reason` and `completion_tokens` are set by then. Stop strings end it early (the
-    text is cut before them). Leaving the iteration early cancels the request."""
-
-    def __init__(self, server: Server, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
-                 stop: list[str]):
-        self.server, self.stop = server, [s for s in stop if s]
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[tuple[int | None, str | None]] = asyncio.Queue()
-        self.finish_reason: str | None = None
-        self.stop_sequence: str | None = None  # the stop string that ended the text, if one did
-        self.completion_tokens = 0
-        self.prompt_tokens = len(prompt_ids)
-        self.request = EngineRequest(prompt_ids, max_new_tokens, sampling, self._on_token,
-                                     frozenset(server.engine.spec.eos_token_ids))
-        server.scheduler.submit(self.request)
-
-    def _on_token(self, token: int | None, reason: str | None) -> None:  # the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, reason))
-
-    async def deltas(self) -> AsyncIterator[str]:
-        decoder, eos = StreamDecoder(self.server.engine.tokenizer), self.request.stop_ids
-        text, engine_done = "", False
-        try:
-            while True:
-                token, reason = await self.queue.get()
-                if token is None:
-                    engine_done = True
-                    self.finish_reason = "length" if reason == "length" else ("error" if reason == "error" else "stop")
-                    delta = decoder.flush()
-                else:
-                    self.completion_tokens += 1
-                    if token in eos:
-                        continue
-                    delta = decoder.push(token)
-                hit = _first_stop(text + delta, self.stop)
-                if hit is not None:
-                    cut, self.stop_sequence = hit
-                    if cut > len(text):
-                        yield (text + delta)[len(text):cut]
-                    self.finish_reason = "stop"
-                    return
-                text += delta
-                if delta:
-                    yield delta
-                if token is None:
-                    return
-        finally:
-            if not engine_done:  # a stop string, or the client gone: the engine drops the request
-                self.request.cancel()
-
-    async def text(self, http: Request | None = None) -> str:
-        """The whole text; with `http`, a client that leaves first cancels the request (a streamed
-        answer is cancelled by its response instead)."""
-        watch = asyncio.create_task(self._watch(http)) if http is not None else None
-        try:
-            return "".join([d async for d in self.deltas()])
-        finally:
-            if watch is not None:
-                watch.cancel()
-
-    async def _watch(self, http: Request) -> None:
-        while not await http.is_disconnected():
-            await asyncio.sleep(0.25)
-        self.request.cancel()
-        self.queue.put_nowait((None, "cancelled"))
-
-
-async def message_parts(stream: TokenStream, parser: ToolParser,
-                        tools: list[dict[str, Any]]) -> AsyncIterator[tuple[str, Any]]:
-    """The answer as it streams: ("reasoning", text), ("content", text), and where tools were
-    offered ("tool_call", ToolCall) as soon as each call's block closes."""
-    reasoning = ReasoningSplitter()
-    calls = ToolCallStream(parser, tools) if tools else None
-
-    def route(pieces: list[tuple[str, str]]) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
-        for kind, text in pieces:
-            out += [(kind, text)] if kind == "reasoning" or calls is None else calls.feed(text)
-        return out
-
-    async for delta in stream.deltas():
-        for part in route(reasoning.feed(delta)):
-            yield part
-    for part in route(reasoning.flush()) + (calls.flush() if calls is not None else []):
-        yield part
-
-
-def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    found = [(i, s) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
-    return min(found) if found else None
 
 
 class Server:
     def __init__(self, engine: Engine, config: ServerConfig):
-        for name in ("max_batch", "max_prompt_tokens", "max_new_tokens"):
+        for name in ("max_batch", "max_prompt_tokens", "max_new_tokens", "max_body_bytes"):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} = {getattr(config, name)}: expected at least 1")
+        if any(not k for k in config.keys):
+            raise ValueError("the API key is empty: give a non-empty key, or none to serve without one")
         if engine.chat_template is None:
             raise ValueError(f"{engine.manifest.root}: the engine has no chat template (compile it again)")
         self.engine, self.config = engine, config
+        self.context = engine.spec.max_position_embeddings
         self.scheduler: Scheduler | None = None
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
             raise ApiError(400, "the prompt is empty", param)
-        limit = self.config.max_prompt_tokens
+        limit = min(self.config.max_prompt_tokens, self.context - 1)
         if len(ids) > limit:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens; this server takes at most {limit}", param)
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; this server takes at most {limit} "
+                           f"(the model's context is {self.context})", param)
 
     def check_model(self, model: str) -> None:
         if model != self.config.model_name:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
                            "model", "not_found_error")
 
-    def new_tokens(self, asked: int | None, default: int) -> int:
-        n = default if asked is None else asked
-        if n > self.config.max_new_tokens:
-            raise ApiError(400, f"max_tokens = {n}: this server generates at most {self.config.max_new_tokens}",
-                           "max_tokens")
-        return n
+    def new_tokens(self, asked: int | None, prompt_tokens: int) -> int:
+        """Tokens to generate at most: what the request asks (default: the server's limit), within
+        the server's limit and what the model's context leaves after the prompt."""
+        limit = min(self.config.max_new_tokens, self.context - prompt_tokens)
+        return limit if asked is None else min(asked, limit)
+
+    async def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                         **options: Any) -> list[int]:
+        """The conversation as prompt ids, rendered and tokenized on a worker thread (a long prompt
+        takes a while): client text stays text (special-token strings in it are not control
+        tokens); text that is not valid Unicode is a 400."""
+        template, tokenizer = self.engine.chat_template, self.engine.tokenizer
+        try:
+            return await run_in_threadpool(template.render_ids, tokenizer, messages, tools, **options)
+        except ChatTemplateError as e:
+            if not _later_system_turns(messages):
+                raise ApiError(400, str(e), "messages") from None
+        # A checkpoint's template that takes a system turn only first: later ones join the first.
+        try:
+            return await run_in_threadpool(template.render_ids, tokenizer, _hoist_system(messages), tools, **options)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), "messages") from None
+
+    async def encode(self, text: str, param: str) -> list[int]:
+        """A raw prompt's ids (its special-token strings are control tokens: the client writes the
+        whole prompt), tokenized on a worker thread."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ApiError(400, f"{param}: invalid text (lone surrogate U+{ord(text[e.start]):04X} at character "
+                           f"{e.start})", param) from None
+        return await run_in_threadpool(self.engine.tokenizer.encode, text)
+
+
+def _later_system_turns(messages: list[dict[str, Any]]) -> bool:
+    return any(m.get("role") == "system" for m in messages[1:])
+
+
+def _hoist_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    system = [m["content"] for m in messages if m.get("role") == "system"]
+    rest = [m for m in messages if m.get("role") != "system"]
+    return [{"role": "system", "content": "\n\n".join(system)}] + rest
+
+
+def namespace_of(request: Request) -> str:
+    """The prefix-cache namespace of the key that authorized the request ("" without keys)."""
+    return request.scope.get(NAMESPACE, "")
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
@@ -223,15 +187,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         yield
         server.scheduler.close()
 
-    app = FastAPI(title="ftc", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="ftc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if config.api_key is not None and request.url.path != "/health" and not _authorized(request, config.api_key):
-            return _error(request, 401, "missing or wrong API key (send Authorization: Bearer KEY or x-api-key: KEY)",
-                          None, "authentication_error")
-        return await call_next(request)
+    app.add_middleware(RequestGuard, api_keys=config.keys, allowed_hosts=config.allowed_hosts,
+                       max_body_bytes=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -239,12 +198,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        if first.get("type") == "json_invalid":
-            return _error(request, 400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
-                          None)
-        return _error(request, 400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where)
+        return _invalid(request, e)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
@@ -254,7 +208,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         s = server.scheduler
-        return {"status": "ok", "running": len(s.running) if s else 0, "waiting": s.waiting.qsize() if s else 0}
+        if s is None or not s.alive:
+            return JSONResponse({"status": "the engine thread has stopped"}, status_code=503)
+        return {"status": "ok", "running": len(s.running), "waiting": s.waiting.qsize()}
 
     @app.get("/metrics")
     async def metrics():
@@ -263,6 +219,15 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.include_router(openai_router)
     app.include_router(anthropic_router)
     return app
+
+
+def _invalid(request: Request, e: RequestValidationError) -> Response:
+    first = e.errors()[0] if e.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    if first.get("type") == "json_invalid":
+        return _error(request, 400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
+                      None)
+    return _error(request, 400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where)
 
 
 def _metrics(server: Server) -> str:
@@ -316,18 +281,7 @@ def server_of(request: Request) -> Server:
     return request.app.state.server
 
 
-def _authorized(request: Request, key: str) -> bool:
-    given = request.headers.get("x-api-key") or ""
-    bearer = request.headers.get("authorization", "")
-    if bearer.lower().startswith("bearer "):
-        given = given or bearer[7:].strip()
-    return hmac.compare_digest(given.encode(), key.encode())
-
-
 def _error(request: Request, status: int, message: str, param: str | None,
-           kind: str = "invalid_request_error") -> JSONResponse:
-    """The error in the shape of the API that the path belongs to (Anthropic's for /v1/messages)."""
-    if request.url.path.startswith("/v1/messages"):
-        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status)
+           kind: str = "invalid_request_error") -> Response:
+    status, body = error_body(request.url.path, status, message, param, kind)
+    return Response(body, status_code=status, media_type="application/json")

@@ -14,9 +14,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..sampling import SamplingParams
+from ..sampling import SEED_RANGE, SamplingParams
 from ..tool_parsers import parse_output, tool_parser
-from .app import ApiError, TokenStream, ToolName, message_parts, server_of
+from .app import ApiError, Server, ToolName, namespace_of, server_of
+from .token_stream import MAX_STOP_CHARS, TokenStream, message_parts, with_keepalive
 
 router = APIRouter()
 
@@ -50,6 +51,10 @@ class FunctionDef(_Body):
     parameters: dict[str, Any] | None = None
 
 
+class FunctionName(_Body):
+    name: str
+
+
 class Tool(_Body):
     type: Literal["function"]
     function: FunctionDef
@@ -61,7 +66,7 @@ class Sampling(_Body):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # an extension (vLLM and others take it too); 0: no limit
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream_options: dict[str, Any] | None = None
     # Asked for but not served: refused rather than ignored.
@@ -84,12 +89,17 @@ class Sampling(_Body):
         return v
 
 
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 class CompletionRequest(Sampling):
@@ -107,17 +117,19 @@ async def models(request: Request) -> dict:
 async def chat_completions(body: ChatRequest, request: Request):
     server = server_of(request)
     server.check_model(body.model)
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
-    prompt = server.engine.chat_template.render([_template_message(m) for m in body.messages], tools or None)
-    ids = server.engine.tokenizer.encode(prompt)
-    server.check_prompt(ids, "messages")
-    limit = server.new_tokens(body.max_completion_tokens or body.max_tokens, server.config.max_new_tokens)
-    stream = TokenStream(server, ids, limit, _sampling(body), _stops(body.stop))
-    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.model_name}
+    tools, forced = _tool_choice(body)
     parser = tool_parser(server.engine.tool_parser)
+    ids = await server.prompt_ids([_template_message(m) for m in body.messages], tools or None)
+    opening = parser.open_tag + "\n" if forced else ""  # the answer starts inside a call
+    ids += server.engine.tokenizer.encode(opening) if opening else []
+    server.check_prompt(ids, "messages")
+    limit = server.new_tokens(body.max_completion_tokens or body.max_tokens, len(ids))
+    stream = TokenStream(server, ids, limit, _sampling(body), _stops(body.stop), namespace_of(request), opening)
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.model_name}
     if body.stream:
-        return _sse(_chat_chunks(stream, meta, tools, parser, _include_usage(body)))
+        return _sse(server, _chat_chunks(stream, meta, tools, parser, _include_usage(body)))
     text = await stream.text(request)
+    _raise_if_failed(stream)
     out = parse_output(text, parser, tools)
     message: dict[str, Any] = {"role": "assistant", "content": out.content}
     if out.reasoning is not None:
@@ -133,25 +145,30 @@ async def chat_completions(body: ChatRequest, request: Request):
 async def completions(body: CompletionRequest, request: Request):
     server = server_of(request)
     server.check_model(body.model)
-    ids = body.prompt if isinstance(body.prompt, list) else server.engine.tokenizer.encode(body.prompt)
+    ids = body.prompt if isinstance(body.prompt, list) else await server.encode(body.prompt, "prompt")
     vocab = server.engine.spec.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
     server.check_prompt(ids, "prompt")
-    stream = TokenStream(server, ids, server.new_tokens(body.max_tokens, 16), _sampling(body), _stops(body.stop))
+    stream = TokenStream(server, ids, server.new_tokens(body.max_tokens, len(ids)), _sampling(body),
+                         _stops(body.stop), namespace_of(request))
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.model_name,
             "object": "text_completion"}
     if body.stream:
         async def chunks():
             async for delta in stream.deltas():
                 yield {**meta, "choices": [{"index": 0, "text": delta, "finish_reason": None, "logprobs": None}]}
+            if stream.finish_reason == "error":
+                yield _stream_error(stream)
+                return
             yield {**meta, "choices": [{"index": 0, "text": "", "finish_reason": stream.finish_reason,
                                         "logprobs": None}]}
             if _include_usage(body):
                 yield {**meta, "choices": [], "usage": _usage(stream)}
-        return _sse(chunks())
+        return _sse(server, chunks())
     text = await stream.text(request)
+    _raise_if_failed(stream)
     return {**meta, "usage": _usage(stream),
             "choices": [{"index": 0, "text": text, "finish_reason": stream.finish_reason, "logprobs": None}]}
 
@@ -170,19 +187,53 @@ async def _chat_chunks(stream: TokenStream, meta: dict, tools: list[dict], parse
             n_calls += 1
         else:
             yield chunk({"reasoning_content" if kind == "reasoning" else "content": value})
+    if stream.finish_reason == "error":
+        yield _stream_error(stream)
+        return
     finish = "tool_calls" if n_calls else stream.finish_reason
     yield chunk({}, finish)
     if include_usage:
         yield {**base, "choices": [], "usage": _usage(stream)}
 
 
-def _sse(chunks) -> StreamingResponse:
+def _sse(server: Server, chunks) -> StreamingResponse:
     async def body():
         async for c in chunks:
             yield f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    # An SSE comment line while the prompt is read: clients ignore it, their idle timers restart.
+    lines = with_keepalive(body(), ": keep-alive\n\n", server.config.keepalive_s)
+    return StreamingResponse(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _stream_error(stream: TokenStream) -> dict[str, Any]:
+    """The error event of a stream whose request the engine failed (OpenAI sends errors as data)."""
+    return {"error": {"message": stream.error, "type": "server_error", "param": None, "code": None}}
+
+
+def _raise_if_failed(stream: TokenStream) -> None:
+    if stream.finish_reason == "error":
+        raise ApiError(500, f"the engine failed on this request: {stream.error}", None, "server_error")
+
+
+def _tool_choice(body: ChatRequest) -> tuple[list[dict[str, Any]], bool]:
+    """The tools to offer and whether a call is forced: "none" offers none; "required" forces a
+    call of one of them; a named function offers that one alone and forces its call."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    choice = body.tool_choice
+    if choice == "none":
+        return [], False
+    if choice in (None, "auto"):
+        return tools, False
+    if not tools:
+        raise ApiError(400, "tool_choice forces a tool call, but the request offers no tools", "tool_choice")
+    if choice == "required":
+        return tools, True
+    named = [t for t in tools if t["function"]["name"] == choice.function.name]
+    if not named:
+        raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
+    return named, True
 
 
 def _template_message(m: Message) -> dict[str, Any]:
@@ -228,6 +279,8 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > 4:
         raise ApiError(400, f"stop: {len(stops)} sequences; at most 4", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"stop: a sequence is longer than {MAX_STOP_CHARS} characters", "stop")
     return stops
 
 

@@ -3,8 +3,10 @@ one chunk of the oldest prompt still being read (the engine's prefill chunk when
 decoding, else at most `prompt_chunk` tokens, so that a long prompt does not stall the others'
 decoding for its whole length), then one decode step for every
 running request together (`decode_batch`), and hands each request its new token through its
-callback. A cancelled request (its client gone) leaves before the next step, and its KV cache is
-freed with it. A request that fails ends alone, with the reason "error"; the others go on.
+callback. A cancelled request (its client gone) leaves before the next step, or within one layer
+of the prompt chunk it is in, and its KV cache is freed with it. A request that fails ends alone,
+with the reason "error" and a message; the others go on, and no request can end the engine
+thread. `stop` ends every request within a layer, then the thread.
 With the engine's prefix cache, a prompt resumes after its longest cached prefix, the hybrid
 models' state is kept after each boundary token (taken inside prompt chunks), and a finished
 request's tokens go into the cache."""
@@ -52,11 +54,14 @@ class Request:
     produced: int = 0
     next_token: int | None = None
     prompt_done: int = 0  # prompt tokens run so far (or restored from the prefix cache)
-    # With the prefix cache: the nodes it resumed from, the tokens the cache holds, and whether
-    # to keep recurrent-state checkpoints after boundary tokens (in the cache's `checkpoints`).
+    # With the prefix cache: the namespace it shares cached prefixes within (one per API key), the
+    # nodes it resumed from, the tokens the cache holds, and whether to keep recurrent-state
+    # checkpoints after boundary tokens (in the cache's `checkpoints`).
+    namespace: str = ""
     resume: Resume | None = None
     seq: list[int] = field(default_factory=list)
     checkpoints: bool = False
+    error: str | None = None  # why it ended with "error", for the client
 
     def cancel(self) -> None:
         """Asks the engine thread to drop the request before its next step (any thread may call)."""
@@ -81,28 +86,62 @@ class Scheduler:
         self.decode_steps = 0
         self.decode_tokens = 0
         self.decode_s = 0.0
-        self._stopped = False
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ftc-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs and takes requests (what /health reports)."""
+        return self._thread.is_alive() and not self._stopped.is_set()
+
     def submit(self, request: Request) -> None:
+        if not self.alive:
+            request.error = "the server is shutting down"
+            _notify(request, None, "error")
+            return
         self.waiting.put(request)
 
-    def close(self) -> None:
-        self._stopped = True
+    def stop(self) -> None:
+        """Ends every request (reason "error") within a layer of the work in flight, then the
+        engine thread; returns at once (any thread)."""
+        self._stopped.set()
         self.waiting.put(None)
-        self._thread.join(timeout=30)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.stop()
+        self._thread.join(timeout=timeout)
 
     def _loop(self) -> None:
-        while not self._stopped:
-            self._admit(block=not self.running and not self.reading)
-            for r in [r for r in self.running + self.reading if r.cancelled.is_set()]:
-                self._finish(r, "cancelled")
-            self._safe_point()
-            if self.reading:
-                self._read_prompt(self.reading[0])
-            if self.running:
-                self._step()
+        while not self._stopped.is_set():
+            try:
+                self._iteration()
+            except Exception:  # noqa: BLE001 (a bug outside any one request: its requests end, the thread goes on)
+                traceback.print_exc()
+                for r in self.running + self.reading:
+                    self._fail(r, "internal error in the engine loop (see the server log)")
+        for r in self.running + self.reading + self._drain():
+            self._fail(r, "the server is shutting down")
+
+    def _iteration(self) -> None:
+        self._admit(block=not self.running and not self.reading)
+        for r in [r for r in self.running + self.reading if r.cancelled.is_set()]:
+            self._finish(r, "cancelled")
+        self._safe_point()
+        if self.reading:
+            self._read_prompt(self.reading[0])
+        if self.running:
+            self._step()
+
+    def _drain(self) -> list[Request]:
+        out = []
+        while True:
+            try:
+                r = self.waiting.get_nowait()
+            except queue.Empty:
+                return out
+            if r is not None:
+                out.append(r)
 
     def _safe_point(self) -> None:
         """Between steps nothing holds an expert slot: the slots are fitted to the KV that the next
@@ -117,7 +156,7 @@ class Scheduler:
             except VramError as e:
                 victim = self.reading[0] if self.reading else self.running[-1]
                 print(f"ftc: request {victim.id} ends: {e}", file=sys.stderr)
-                self._finish(victim, "error")
+                self._fail(victim, str(e))
 
     def _admit(self, block: bool) -> None:
         while len(self.running) + len(self.reading) < self.max_batch:
@@ -125,20 +164,28 @@ class Scheduler:
                 r = self.waiting.get(block=block)
             except queue.Empty:
                 return
-            if r is None:  # close()
+            if r is None:  # stop()
                 return
             block = False
             if r.cancelled.is_set():
                 self._finish(r, "cancelled")
                 continue
             self.requests += 1
-            r.cache, r.sampler = self.engine.model.new_cache(), Sampler(r.sampling)
-            prefix = self.engine.prefix_cache
-            if prefix is not None:
-                r.resume = prefix.resume(r.prompt_ids, r.cache)
-                r.prompt_done, r.seq = r.resume.length, list(r.prompt_ids[:r.resume.length])
-                r.checkpoints = prefix.takes_checkpoints
-            self.reading.append(r)
+            try:
+                self._start(r)
+            except Exception as e:  # noqa: BLE001 (reported to this request alone)
+                traceback.print_exc()
+                self._fail(r, f"the request could not start: {e}")
+
+    def _start(self, r: Request) -> None:
+        """A new sequence for r: its cache and sampler, resumed after its longest cached prefix."""
+        r.cache, r.sampler = self.engine.model.new_cache(), Sampler(r.sampling)
+        prefix = self.engine.prefix_cache
+        if prefix is not None:
+            r.resume = prefix.resume(r.prompt_ids, r.cache, r.namespace)
+            r.prompt_done, r.seq = r.resume.length, list(r.prompt_ids[:r.resume.length])
+            r.checkpoints = prefix.takes_checkpoints
+        self.reading.append(r)
 
     def _read_prompt(self, r: Request) -> None:
         """One chunk of r's prompt; after the last, its first token."""
@@ -150,7 +197,8 @@ class Scheduler:
             end = min(len(r.prompt_ids), r.prompt_done + chunk)
             ids = r.prompt_ids[r.prompt_done:end]
             at = self.engine.boundaries_in(ids) if r.checkpoints else ()
-            logits = self.engine.model.forward(torch.tensor(ids), r.cache, checkpoint_at=at)
+            logits = self.engine.model.forward(torch.tensor(ids), r.cache, checkpoint_at=at,
+                                               between_layers=lambda: self._check_in(r))
             self.prefill_tokens += end - r.prompt_done
             r.seq += ids
             r.prompt_done = end
@@ -159,9 +207,12 @@ class Scheduler:
             self.reading.remove(r)
             self.engine.model.experts.end_of_prompt()
             token = r.sampler(logits[-1])
-        except Exception:  # noqa: BLE001 (reported to this request alone)
+        except _Abandoned:
+            self._finish(r, "cancelled")
+            return
+        except Exception as e:  # noqa: BLE001 (reported to this request alone)
             traceback.print_exc()
-            self._finish(r, "error")
+            self._fail(r, f"the prompt failed: {e}")
             return
         finally:
             self.prefill_s += time.perf_counter() - t0
@@ -169,23 +220,33 @@ class Scheduler:
         self.first_tokens += 1
         self._accept(r, token)
 
+    def _check_in(self, r: Request) -> None:
+        """Between two layers of r's prompt chunk: abandons it if its client left or the server stops."""
+        if r.cancelled.is_set() or self._stopped.is_set():
+            raise _Abandoned
+
     def _step(self) -> None:
         batch = list(self.running)
         t0 = time.perf_counter()
         try:
             logits = self.engine.model.decode_batch([r.next_token for r in batch], [r.cache for r in batch])
-            tokens = [r.sampler(row) for r, row in zip(batch, logits, strict=True)]
-        except Exception:  # noqa: BLE001 (a failed step ends its requests, not the server)
+        except Exception as e:  # noqa: BLE001 (a failed step ends its requests, not the server)
             traceback.print_exc()
             for r in batch:
-                self._finish(r, "error")
+                self._fail(r, f"the decode step failed: {e}")
             return
         self.decode_steps += 1
         self.decode_tokens += len(batch)
         self.decode_s += time.perf_counter() - t0
-        for r, token in zip(batch, tokens, strict=True):
+        for r, row in zip(batch, logits, strict=True):
             r.seq.append(r.next_token)
             self._checkpoint(r)
+            try:  # one request's sampling cannot fail its batch mates
+                token = r.sampler(row)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                self._fail(r, f"sampling failed: {e}")
+                continue
             self._accept(r, token)
 
     def _checkpoint(self, r: Request) -> None:
@@ -212,11 +273,19 @@ class Scheduler:
         prefix = self.engine.prefix_cache
         if r.resume is not None:
             if reason != "error":  # a failed step may have left the cache half-written
-                prefix.insert(r.seq, r.cache, r.cache.checkpoints if r.checkpoints else {})
+                prefix.insert(r.seq, r.cache, r.cache.checkpoints if r.checkpoints else {}, r.namespace)
             prefix.release(r.resume)
             r.resume = None
         r.cache = r.sampler = r.next_token = None  # the KV cache goes with the request
         _notify(r, None, reason)
+
+    def _fail(self, r: Request, message: str) -> None:
+        r.error = message
+        self._finish(r, "error")
+
+
+class _Abandoned(Exception):
+    """Raised between layers of a prompt chunk whose request was cancelled or whose server stops."""
 
 
 def _notify(r: Request, token: int | None, reason: str | None) -> None:

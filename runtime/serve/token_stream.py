@@ -1,0 +1,182 @@
+"""`TokenStream`: one request's text as the engine thread produces it, which every route reads;
+`StopMatcher` (stop strings, matched on the text's tail only); `with_keepalive` (SSE lines while a
+stream has nothing to say, so that no client's idle watchdog fires during a long prefill)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from ..sampling import SamplingParams
+from ..tokenizer import StreamDecoder
+from ..tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser
+from .scheduler import Request as EngineRequest
+
+if TYPE_CHECKING:
+    from .app import Server
+
+MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 512  # characters of one stop string
+
+
+class StopMatcher:
+    """Text deltas in, the text to pass on out, until a stop string appears; matching looks at the
+    held-back tail and the new delta only, so its cost does not grow with the answer."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""  # the end of the text so far that may begin a stop string
+        self.hit: str | None = None
+
+    def feed(self, delta: str) -> str:
+        """What of `delta` can be passed on; once a stop string is found (`hit`), the text before it."""
+        window = self.held + delta
+        found = [(i, s) for i, s in ((window.find(s), s) for s in self.stops) if i >= 0]
+        if found:
+            cut, self.hit = min(found)
+            self.held = ""
+            return window[:cut]
+        keep = max((_partial_suffix(window, s) for s in self.stops), default=0)
+        self.held = window[len(window) - keep:]
+        return window[:len(window) - keep]
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+def _partial_suffix(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that is a proper beginning of `stop`."""
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0
+
+
+class TokenStream:
+    """`deltas()` yields text pieces, then ends; `finish_reason` ("stop", "length", "error"),
+    `error` (its message) and `completion_tokens` are set by then. Stop strings end it early (the
+    text is cut before them). Leaving the iteration early cancels the request. `opening` is text
+    the prompt already ends with on the answer's behalf (a forced tool call's tag): it leads the
+    deltas."""
+
+    def __init__(self, server: Server, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
+                 stop: list[str], namespace: str = "", opening: str = ""):
+        self.server, self.stops, self.opening = server, StopMatcher(stop), opening
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int | None, str | None]] = asyncio.Queue()
+        self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None  # the stop string that ended the text, if one did
+        self.error: str | None = None
+        self.completion_tokens = 0
+        self.prompt_tokens = len(prompt_ids)
+        self.request = EngineRequest(prompt_ids, max_new_tokens, sampling, self._on_token,
+                                     frozenset(server.engine.spec.eos_token_ids), namespace=namespace)
+        server.scheduler.submit(self.request)
+
+    def _on_token(self, token: int | None, reason: str | None) -> None:  # the engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, reason))
+
+    async def deltas(self) -> AsyncIterator[str]:
+        decoder, eos = StreamDecoder(self.server.engine.tokenizer), self.request.stop_ids
+        engine_done = False
+        try:
+            if self.opening:
+                yield self.opening
+            while True:
+                token, reason = await self.queue.get()
+                if token is None:
+                    engine_done = True
+                    self._ended(reason)
+                    delta = decoder.flush()
+                else:
+                    self.completion_tokens += 1
+                    if token in eos:
+                        continue
+                    delta = decoder.push(token)
+                text = self.stops.feed(delta)
+                if self.stops.hit is not None:
+                    self.stop_sequence, self.finish_reason = self.stops.hit, "stop"
+                if text:
+                    yield text
+                if self.stops.hit is not None:
+                    return
+                if token is None:
+                    if rest := self.stops.flush():
+                        yield rest
+                    return
+        finally:
+            if not engine_done:  # a stop string, or the client gone: the engine drops the request
+                self.request.cancel()
+
+    def _ended(self, reason: str | None) -> None:
+        self.finish_reason = reason if reason in ("length", "error") else "stop"
+        if reason == "error":
+            self.error = self.request.error or "the engine failed on this request"
+
+    async def text(self, http: Request | None = None) -> str:
+        """The whole text; with `http`, a client that leaves first cancels the request (a streamed
+        answer is cancelled by its response instead)."""
+        watch = asyncio.create_task(self._watch(http)) if http is not None else None
+        try:
+            return "".join([d async for d in self.deltas()])
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch(self, http: Request) -> None:
+        while not await http.is_disconnected():
+            await asyncio.sleep(0.25)
+        self.request.cancel()
+        self.queue.put_nowait((None, "cancelled"))
+
+
+async def message_parts(stream: TokenStream, parser: ToolParser,
+                        tools: list[dict[str, Any]]) -> AsyncIterator[tuple[str, Any]]:
+    """The answer as it streams: ("reasoning", text), ("content", text), and where tools were
+    offered ("tool_call", ToolCall) as soon as each call's block closes."""
+    reasoning = ReasoningSplitter()
+    calls = ToolCallStream(parser, tools) if tools else None
+
+    def route(pieces: list[tuple[str, str]]) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for kind, text in pieces:
+            out += [(kind, text)] if kind == "reasoning" or calls is None else calls.feed(text)
+        return out
+
+    async for delta in stream.deltas():
+        for part in route(reasoning.feed(delta)):
+            yield part
+    for part in route(reasoning.flush()) + (calls.flush() if calls is not None else []):
+        yield part
+
+
+async def with_keepalive(items: AsyncIterator[str], ping: str, every: float) -> AsyncIterator[str]:
+    """`items`, with `ping` sent whenever `every` seconds pass without one (prefill can take
+    minutes before the first token). Closing this closes `items` (a client that leaves cancels)."""
+    source = aiter(items)
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield ping
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await source.aclose()
