@@ -294,8 +294,12 @@ def test_bodies_over_the_cap_are_refused_before_parsing(engine):
 def test_count_tokens_runs_under_the_same_limits(url, engine):
     r = anthropic(url, "/v1/messages/count_tokens", messages=[{"role": "user", "content": "hello"}])
     assert r.status_code == 200 and r.json()["input_tokens"] > 0
-    r = anthropic(url, "/v1/messages/count_tokens", messages=[{"role": "user", "content": "\ud800"}])
-    assert r.status_code == 400 and r.json()["type"] == "error"
+    bad = '{"model": "qwen3-moe-tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    r = httpx.post(url + "/v1/messages/count_tokens", content=bad, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    long = [{"role": "user", "content": "word " * 3000}]  # past the server's 2048-token prompt limit
+    r = anthropic(url, "/v1/messages/count_tokens", messages=long)
+    assert r.status_code == 400 and "at most" in r.json()["error"]["message"], r.text
 
 
 def test_stop_sequences_are_bounded(url):

@@ -11,21 +11,34 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, field_validator, model_validator
 
 from ..sampling import SamplingParams
 from ..tool_parsers import AssistantOutput, parse_output, tool_parser
-from .app import ApiError, Server, ToolName, namespace_of, server_of
+from .app import (
+    MAX_TOKENS,
+    ApiBody,
+    ApiError,
+    Server,
+    StrictJsonRoute,
+    ToolName,
+    namespace_of,
+    server_of,
+    unique_tool_names,
+)
 from .token_stream import MAX_STOP_CHARS, MAX_STOPS, TokenStream, message_parts, with_keepalive
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+# The fields each kind of content block must have, and the turns it may stand in.
+_BLOCK_FIELDS = {"text": ("text",), "thinking": ("thinking",), "redacted_thinking": (),
+                 "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}
+_BLOCK_ROLES = {"tool_use": ("assistant",), "tool_result": ("user",), "thinking": ("assistant",),
+                "redacted_thinking": ("assistant",)}
 
 
-class Block(_Body):
+class Block(ApiBody):
     type: Literal["text", "thinking", "redacted_thinking", "tool_use", "tool_result"]
     text: str | None = None
     thinking: str | None = None
@@ -35,30 +48,48 @@ class Block(_Body):
     tool_use_id: str | None = None
     content: str | list[dict[str, Any]] | None = None
 
+    @model_validator(mode="after")
+    def _complete(self) -> Block:
+        missing = [f for f in _BLOCK_FIELDS[self.type] if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"a {self.type} block needs {', '.join(missing)}")
+        for part in self.content if isinstance(self.content, list) else []:
+            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise ValueError("a text part of a tool_result needs its text")
+        return self
 
-class Message(_Body):
+
+class Message(ApiBody):
     role: Literal["user", "assistant", "system"]  # a system turn mid-conversation, as agent harnesses send
     content: str | list[Block]
 
+    @model_validator(mode="after")
+    def _placed(self) -> Message:
+        for b in self.content if isinstance(self.content, list) else []:
+            allowed = _BLOCK_ROLES.get(b.type, ("user", "assistant", "system"))
+            if self.role not in allowed:
+                raise ValueError(f"a {b.type} block cannot stand in a {self.role} turn")
+        return self
 
-class ToolDef(_Body):
+
+class ToolDef(ApiBody):
     name: ToolName
     description: str | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Body):
+class ToolChoice(ApiBody):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(_Body):
+class Thinking(ApiBody):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(None, ge=1)
+    budget_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
 
 
-class CountRequest(_Body):
+class CountRequest(ApiBody):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[Block] | None = None
@@ -66,13 +97,26 @@ class CountRequest(_Body):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
+    @field_validator("system")
+    @classmethod
+    def _text_only(cls, v: str | list[Block] | None) -> str | list[Block] | None:
+        if isinstance(v, list) and any(b.type != "text" for b in v):
+            raise ValueError("the system prompt takes text blocks only")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _unique(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
+        unique_tool_names([t.name for t in v or []])
+        return v
+
 
 class MessagesRequest(CountRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS)
     stream: bool = False
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=MAX_TOKENS)
     stop_sequences: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] | None = Field(None, max_length=MAX_STOPS)
 
 
@@ -80,6 +124,7 @@ class MessagesRequest(CountRequest):
 async def count_tokens(body: CountRequest, request: Request) -> dict:
     server = server_of(request)
     ids, _ = await _prompt_ids(server, body)
+    server.check_prompt(ids, "messages")  # the limits of /v1/messages: no count of what it would refuse
     return {"input_tokens": len(ids)}
 
 

@@ -5,6 +5,7 @@ read is `token_stream.TokenStream`."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from contextlib import asynccontextmanager
@@ -15,7 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import AfterValidator
+from fastapi.routing import APIRoute
+from pydantic import AfterValidator, BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from ..chat_template import ChatTemplateError
@@ -34,6 +36,46 @@ def _tool_name(name: str) -> str:
 
 # A tool's name as both APIs constrain it, for their request models.
 ToolName = Annotated[str, AfterValidator(_tool_name)]
+MAX_TOKENS = 2**31 - 1  # the largest max_tokens taken (and clamped to the server's limit)
+
+
+class ApiBody(BaseModel):
+    """A request body's part in both APIs: fields this server does not use are accepted; values are
+    not converted (a string is not a number, true is not 1)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def unique_tool_names(names: list[str]) -> None:
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"tool {name!r} is defined twice")
+        seen.add(name)
+
+
+class StrictJsonRoute(APIRoute):
+    """A route whose JSON body must be UTF-8 (json.loads guesses UTF-16 and -32 from bytes) and
+    hold only valid Unicode: JSON can spell a lone surrogate (\\ud800), which no tokenizer takes."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            body = await request.body()
+            if body:
+                try:
+                    text = body.decode("utf-8")
+                    parsed = json.loads(text)
+                    json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+                except UnicodeError as e:
+                    return _error(request, 400, f"the body is not valid UTF-8 text: {e.reason}", None)
+                except (ValueError, RecursionError):
+                    return await handler(request)  # not JSON: the route's own parser says why
+                request._json = parsed  # Starlette's cache of the parsed body: parsed once
+            return await handler(request)
+
+        return checked
 
 
 class ApiError(Exception):

@@ -12,60 +12,79 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..sampling import SEED_RANGE, SamplingParams
 from ..tool_parsers import parse_output, tool_parser
-from .app import ApiError, Server, ToolName, namespace_of, server_of
+from .app import (
+    MAX_TOKENS,
+    ApiBody,
+    ApiError,
+    Server,
+    StrictJsonRoute,
+    ToolName,
+    namespace_of,
+    server_of,
+    unique_tool_names,
+)
 from .token_stream import MAX_STOP_CHARS, TokenStream, message_parts, with_keepalive
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJsonRoute)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # fields this server does not use are accepted
-
-
-class TextPart(_Body):
+class TextPart(ApiBody):
     type: Literal["text"]
     text: str
 
 
-class ToolCallIn(_Body):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: dict[str, Any]
+class FunctionCallIn(ApiBody):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; an object is taken too
 
 
-class Message(_Body):
+class ToolCallIn(ApiBody):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallIn
+
+
+class Message(ApiBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _complete(self) -> Message:
+        if self.role != "assistant" and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
-class FunctionDef(_Body):
+
+class FunctionDef(ApiBody):
     name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class FunctionName(_Body):
+class FunctionName(ApiBody):
     name: str
 
 
-class Tool(_Body):
+class Tool(ApiBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class Sampling(_Body):
+class Sampling(ApiBody):
     model: str
     stream: bool = False
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # an extension (vLLM and others take it too); 0: no limit
+    top_k: int = Field(0, ge=0, le=MAX_TOKENS)  # an extension (vLLM and others take it too); 0: no limit
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream_options: dict[str, Any] | None = None
@@ -89,22 +108,28 @@ class Sampling(_Body):
         return v
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(ApiBody):
     type: Literal["function"]
     function: FunctionName
 
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique(cls, v: list[Tool] | None) -> list[Tool] | None:
+        unique_tool_names([t.function.name for t in v or []])
+        return v
 
 
 class CompletionRequest(Sampling):
     prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
 
 
 @router.get("/v1/models")
@@ -250,10 +275,8 @@ def _template_message(m: Message) -> dict[str, Any]:
     return out
 
 
-def _function_in(f: dict[str, Any]) -> dict[str, Any]:
-    name, args = f.get("name"), f.get("arguments", {})
-    if not isinstance(name, str):
-        raise ApiError(400, "an assistant tool call has no function name", "messages")
+def _function_in(f: FunctionCallIn) -> dict[str, Any]:
+    name, args = f.name, f.arguments
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
