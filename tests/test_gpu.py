@@ -330,3 +330,30 @@ def test_gpu_elastic_vram_gives_slots_to_another_process_and_takes_them_back(tmp
     own_slots = -(-own // plan.expert_stride)  # rounded up
     assert elastic.slots >= n - own_slots - 1 > shrunk
     assert all(h["fixed"] + h["kv"] + h["slots"] <= h["budget"] for h in elastic.history)
+
+
+class _Left(Exception):
+    pass
+
+
+def test_a_streamed_chunk_abandoned_between_layers_leaves_the_cache_right(engine_dir):
+    """A prompt chunk abandoned after its second layer (its client left) still has copies in
+    flight on the copy stream; the next prompt waits for them and computes what the CPU engine does."""
+    cpu = Engine.load(engine_dir)
+    gpu = Engine.load(engine_dir, offload=OffloadConfig(device="cuda", n_slots=40, b_p=25.0, b_h=50.0))
+    layers = [0]
+
+    def leave_after_two() -> None:
+        layers[0] += 1
+        if layers[0] == 2:
+            raise _Left
+
+    cache = gpu.model.new_cache()
+    with pytest.raises(_Left):
+        gpu.model.forward(torch.tensor([random.randrange(256) for _ in range(64)]), cache,
+                          between_layers=leave_after_two)
+    assert cache.length == 0
+    ids = [random.randrange(256) for _ in range(random.randrange(60, 120))]
+    a, b = gpu.logits(ids).cpu(), cpu.logits(ids)
+    assert gpu.model.experts.stats.stream_layers > 0
+    assert float((a - b).norm() / b.norm()) < 8e-2

@@ -350,3 +350,26 @@ def test_cpu_experts_run_every_routed_expert_on_the_cpu(engine_dir, cpu_engine, 
     s = off.model.experts.stats
     assert off.vram.n_slots == 0 and s.hits == s.fills == s.stream_layers == 0 and s.cpu > 0
 
+
+
+def test_a_chunk_abandoned_between_layers_leaves_the_sequence_and_the_cache_as_they_were(engine_dir, cpu_engine):
+    """`between_layers` raising ends the pass at that layer: the sequence's length is unchanged, and
+    the next pass (a decode step after the first chunk) computes what the CPU engine does."""
+    off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=40, b_p=20.0, b_h=40.0))
+    prompt = [random.randrange(256) for _ in range(random.randrange(2, 9))]
+    got, want = off.model.new_cache(), cpu_engine.model.new_cache()
+    off.model.forward(torch.tensor(prompt), got)
+    cpu_engine.model.forward(torch.tensor(prompt), want)
+    calls = []
+
+    def leave() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise InterruptedError
+
+    with pytest.raises(InterruptedError):
+        off.model.forward(torch.tensor([random.randrange(256) for _ in range(30)]), got, between_layers=leave)
+    assert got.length == len(prompt) and len(calls) == 2
+    step = random.randrange(256)
+    a, b = off.model.forward(torch.tensor([step]), got), cpu_engine.model.forward(torch.tensor([step]), want)
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
