@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class Tokenizer:
@@ -43,23 +44,25 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences. Each
+    step decodes a short window of the latest ids (tokenizers' `DecodeStream`), not the whole
+    answer again, so an answer of n tokens costs O(n), not O(n^2)."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer, self.ids, self.emitted = tokenizer, [], ""
+        self.tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=False)
+        self.pending: list[int] = []  # ids whose text is still held back
 
     def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        self.pending.append(token)
+        delta = self._stream.step(self.tokenizer._tok, token)
+        if delta is None:
             return ""
-        delta, self.emitted = text[len(self.emitted):], text
+        self.pending = []
         return delta
 
     def flush(self) -> str:
         """What is still held back once no token will follow (an unfinished UTF-8 sequence, shown
         as the replacement character, as a whole decode shows it)."""
-        text = self.tokenizer.decode(self.ids)
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return delta
+        held, self.pending = self.pending, []
+        return self.tokenizer.decode(held) if held else ""

@@ -81,3 +81,17 @@ def test_top_k_keeps_the_k_likeliest_tokens():
     assert Sampler(SamplingParams(temperature=1.0, top_k=1))(logits) == int(logits.argmax())
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=-1)
+
+
+def test_stream_decoder_deltas_add_up_to_the_whole_decode(tmp_path: Path):
+    """Any ids, split UTF-8 and invalid bytes included: the deltas and the flush are the whole text."""
+    spec, _ = load_spec(SPEC)
+    build_byte_tokenizer(spec, tmp_path / "tokenizer.json")
+    tok = Tokenizer(tmp_path / "tokenizer.json")
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    for _ in range(50):
+        ids = [rng.randrange(spec.vocab_size) for _ in range(rng.randrange(1, 80))]
+        stream = StreamDecoder(tok)
+        text = "".join(stream.push(i) for i in ids) + stream.flush()
+        assert text == tok.decode(ids), (seed, ids)
