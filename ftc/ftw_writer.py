@@ -9,6 +9,8 @@ import torch
 
 from ftc_runtime.ftw import FtwHeader, encode_trailer, round_up, row_checksum
 
+from .checkpoint import nonfinite_count
+
 
 class FtwWriter:
     """Append experts in id order (`l·E + e`), each as {bank name: bf16 tensor of the row shape}."""
@@ -33,6 +35,12 @@ class FtwWriter:
             if tuple(t.shape) != bank.row_shape or t.dtype != torch.bfloat16:
                 raise ValueError(f"expert {n}, bank '{bank.name}': got {t.dtype} {tuple(t.shape)}, "
                                  f"expected bfloat16 {bank.row_shape}")
+            bad = nonfinite_count(t)
+            if bad:
+                layer, expert = divmod(n, self.header.num_experts)
+                raise ValueError(f"{self.path}: expert {n} (MoE layer {layer}, expert {expert}), bank "
+                                 f"'{bank.name}': {bad} NaN or Inf values of {t.numel()}; an engine holds "
+                                 "finite weights only")
             raw = t.contiguous().view(torch.uint8).reshape(-1)
             self._checksums[bank.name].append(row_checksum(raw))
             self._write(memoryview(raw.numpy()))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest
+from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest, check_engine
 from ftc_runtime.ftw import read_header
 from ftc_runtime.models import family
 from ftc_runtime.vram_plan import dense_bytes, gib, plan_vram
@@ -14,9 +14,8 @@ from ftc_runtime.vram_plan import dense_bytes, gib, plan_vram
 
 def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None = None,
                    max_context: int = 4096) -> list:
-    m = EngineManifest.read(engine)
-    if verify:
-        m.verify(skip_hash=())
+    # --verify: every check that `ftc run` makes at load, and the expert file's sha256 and row checksums.
+    m = check_engine(engine, hash_experts=True).manifest if verify else EngineManifest.read(engine)
     spec, plan = m.spec, m.plan
     dense = dense_bytes(family(spec.family).dense_tensor_shapes(spec))
     pool = len(spec.moe_layers) * spec.moe.num_experts * spec.expert_bytes
@@ -65,12 +64,12 @@ def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None =
         files.add_row(rel, f"{meta['bytes']:,}", meta["sha256"][:16] + "…")
     tables = [model, memory, run, files]
     if vram_budget is not None:
-        tables.insert(2, _vram_table(m, engine, vram_budget, max_context))
+        tables.insert(2, _vram_table(m, vram_budget, max_context))
     return tables
 
 
-def _vram_table(m: EngineManifest, engine: Path, budget: int, max_context: int) -> Table:
-    header, _ = read_header(engine / EXPERTS_FILE)
+def _vram_table(m: EngineManifest, budget: int, max_context: int) -> Table:
+    header, _ = read_header(m.path(EXPERTS_FILE))
     plan = plan_vram(m.spec, family(m.spec.family).dense_tensor_shapes(m.spec), budget, header.expert_stride,
                      header.num_rows, max_context)
     t = Table(title=f"GPU memory within --vram-budget {gib(budget)}", show_header=False)

@@ -13,6 +13,7 @@ import datetime
 import json
 import math
 import os
+import secrets
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ class CompileOptions:
     random_weights: bool = False
     seed: int = 0
     overrides: tuple[str, ...] = ()
+    force: bool = False  # replace an engine already at `output` (anything else there is never deleted)
 
 
 def make_plan(target: Target, spec: ModelSpec | None = None) -> Plan:
@@ -117,17 +119,17 @@ def _compile(opts: CompileOptions, console: Console | None, experts_in_memory: b
     plan = make_plan(target, spec)
     weights = _weights(spec, opts, checkpoint)
     out = opts.output or Path("build") / spec.name
-    staging = out.parent / f".{out.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    _check_output(out, opts.force)  # before the work, not only after it
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = _fresh_dir(out, "partial")
     console.print(f"[bold]ftc compile[/] {spec.name} ({spec.family}) from {weights.description} "
                   f"for target {target.name} ({plan.isa}) → {out}")
     try:
         pool = _build_engine(spec, target, plan, weights, checkpoint, staging, console, experts_in_memory)
+        _replace(staging, out, opts.force)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _replace(staging, out)
     console.print(f"[green]engine ready:[/] {out}" + (" (experts in memory)" if experts_in_memory else ""))
     return out, pool
 
@@ -170,7 +172,8 @@ def _build_engine(spec: ModelSpec, target: Target, plan: Plan, weights: WeightSo
         "weights_source": weights.description, "kernels": kernels, "kernel_check": checks,
         "experts_in_memory": experts_in_memory, "files": describe_files(staging, files, hashes),
     }
-    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    # allow_nan=False: the runtime refuses NaN and Infinity, which are not JSON.
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False) + "\n")
     return pool
 
 
@@ -267,10 +270,46 @@ def _check_kernels(spec: ModelSpec, plan: Plan, staging: Path, pool: ExpertPool 
     return results
 
 
-def _replace(staging: Path, out: Path) -> None:
-    old = out.parent / f".{out.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        out.rename(old)
-    staging.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+def _check_output(out: Path, force: bool) -> None:
+    """`-o` deletes only an ftc engine, and that only with `force`: a file, a symlink or a non-empty
+    directory without an engine's engine.json is refused, with or without it."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+        return  # an empty directory: nothing to lose
+    if out.is_symlink() or not out.is_dir() or not _is_engine(out):
+        raise FileExistsError(f"{out} exists and is not an ftc engine (no {MANIFEST} of format {FORMAT!r}); "
+                              "choose another -o")
+    if not force:
+        raise FileExistsError(f"{out} holds an engine: pass --force to replace it")
+
+
+def _is_engine(directory: Path) -> bool:
+    try:
+        raw = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # missing, unreadable or not JSON: not an engine
+        return False
+    return isinstance(raw, dict) and raw.get("format") == FORMAT
+
+
+def _fresh_dir(out: Path, what: str) -> Path:
+    """A new directory beside `out`, created here: a fixed name (.NAME.partial) would delete
+    whatever a user keeps there."""
+    while True:
+        path = out.parent / f".{out.name}.{what}-{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
+def _replace(staging: Path, out: Path, force: bool) -> None:
+    _check_output(out, force)  # again: the directory may have changed during the compile
+    if out.is_dir():
+        old = _fresh_dir(out, "old")
+        out.rename(old / out.name)
+        staging.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        staging.rename(out)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from . import ftw
@@ -22,10 +23,11 @@ from .artifact import (
     DENSE_FILE,
     EXPERTS_FILE,
     LIBRARY_FILE,
-    TOKENIZER_FILE,
     TRITON_EXPERT_FILE,
     ArtifactError,
     EngineManifest,
+    Plan,
+    check_engine,
 )
 from .chat_template import ChatTemplate
 from .cpu_info import gpu_engine_worker_cpus, pin_this_thread, worker_cpus
@@ -113,46 +115,24 @@ class Engine:
              pool: ftw.ExpertPool | None = None, prefill_chunk: int | None = None) -> Engine:
         """Loads an engine directory; `pool` supplies the experts of an engine compiled with its
         experts in memory (benchmarks of models larger than the disk); `prefill_chunk` replaces the
-        plan's prompt chunk (tokens)."""
+        plan's prompt chunk (tokens). A damaged engine raises ArtifactError or FtwError naming the file."""
         root = Path(path)
-        manifest = EngineManifest.read(root)
-        manifest.verify()
+        checked = check_engine(root)
+        manifest = checked.manifest
         spec, plan = manifest.spec, manifest.plan
-        cpus = worker_cpus(settings().num_threads or plan.cpu_threads)
-        background = offload is not None and torch.device(offload.device).type == "cuda" and len(cpus) > 1
-        if background:
-            # The thread that drives the GPU needs a core of its own: a worker sharing it waits a
-            # scheduler time slice at every barrier (seen on the device: 8-16× slower CPU experts).
-            # On a machine of 8 cores or more a second one stays free for everything else that
-            # runs (the CUDA driver's threads, the OS): with only one free, adaptive decode was
-            # 14-22% slower on the device. The rest run the CPU experts in the background.
-            # Left to the scheduler, the thread finds a free core: pinning it there made decode
-            # 1.4-2× slower on the device (not yet understood; threads started later inherit the pin).
-            if settings().pin_gpu_thread:
-                pin_this_thread(cpus[0])
-            cpus = gpu_engine_worker_cpus(cpus)
-            # That thread's own torch CPU ops (staging, small copies) stay on its core: spread over
-            # torch's threads they waited a time slice for each of the busy cores (9 ms per op).
-            torch.set_num_threads(1)
-        kernel = CpuExpertKernel(root / LIBRARY_FILE, plan.isa, spec.hidden_size,
-                                 spec.moe.expert_intermediate_size, cpus, background)
-        if manifest.raw.get("experts_in_memory") and pool is None:
+        cpus, background = _worker_cpus(plan, offload)
+        kernel = _cpu_kernel(manifest, cpus, background)
+        if manifest.experts_in_memory and pool is None:
             raise ArtifactError(f"{root}: compiled with its experts in memory (a benchmark engine); "
                                 "it has no experts.ftw to load")
         if pool is None:
-            pool = _load_pool(root, manifest, show_progress)
+            pool = _load_pool(manifest, show_progress)
         if (pool.header.num_moe_layers, pool.header.num_experts) != (len(spec.moe_layers), spec.moe.num_experts):
             raise ftw.FtwError(f"{root / EXPERTS_FILE}: holds {pool.header.num_moe_layers} MoE layers × "
                                f"{pool.header.num_experts} experts, the spec needs {len(spec.moe_layers)} × "
                                f"{spec.moe.num_experts}")
-        dense = load_file(str(root / DENSE_FILE))
-        fam = family(spec.family)
-        expected = fam.dense_tensor_shapes(spec)
-        for name, shape in expected.items():
-            if name not in dense or tuple(dense[name].shape) != shape:
-                got = tuple(dense[name].shape) if name in dense else "missing"
-                raise ArtifactError(f"{root / DENSE_FILE}: tensor {name}: {got}, expected {shape}")
-        tokenizer = Tokenizer(root / TOKENIZER_FILE)
+        dense = _load_dense(manifest.path(DENSE_FILE))
+        fam, expected, tokenizer = family(spec.family), checked.dense_shapes, checked.tokenizer
         if offload is None:
             return cls(manifest, tokenizer, fam.model(spec, dense, CpuExperts(pool, kernel)), pool,
                        prefill_chunk=prefill_chunk)
@@ -270,12 +250,51 @@ class Engine:
         return Generation(tokens(), stats)
 
 
-def _load_pool(root: Path, manifest: EngineManifest, show_progress: bool) -> ftw.ExpertPool:
+def _worker_cpus(plan: Plan, offload: OffloadConfig | None) -> tuple[list[int], bool]:
+    """The CPU expert workers' cores, and whether they run in the background (a GPU engine)."""
+    cpus = worker_cpus(settings().num_threads or plan.cpu_threads)
+    background = offload is not None and torch.device(offload.device).type == "cuda" and len(cpus) > 1
+    if background:
+        # The thread that drives the GPU needs a core of its own: a worker sharing it waits a
+        # scheduler time slice at every barrier (seen on the device: 8-16× slower CPU experts).
+        # On a machine of 8 cores or more a second one stays free for everything else that
+        # runs (the CUDA driver's threads, the OS): with only one free, adaptive decode was
+        # 14-22% slower on the device. The rest run the CPU experts in the background.
+        # Left to the scheduler, the thread finds a free core: pinning it there made decode
+        # 1.4-2× slower on the device (not yet understood; threads started later inherit the pin).
+        if settings().pin_gpu_thread:
+            pin_this_thread(cpus[0])
+        cpus = gpu_engine_worker_cpus(cpus)
+        # That thread's own torch CPU ops (staging, small copies) stay on its core: spread over
+        # torch's threads they waited a time slice for each of the busy cores (9 ms per op).
+        torch.set_num_threads(1)
+    return cpus, background
+
+
+def _cpu_kernel(manifest: EngineManifest, cpus: list[int], background: bool) -> CpuExpertKernel:
+    """The engine's kernel library; one that the dynamic loader refuses, or that lacks the kernel's
+    symbols, is a damaged file (KernelError stays for a library built for other shapes or CPUs)."""
+    path, spec = manifest.path(LIBRARY_FILE), manifest.spec
+    try:
+        return CpuExpertKernel(path, manifest.plan.isa, spec.hidden_size, spec.moe.expert_intermediate_size,
+                               cpus, background)
+    except (OSError, AttributeError) as e:
+        raise ArtifactError(f"{path}: not a loadable ftc kernel library ({' '.join(str(e).split())})") from None
+
+
+def _load_dense(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:  # check_engine read its header: this is damage since then
+        raise ArtifactError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+
+
+def _load_pool(manifest: EngineManifest, show_progress: bool) -> ftw.ExpertPool:
     console = Console(stderr=True)
     with Progress(TextColumn("loading experts"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   console=console, disable=not (show_progress and console.is_terminal), transient=True) as bar:
         task = bar.add_task("experts", total=manifest.files[EXPERTS_FILE]["bytes"])
-        return ftw.load(root / EXPERTS_FILE, on_bytes=lambda n: bar.advance(task, n))
+        return ftw.load(manifest.path(EXPERTS_FILE), on_bytes=lambda n: bar.advance(task, n))
 
 
 def _gpu_expert_kernels(root: Path, device: str) -> tuple:
@@ -283,9 +302,14 @@ def _gpu_expert_kernels(root: Path, device: str) -> tuple:
     and grouped for many; (None, None) elsewhere (torch then)."""
     if torch.device(device).type != "cuda":
         return None, None
-    spec = importlib.util.spec_from_file_location("ftc_engine_expert_ffn", root / TRITON_EXPERT_FILE)
+    # Through the manifest: the source it runs must be a listed (so hashed) file inside the engine.
+    source = EngineManifest.read(root).path(TRITON_EXPERT_FILE)
+    spec = importlib.util.spec_from_file_location("ftc_engine_expert_ffn", source)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    missing = [name for name in ("expert_ffn", "grouped_expert_ffn") if not callable(getattr(module, name, None))]
+    if missing:
+        raise ArtifactError(f"{source}: defines no function {missing[0]}")
     return module.expert_ffn, module.grouped_expert_ffn
 
 

@@ -15,6 +15,7 @@ corruption is reported as the exact bank, layer and expert.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -38,6 +40,10 @@ _DTYPE_BYTES = {"bf16": 2}
 
 class FtwError(ValueError):
     """The FTW file is missing, truncated, corrupted or of another version; the message says which."""
+
+
+def _positive_int(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
@@ -68,10 +74,16 @@ class FtwHeader:
     @classmethod
     def create(cls, num_moe_layers: int, num_experts: int,
                banks: list[tuple[str, str, tuple[int, ...]]]) -> FtwHeader:
+        # A damaged header read back must not yield negative offsets or sizes (seeks, allocations).
+        for what, n in (("num_moe_layers", num_moe_layers), ("num_experts", num_experts)):
+            if not _positive_int(n):
+                raise ValueError(f"FTW {what} = {n!r}: expected a positive integer")
         out, offset = [], 0
         for name, dtype, shape in banks:
             if dtype not in _DTYPE_BYTES:
                 raise ValueError(f"FTW bank {name!r}: dtype {dtype!r} is not one of {list(_DTYPE_BYTES)}")
+            if not isinstance(name, str) or not shape or not all(_positive_int(d) for d in shape):
+                raise ValueError(f"FTW bank {name!r}: row shape {shape!r}: expected positive integers")
             bank = Bank(name, dtype, tuple(shape), offset)
             out.append(bank)
             offset += round_up(bank.row_bytes)
@@ -128,34 +140,18 @@ def encode_trailer(checksums: dict[str, list[int]]) -> bytes:
 
 def read_header(path: Path) -> tuple[FtwHeader, dict[str, tuple[int, ...]]]:
     """Parse and check the header and the checksum trailer; the data region is not read."""
-    name = path.name
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
-            prefix = f.read(PREFIX.size)
-            if len(prefix) < PREFIX.size:
-                raise FtwError(f"{name}: truncated: {size} bytes, too short for an FTW header")
-            magic, length = PREFIX.unpack(prefix)
-            if magic != MAGIC:
-                raise FtwError(f"{name}: not an FTW v{VERSION} file (magic {magic!r}, expected {MAGIC!r})")
-            if length != HEADER_ROOM - PREFIX.size:
-                raise FtwError(f"{name}: corrupted header (length field {length})")
-            raw = f.read(length)
-            if len(raw) < length:
-                raise FtwError(f"{name}: truncated inside its header ({size} bytes)")
-            h = json.loads(raw)
-            if not isinstance(h, dict) or "version" not in h:
-                raise FtwError(f"{name}: corrupted header (no 'version' field)")
-            if h["version"] != VERSION:
-                raise FtwError(f"{name}: FTW version {h['version']} is not supported "
-                               f"(this runtime reads version {VERSION})")
-            header = FtwHeader.create(h["num_moe_layers"], h["num_experts"],
-                                      [(b["name"], b["dtype"], tuple(b["row_shape"])) for b in h["banks"]])
-            if header.encode()[PREFIX.size:].rstrip() != raw.rstrip():
-                raise FtwError(f"{name}: corrupted header (its fields disagree with each other)")
+            size = os.fstat(f.fileno()).st_size
+            header = _parse_header(f, size, path)
             if size <= header.trailer_offset:
-                raise FtwError(f"{name}: truncated: {size} bytes on disk, the experts alone need "
+                raise FtwError(f"{path}: truncated: {size} bytes on disk, the experts alone need "
                                f"{header.trailer_offset} plus the checksum trailer")
+            # Bounded, so that a damaged header over a huge file cannot make the trailer a huge read.
+            limit = _trailer_limit(header)
+            if size - header.trailer_offset > limit:
+                raise FtwError(f"{path}: corrupted: {size - header.trailer_offset} bytes after the experts, "
+                               f"the checksum trailer of {header.num_rows} rows takes at most {limit}")
             f.seek(header.trailer_offset)
             trailer = json.loads(f.read())
             checksums = {b.name: tuple(int(c, 16) for c in trailer[b.name]) for b in header.banks}
@@ -163,13 +159,81 @@ def read_header(path: Path) -> tuple[FtwHeader, dict[str, tuple[int, ...]]]:
         raise FtwError(f"{path}: file not found") from None
     except FtwError:
         raise
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
-        raise FtwError(f"{name}: corrupted header or checksum trailer ({type(e).__name__}: {e})") from None
+    except OSError as e:
+        raise FtwError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
+        raise FtwError(f"{path}: corrupted header or checksum trailer ({type(e).__name__}: {e})") from None
     for b in header.banks:
         if len(checksums[b.name]) != header.num_rows:
-            raise FtwError(f"{name}: checksum trailer has {len(checksums[b.name])} rows for bank "
+            raise FtwError(f"{path}: checksum trailer has {len(checksums[b.name])} rows for bank "
                            f"'{b.name}', expected {header.num_rows} (truncated or corrupted)")
     return header, checksums
+
+
+def _parse_header(f: BinaryIO, size: int, path: Path) -> FtwHeader:
+    prefix = f.read(PREFIX.size)
+    if len(prefix) < PREFIX.size:
+        raise FtwError(f"{path}: truncated: {size} bytes, too short for an FTW header")
+    magic, length = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise FtwError(f"{path}: not an FTW v{VERSION} file (magic {magic!r}, expected {MAGIC!r})")
+    if length != HEADER_ROOM - PREFIX.size:
+        raise FtwError(f"{path}: corrupted header (length field {length})")
+    raw = f.read(length)
+    if len(raw) < length:
+        raise FtwError(f"{path}: truncated inside its header ({size} bytes)")
+    h = json.loads(raw)
+    if not isinstance(h, dict) or "version" not in h:
+        raise FtwError(f"{path}: corrupted header (no 'version' field)")
+    if h["version"] != VERSION:
+        raise FtwError(f"{path}: FTW version {h['version']} is not supported (this runtime reads version {VERSION})")
+    header = FtwHeader.create(h["num_moe_layers"], h["num_experts"],
+                              [(b["name"], b["dtype"], tuple(b["row_shape"])) for b in h["banks"]])
+    if header.encode()[PREFIX.size:].rstrip() != raw.rstrip():
+        raise FtwError(f"{path}: corrupted header (its fields disagree with each other)")
+    return header
+
+
+def _trailer_limit(header: FtwHeader) -> int:
+    """An upper bound of `encode_trailer`'s length: 8 hex digits, quotes and a separator per row."""
+    return 2 + sum(6 * len(b.name) + 8 + 12 * header.num_rows for b in header.banks)
+
+
+def verify_file(path: Path, header: FtwHeader, checksums: dict[str, tuple[int, ...]]) -> str:
+    """Reads the file once, checking every row against its CRC-32 (as `load` does) and hashing the
+    whole file (engine.json records its sha256); returns the sha256. Nothing is kept in memory."""
+    sha = hashlib.sha256()
+    per_read = max(1, (32 << 20) // header.expert_stride)  # experts per read
+    try:
+        with open(path, "rb") as f:
+            sha.update(_read_exact(f, header.data_offset, path))
+            for first in range(0, header.num_rows, per_read):
+                block = memoryview(_read_exact(f, min(per_read, header.num_rows - first) * header.expert_stride, path))
+                sha.update(block)
+                for i in range(len(block) // header.expert_stride):
+                    for b in header.banks:
+                        start = i * header.expert_stride + b.offset
+                        got = zlib.crc32(block[start:start + b.row_bytes])
+                        if got != checksums[b.name][first + i]:
+                            raise _row_error(str(path), header, b.name, first + i, got, checksums[b.name][first + i])
+            while chunk := f.read(16 << 20):
+                sha.update(chunk)
+    except OSError as e:
+        raise FtwError(f"{path}: cannot be read ({e.strerror or e})") from None
+    return sha.hexdigest()
+
+
+def _read_exact(f: BinaryIO, n: int, path: Path) -> bytes:
+    data = f.read(n)
+    if len(data) < n:
+        raise FtwError(f"{path}: truncated: ends at byte {f.tell()}, before the data its header describes")
+    return data
+
+
+def _row_error(name: str, h: FtwHeader, bank: str, r: int, got: int, expected: int) -> FtwError:
+    layer, expert = divmod(r, h.num_experts)
+    return FtwError(f"{name}: corrupted: bank '{bank}' row {r} (MoE layer {layer}, expert {expert}) fails its "
+                    f"checksum (crc32 {got:08x}, expected {expected:08x})")
 
 
 class ExpertPool:
@@ -210,12 +274,12 @@ def load(path: Path, on_bytes: Callable[[int], None] | None = None, direct: bool
     buffer = aligned_empty(header.data_bytes)
     try:
         result = read_into(path, header.data_offset, buffer, direct=direct, on_bytes=on_bytes)
-    except EOFError as e:
-        raise FtwError(str(e)) from None
+    except EOFError as e:  # the file shrank after its header was read
+        raise FtwError(f"{path}: truncated while loading ({e})") from None
     if on_read:
         on_read(result)
     pool = ExpertPool(header, buffer)
-    verify_rows(pool, checksums, path.name)
+    verify_rows(pool, checksums, str(path))
     return pool
 
 
@@ -234,7 +298,4 @@ def verify_rows(pool: ExpertPool, checksums: dict[str, tuple[int, ...]], name: s
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
         for (bank, r), got in zip(jobs, ex.map(crc, jobs, chunksize=16), strict=True):
             if got != checksums[bank][r]:
-                layer, expert = divmod(r, h.num_experts)
-                raise FtwError(f"{name}: corrupted: bank '{bank}' row {r} (MoE layer {layer}, expert "
-                               f"{expert}) fails its checksum (crc32 {got:08x}, expected "
-                               f"{checksums[bank][r]:08x})")
+                raise _row_error(name, h, bank, r, got, checksums[bank][r])

@@ -8,8 +8,10 @@ the value and what was expected when something is wrong.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -21,6 +23,23 @@ ROUTERS = ("softmax_topk",)
 ATTENTION_KINDS = ("gqa",)
 LAYER_KINDS = ("full_attention", "linear_attention")
 DTYPES = ("bf16",)
+
+# Upper bounds of the size fields: an engine.json or spec that is damaged or hostile must not make the
+# loader allocate or loop without limit. Each is several times the largest model in view: GLM-5 and
+# DeepSeek-V4 (750B-class: under 100 layers, 256-384 experts, hidden 6144-7168, vocab under 2^18,
+# 128 heads, expert intermediate 2048), dense MLPs of 405B-class models (intermediate 53248), and
+# million-token contexts.
+MAX_LAYERS = 1024
+MAX_HIDDEN = 65536
+MAX_VOCAB = 1 << 22
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_EXPERTS = 4096
+MAX_TOP_K = 256
+MAX_INTERMEDIATE = 1 << 17
+MAX_POSITIONS = 1 << 24
+MAX_CONV_KERNEL = 64
+MAX_NAME = 255  # the default output directory is build/<name>: one file name
 
 
 class SpecError(ValueError):
@@ -147,9 +166,15 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "spec") -> ModelSpec:
-        spec = _build(cls, data, source, "")
+        spec = from_plain(cls, data, source)
         _check(spec, source)
         return spec
+
+
+def from_plain(cls: type, data: Any, source: str) -> Any:
+    """The dataclass `cls` from plain data (parsed YAML or JSON), every field converted by its type
+    hint; a missing, unknown or mistyped field is a SpecError naming the field and the value."""
+    return _build(cls, data, source, "")
 
 
 def _to_plain(value: Any) -> Any:
@@ -163,7 +188,13 @@ def _to_plain(value: Any) -> Any:
 
 
 def _fail(source: str, path: str, value: Any, expected: str) -> SpecError:
-    return SpecError(f"{source}: field '{path}' = {value!r}: expected {expected}")
+    return SpecError(f"{source}: field '{path}' = {short_repr(value)}: expected {expected}")
+
+
+def short_repr(value: Any, limit: int = 120) -> str:
+    """repr(value), cut to `limit` characters: a damaged file's megabyte string stays out of the message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
@@ -172,9 +203,9 @@ def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
         raise _fail(source, where, data, f"a mapping of {cls.__name__} fields")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(str(k) for k in set(data) - set(fields))  # YAML keys may be numbers
     if unknown:
-        raise SpecError(f"{source}: unknown field '{prefix}{unknown[0]}'; "
+        raise SpecError(f"{source}: unknown field {short_repr(prefix + unknown[0])}; "
                         f"{where} takes: {', '.join(fields)}")
     kwargs = {}
     for name, f in fields.items():
@@ -239,21 +270,18 @@ def _check(s: ModelSpec, source: str) -> None:
     a, m = s.attention, s.moe
     need(s.family in FAMILIES, "family", s.family, "one of " + ", ".join(FAMILIES))
     need(s.dtype in DTYPES, "dtype", s.dtype, "one of " + ", ".join(DTYPES))
-    for path, v in (("num_layers", s.num_layers), ("hidden_size", s.hidden_size),
-                    ("vocab_size", s.vocab_size), ("attention.num_heads", a.num_heads),
-                    ("attention.num_kv_heads", a.num_kv_heads), ("attention.head_dim", a.head_dim),
-                    ("moe.num_experts", m.num_experts), ("moe.top_k", m.top_k),
-                    ("moe.expert_intermediate_size", m.expert_intermediate_size),
-                    ("max_position_embeddings", s.max_position_embeddings)):
-        need(v > 0, path, v, "a positive integer")
+    # The default engine directory is build/<name>: a name that is not one plain file name would put it elsewhere.
+    plain = 0 < len(s.name) <= MAX_NAME and s.name not in (".", "..") and not any(c in s.name for c in "/\\\0")
+    need(plain, "name", s.name, f"a plain file name of at most {MAX_NAME} characters (no '/', '\\', '.' or '..')")
+    _check_sizes(s, need)
     need(a.kind in ATTENTION_KINDS, "attention.kind", a.kind, "one of " + ", ".join(ATTENTION_KINDS))
     need(a.num_heads % a.num_kv_heads == 0, "attention.num_kv_heads", a.num_kv_heads,
          f"a divisor of attention.num_heads ({a.num_heads})")
     need(a.head_dim % 2 == 0, "attention.head_dim", a.head_dim, "an even number (RoPE pairs)")
     need(m.router in ROUTERS, "moe.router", m.router, "one of " + ", ".join(ROUTERS))
     need(m.top_k <= m.num_experts, "moe.top_k", m.top_k, f"at most moe.num_experts ({m.num_experts})")
-    need(s.norm.eps > 0, "norm.eps", s.norm.eps, "a positive number")
-    need(s.rope.theta > 0, "rope.theta", s.rope.theta, "a positive number")
+    need(0 < s.norm.eps < 1, "norm.eps", s.norm.eps, "a number in (0, 1)")
+    need(0 < s.rope.theta < math.inf, "rope.theta", s.rope.theta, "a positive finite number")
     need(0 < s.rope.partial_rotary_factor <= 1, "rope.partial_rotary_factor",
          s.rope.partial_rotary_factor, "a number in (0, 1]")
     for i, layer in enumerate(m.dense_layers):
@@ -281,12 +309,12 @@ def _check(s: ModelSpec, source: str) -> None:
     la = s.linear_attention
     if s.linear_attention_layers:
         need(la is not None, "linear_attention", la, "the Gated DeltaNet shapes (layer_kinds has linear layers)")
-        for path, v in (("linear_attention.num_k_heads", la.num_k_heads),
-                        ("linear_attention.num_v_heads", la.num_v_heads),
-                        ("linear_attention.k_head_dim", la.k_head_dim),
-                        ("linear_attention.v_head_dim", la.v_head_dim),
-                        ("linear_attention.conv_kernel", la.conv_kernel)):
-            need(v > 0, path, v, "a positive integer")
+        for path, v, top in (("linear_attention.num_k_heads", la.num_k_heads, MAX_HEADS),
+                             ("linear_attention.num_v_heads", la.num_v_heads, MAX_HEADS),
+                             ("linear_attention.k_head_dim", la.k_head_dim, MAX_HEAD_DIM),
+                             ("linear_attention.v_head_dim", la.v_head_dim, MAX_HEAD_DIM),
+                             ("linear_attention.conv_kernel", la.conv_kernel, MAX_CONV_KERNEL)):
+            _bounded(need, path, v, 1, top)
         need(la.num_v_heads % la.num_k_heads == 0, "linear_attention.num_v_heads", la.num_v_heads,
              f"a multiple of linear_attention.num_k_heads ({la.num_k_heads})")
     need(len(s.full_attention_layers) > 0, "layer_kinds", list(s.layer_kinds), "at least one full_attention layer")
@@ -298,3 +326,28 @@ def _check(s: ModelSpec, source: str) -> None:
         need(text in s.tokens.special, f"tokens.boundaries[{i}]", text, "a token listed in tokens.special")
     if s.tokens.bos is not None:
         need(s.tokens.bos in s.tokens.special, "tokens.bos", s.tokens.bos, "a token listed in tokens.special")
+
+
+Need = Callable[[bool, str, Any, str], None]  # raises the SpecError naming (field, value, expected) unless ok
+
+
+def _check_sizes(s: ModelSpec, need: Need) -> None:
+    """Every size within its bound, before any rule loops over one (a damaged num_layers of 10^9
+    must not build a 10^9-entry tuple first)."""
+    a, m = s.attention, s.moe
+    for path, v, low, top in (
+        ("num_layers", s.num_layers, 1, MAX_LAYERS), ("hidden_size", s.hidden_size, 1, MAX_HIDDEN),
+        ("vocab_size", s.vocab_size, 1, MAX_VOCAB), ("attention.num_heads", a.num_heads, 1, MAX_HEADS),
+        ("attention.num_kv_heads", a.num_kv_heads, 1, MAX_HEADS), ("attention.head_dim", a.head_dim, 1, MAX_HEAD_DIM),
+        ("moe.num_experts", m.num_experts, 1, MAX_EXPERTS), ("moe.top_k", m.top_k, 1, MAX_TOP_K),
+        ("moe.expert_intermediate_size", m.expert_intermediate_size, 1, MAX_INTERMEDIATE),
+        ("moe.shared_expert_intermediate_size", m.shared_expert_intermediate_size, 0, MAX_INTERMEDIATE),
+        ("moe.dense_intermediate_size", m.dense_intermediate_size, 0, MAX_INTERMEDIATE),
+        ("max_position_embeddings", s.max_position_embeddings, 1, MAX_POSITIONS),
+    ):
+        _bounded(need, path, v, low, top)
+
+
+def _bounded(need: Need, path: str, v: int, low: int, top: int) -> None:
+    need(v >= low, path, v, "a positive integer" if low == 1 else "a non-negative integer")
+    need(v <= top, path, v, f"at most {top} (the largest size this version accepts)")

@@ -1,11 +1,13 @@
-"""Broken checkpoints are refused with a CheckpointError that names the file or tensor at fault; both
-fused expert layouts compile to the same bytes; a failed compile leaves the engine already in place."""
+"""Broken checkpoints are refused with a CheckpointError that names the file or tensor at fault (non-finite
+weights included); both fused expert layouts compile to the same bytes; a failed compile leaves the engine
+already in place."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,9 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ftc.checkpoint import CheckpointError
+from ftc.ftw_writer import FtwWriter
 from ftc.pipeline import CompileOptions, compile_engine
 from ftc.spec_loader import load_spec
 from ftc_runtime import Engine
+from ftc_runtime.ftw import FtwHeader, bf16_expert_banks
 from ftc_runtime.models import family
 
 from hf_models import TinyShape, build_model, save_checkpoint
@@ -32,8 +36,8 @@ def _checkpoint(root: Path, layout: str = "fused", shards: int = 1) -> Path:
     return save_checkpoint(build_model(SHAPE, seed=random.randrange(10**6)), root / "ckpt", layout, shards)
 
 
-def _compile(ckpt: Path, out: Path) -> Path:
-    return compile_engine(CompileOptions(source=ckpt, target="auto", output=out))
+def _compile(ckpt: Path, out: Path, force: bool = False) -> Path:
+    return compile_engine(CompileOptions(source=ckpt, target="auto", output=out, force=force))
 
 
 def _shard_of(ckpt: Path, tensor: str) -> Path:
@@ -141,6 +145,64 @@ def test_directory_without_safetensors_is_refused(tmp_path, keep_index):
     assert ("model.safetensors" in msg) if not keep_index else ("missing" in msg)
 
 
+# Non-finite weights: refused at compile, naming the checkpoint tensor (and the expert of a fused one).
+NONFINITE = {"nan": (torch.bfloat16, float("nan")), "inf": (torch.bfloat16, float("inf")),
+             "-inf": (torch.bfloat16, -float("inf")), "fp32_beyond_bf16": (torch.float32, 3.4e38)}
+
+
+def _poison(t: Tensors, name: str, kind: str, entry: int | None = None) -> None:
+    """One value of tensor `name` (of its `entry` along dim 0, if given) made non-finite in bf16."""
+    dtype, value = NONFINITE[kind]
+    w = t[name].to(dtype)
+    part = w[entry] if entry is not None else w
+    part.view(-1)[random.randrange(part.numel())] = value
+    t[name] = w
+
+
+@pytest.mark.parametrize("kind", sorted(NONFINITE))
+def test_non_finite_dense_tensor_is_named(tmp_path, kind):
+    ckpt = _checkpoint(tmp_path, shards=2)
+    name = random.choice(_dense_names(ckpt))
+    _rewrite(_shard_of(ckpt, name), lambda t: _poison(t, name, kind))
+    msg = _compile_error(ckpt, tmp_path / "engine")
+    assert msg.startswith(f"{_shard_of(ckpt, name)}: tensor {name} has 1 NaN or Inf values of "), msg
+
+
+@pytest.mark.parametrize("which", ["gate_up_proj", "down_proj"])
+def test_non_finite_value_in_a_fused_expert_names_tensor_and_expert(tmp_path, which):
+    ckpt = _checkpoint(tmp_path)
+    name = f"model.layers.{random.randrange(SHAPE.layers)}.mlp.experts.{which}"
+    expert = random.randrange(SHAPE.experts)
+    _rewrite(ckpt / "model.safetensors", lambda t: _poison(t, name, random.choice(sorted(NONFINITE)), expert))
+    msg = _compile_error(ckpt, tmp_path / "engine")
+    assert f"tensor {name} (entry {expert} along dim 0) has 1 NaN or Inf values" in msg, msg
+
+
+def test_non_finite_value_in_a_per_expert_tensor_is_named(tmp_path):
+    ckpt = _checkpoint(tmp_path, layout="per_expert")
+    name = (f"model.layers.{random.randrange(SHAPE.layers)}.mlp.experts.{random.randrange(SHAPE.experts)}."
+            f"{random.choice(['gate_proj', 'up_proj', 'down_proj'])}.weight")
+    _rewrite(ckpt / "model.safetensors", lambda t: _poison(t, name, random.choice(sorted(NONFINITE))))
+    msg = _compile_error(ckpt, tmp_path / "engine")
+    assert f"tensor {name} has 1 NaN or Inf values" in msg, msg
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "-inf"])
+def test_ftw_writer_refuses_a_non_finite_row(tmp_path, kind):
+    """The expert pool's rows as they are written, from any weight source."""
+    header = FtwHeader.create(2, 3, bf16_expert_banks(64, 32))
+    writer = FtwWriter(tmp_path / "e.ftw", header)
+    row, bank = random.randrange(header.num_rows), random.choice(header.banks).name
+    for _ in range(row):
+        writer.append({b.name: torch.randn(b.row_shape).bfloat16() for b in header.banks})
+    rows = {b.name: torch.randn(b.row_shape).bfloat16() for b in header.banks}
+    _poison(rows, bank, kind)
+    layer, expert = divmod(row, header.num_experts)
+    with pytest.raises(ValueError, match=re.escape(f"expert {row} (MoE layer {layer}, expert {expert}), bank "
+                                                   f"'{bank}': 1 NaN or Inf values")):
+        writer.append(rows)
+
+
 def _experts_sha(engine: Path) -> str:
     return json.loads((engine / "engine.json").read_text())["files"]["experts.ftw"]["sha256"]
 
@@ -188,7 +250,7 @@ def good_engine_then_failed_compile(tmp_path) -> tuple[Path, dict[str, str], tor
     ids = [random.randrange(SHAPE.vocab) for _ in range(6)]
     before, logits = _tree_digest(out), Engine.load(out).logits(ids)
     with pytest.raises(CheckpointError):
-        _compile(_late_failure(tmp_path), out)
+        _compile(_late_failure(tmp_path), out, force=True)
     return out, before, logits, ids
 
 
@@ -196,9 +258,9 @@ def test_failed_compile_leaves_the_previous_engine_intact(good_engine_then_faile
     out, before, logits, ids = good_engine_then_failed_compile
     assert _tree_digest(out) == before
     assert torch.equal(Engine.load(out).logits(ids), logits)
-    assert not (out.parent / f".{out.name}.old").exists()
+    assert not list(out.parent.glob(f".{out.name}.old*"))
 
 
 def test_failed_compile_leaves_no_partial_directory(good_engine_then_failed_compile):
     out = good_engine_then_failed_compile[0]
-    assert not (out.parent / f".{out.name}.partial").exists()
+    assert not list(out.parent.glob(f".{out.name}.partial*"))

@@ -97,3 +97,17 @@ def test_library_of_another_isa_is_refused(copy: Path):
     manifest.write_text(json.dumps(good | {"plan": good["plan"] | {"isa": other}}))
     with pytest.raises(KernelError, match="built for|lacks"):
         Engine.load(copy)
+
+
+def test_engine_json_of_an_older_compile_loads(copy: Path):
+    """Fields added since (the plan's prompt chunks, the chat template, experts_in_memory) take their
+    defaults: the stricter checks of engine.json refuse damage, not older engines."""
+    manifest = copy / "engine.json"
+    m = json.loads(manifest.read_text())
+    for key in ("prefill_chunk", "prefill_stream_min_tokens"):
+        del m["plan"][key]
+    del m["files"]["chat_template.jinja"], m["experts_in_memory"]
+    manifest.write_text(json.dumps(m))
+    e = Engine.load(copy)
+    assert (e.prefill_chunk, e.manifest.plan.prefill_stream_min_tokens, e.chat_template) == (8192, 64, None)
+    assert e.logits([1, 2]).shape == (2, e.spec.vocab_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import yaml
 from transformers import Qwen3MoeConfig
 
 from ftc.spec_loader import load_spec
+from ftc_runtime import spec as spec_mod
 from ftc_runtime.spec import ModelSpec, SpecError
 
 from hf_models import TinyShape, build_model, save_checkpoint
@@ -318,6 +320,87 @@ def test_override_through_a_scalar_field_is_a_spec_error():
 def test_override_with_malformed_yaml_value_is_a_spec_error():
     with pytest.raises(SpecError, match="name"):
         load_spec(TINY, ["name=[unclosed"])
+
+
+# -- size bounds ----------------------------------------------------------------------------------------------
+# A damaged or hostile size (num_layers: 1000000000) once made the loader allocate without limit.
+
+HYBRID = SPECS / "qwen3.6-moe-tiny.yaml"
+BOUNDS = {"num_layers": spec_mod.MAX_LAYERS, "hidden_size": spec_mod.MAX_HIDDEN, "vocab_size": spec_mod.MAX_VOCAB,
+          "attention.num_heads": spec_mod.MAX_HEADS, "attention.num_kv_heads": spec_mod.MAX_HEADS,
+          "attention.head_dim": spec_mod.MAX_HEAD_DIM, "moe.num_experts": spec_mod.MAX_EXPERTS,
+          "moe.top_k": spec_mod.MAX_TOP_K, "moe.expert_intermediate_size": spec_mod.MAX_INTERMEDIATE,
+          "moe.shared_expert_intermediate_size": spec_mod.MAX_INTERMEDIATE,
+          "moe.dense_intermediate_size": spec_mod.MAX_INTERMEDIATE,
+          "max_position_embeddings": spec_mod.MAX_POSITIONS,
+          "linear_attention.num_k_heads": spec_mod.MAX_HEADS, "linear_attention.num_v_heads": spec_mod.MAX_HEADS,
+          "linear_attention.k_head_dim": spec_mod.MAX_HEAD_DIM, "linear_attention.v_head_dim": spec_mod.MAX_HEAD_DIM,
+          "linear_attention.conv_kernel": spec_mod.MAX_CONV_KERNEL}
+
+
+@pytest.mark.parametrize("field", sorted(BOUNDS))
+def test_a_size_beyond_its_bound_is_refused_naming_field_and_value(field, tmp_path):
+    data = yaml.safe_load((HYBRID if field.startswith("linear_attention.") else TINY).read_text())
+    value = random.choice([BOUNDS[field] + 1, 10**9, 10 ** random.randint(10, 40)])
+    _set(data, field, value)
+    path = _write(tmp_path, data)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: field '{field}' = {value!r}: expected at most {BOUNDS[field]}"), msg
+
+
+def test_sizes_at_their_bounds_are_accepted():
+    data = _tiny_dict()
+    for field, bound in BOUNDS.items():
+        if not field.startswith("linear_attention."):
+            _set(data, field, bound)
+    spec = ModelSpec.from_dict(data)
+    assert (spec.num_layers, spec.vocab_size, spec.moe.num_experts) == (
+        spec_mod.MAX_LAYERS, spec_mod.MAX_VOCAB, spec_mod.MAX_EXPERTS)
+
+
+def test_a_750b_class_model_is_well_within_the_bounds():
+    """DeepSeek-V3/V4- and GLM-5-class shapes (61-78 layers, hidden 6144-7168, 256 experts of 2048,
+    vocabularies under 160k, contexts of 160k-1M tokens): each at most a quarter of its bound."""
+    data = _tiny_dict()
+    shapes = {"num_layers": 78, "hidden_size": 7168, "vocab_size": 154880, "attention.num_heads": 128,
+              "attention.num_kv_heads": 128, "attention.head_dim": 256, "moe.num_experts": 384, "moe.top_k": 8,
+              "moe.expert_intermediate_size": 2048, "max_position_embeddings": 1 << 20}
+    for field, value in shapes.items():
+        _set(data, field, value)
+        assert value <= BOUNDS[field] // 4, field
+    assert ModelSpec.from_dict(data).hidden_size == 7168
+
+
+@pytest.mark.parametrize("path", sorted(SPECS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_spec_is_within_the_bounds(path):
+    assert load_spec(path)[0].num_layers <= spec_mod.MAX_LAYERS
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "", ".", "..", "x" * 256, "a\\b", "nul\0byte"])
+def test_a_name_that_is_not_one_file_name_is_refused(name):
+    data = _tiny_dict()
+    data["name"] = name
+    with pytest.raises(SpecError) as info:
+        ModelSpec.from_dict(data, source="s")
+    assert str(info.value).startswith("s: field 'name' = ") and "a plain file name" in str(info.value)
+
+
+@pytest.mark.parametrize("field, value", [("norm.eps", ".inf"), ("norm.eps", ".nan"), ("norm.eps", "1.5"),
+                                          ("rope.theta", ".inf"), ("rope.theta", ".nan")])
+def test_non_finite_or_absurd_floats_are_refused(field, value):
+    with pytest.raises(SpecError, match=f"'{re.escape(field)}'"):
+        load_spec(TINY, [f"{field}={value}"])
+
+
+def test_a_huge_value_is_cut_short_in_the_message():
+    data = _tiny_dict()
+    data["name"] = 123
+    data["family"] = "x" * 10**6
+    with pytest.raises(SpecError) as info:
+        ModelSpec.from_dict(data, source="s")
+    assert len(str(info.value)) < 1000
 
 
 # -- HF config.json ---------------------------------------------------------------------------------------
