@@ -35,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     m = EngineManifest.read(args.engine)
-    pool = ftw.load(args.engine / EXPERTS_FILE)
+    pool = ftw.load(m.path(EXPERTS_FILE))
     for chunk in ints(args.chunk):
         for pf in ints(args.prefetch):
             plan = dataclasses.replace(m.plan, gate_up_chunk=chunk, down_chunk=chunk, prefetch_rows=pf)

@@ -37,8 +37,8 @@ def bench_experts(engine: Path, tokens: int = 1, threads: int | None = None, sec
     manifest = EngineManifest.read(engine)
     manifest.verify()
     spec, plan = manifest.spec, manifest.plan
-    pool = pool or ftw.load(engine / EXPERTS_FILE)
-    kernel = CpuExpertKernel(engine / LIBRARY_FILE, plan.isa, spec.hidden_size,
+    pool = pool or ftw.load(manifest.path(EXPERTS_FILE))
+    kernel = CpuExpertKernel(manifest.path(LIBRARY_FILE), plan.isa, spec.hidden_size,
                              spec.moe.expert_intermediate_size, worker_cpus(threads or plan.cpu_threads))
     ours = expert_kernel_gbps(spec, pool, kernel, tokens, seconds, seed)
     ref = torch_bf16_gbps(spec, pool, tokens, seconds, seed)

@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 
 from ftc_runtime import Engine, ftw
-from ftc_runtime.artifact import EXPERTS_FILE
+from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest
 from ftc_runtime.direct_read import ReadResult, sequential_direct_read
 from ftc_runtime.engine import OffloadConfig
 
 
 def bench_load(engine_dir: Path, offload: OffloadConfig | None) -> dict:
-    path = engine_dir / EXPERTS_FILE
+    path = EngineManifest.read(engine_dir).path(EXPERTS_FILE)
     header, _ = ftw.read_header(path)
     n = header.data_bytes
     disk = sequential_direct_read(path, header.data_offset, n)

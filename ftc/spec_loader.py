@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from ftc_runtime.spec import ModelSpec, SpecError
+from ftc_runtime.spec import MAX_LAYERS, ModelSpec, SpecError
 
 
 def load_spec(source: Path, overrides: list[str] = ()) -> tuple[ModelSpec, Path | None]:
@@ -116,6 +116,8 @@ def _rope(config: dict[str, Any], where: Path, partial_default: float) -> dict[s
 
 
 def _dense_layers(get, n_layers: int, n_experts: int) -> list[int]:
+    if not isinstance(n_layers, int) or not 0 < n_layers <= MAX_LAYERS:
+        return []  # ModelSpec.from_dict then names num_layers and its value, without looping over it
     step, mlp_only = get("decoder_sparse_step", 1), set(get("mlp_only_layers", []))
     return [i for i in range(n_layers) if i in mlp_only or n_experts == 0 or (i + 1) % step != 0]
 

@@ -67,6 +67,8 @@ class ChatTemplate:
             return cls(path.read_text(encoding="utf-8"), str(path))
         except OSError as e:
             raise ChatTemplateError(f"{path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ChatTemplateError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True, **options: Any) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -490,3 +491,16 @@ def test_absent_norm_topk_prob_follows_the_transformers_default(tmp_path):
     spec, _ = load_spec(ckpt)
     assert spec.moe.norm_topk_prob == Qwen3MoeConfig.from_pretrained(ckpt).norm_topk_prob
 
+
+
+def test_a_config_json_with_absurd_layer_counts_is_refused_without_looping(tmp_path: Path):
+    """num_hidden_layers = 10^12 in a checkpoint's config.json: refused by the spec's bound, at once."""
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 10**12, "hidden_size": 64, "vocab_size": 512,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 64,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    t0 = time.perf_counter()
+    with pytest.raises(SpecError, match="num_layers"):
+        load_spec(tmp_path)
+    assert time.perf_counter() - t0 < 5
