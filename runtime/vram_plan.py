@@ -20,11 +20,15 @@ class VramError(ValueError):
 
 
 def parse_size(text: str) -> int:
-    """'32GiB', '8GB', '512MiB', '1e9' → bytes."""
+    """'32GiB', '8GB', '512MiB', '1e9' → bytes: at least 0, less than 2**63."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"size {text!r}: expected a number with an optional unit (B, MB, GB, MiB, GiB, ...)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise ValueError(f"size {text!r}: expected a number >= 0 with an optional unit (B, KB, MB, GB, KiB, MiB, "
+                         "GiB, ...)")
+    size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not size < 2**63:  # '1e999' is inf; byte counts must fit the int64 that torch and the OS use
+        raise ValueError(f"size {text!r}: too large (8 EiB or more)")
+    return int(size)
 
 
 def gib(n: int) -> str:

@@ -12,14 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from rich.progress import Progress
+from typer.testing import CliRunner
 
+from ftc.cli.main import app
+from ftc.cli.options import server_config
 from ftc.pipeline import _write_dense
 from ftc.spec_loader import load_spec
 from ftc.weights import RandomWeights
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.artifact import file_sha256
+from ftc_runtime.serve.app import LOOPBACK_HOSTS
 from ftc_runtime.tokenizer import StreamDecoder
 
 FTC = Path(sys.executable).parent / "ftc"
@@ -279,3 +284,126 @@ def test_error_message_text_is_not_read_as_markup(engine):
     r = ftc("run", engine, "--prompt-ids", ids)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert f"'{ids}'" in r.stderr
+
+
+# -- option values ---------------------------------------------------------------------------------------
+
+SIZES = ("1e999", "-5GiB", "abc", "nanGiB", "infGiB")
+
+
+def bad_option_cases(engine: Path, tmp: Path) -> list[tuple[str, list, str]]:
+    """(case id, arguments, the option the message must name): each value is refused, by typer's own
+    check (exit status 2) or with one 'error:' line (1)."""
+    gen, serve = ["run", engine, "--prompt-ids", "1,2"], ["run", engine, "--serve"]
+    exp, dec, pre = ["bench", engine, "experts"], ["bench", engine, "decode", "--device", "cpu"], \
+        ["bench", engine, "prefill", "--device", "cpu", "--lengths", "8"]
+    agent, prof, trace = ["bench", engine, "agent", "--device", "cpu"], ["profile", engine], \
+        ["trace", engine, "--prompt-ids", "1", "-o", tmp / "t.npz"]
+    missing = tmp / "no-such-folder" / "out"
+    cases = [(f"{cmd}-{opt}-{v}", [*base, opt, v], opt) for v in SIZES
+             for cmd, base, opt in (("inspect", ["inspect", engine], "--vram-budget"),
+                                    ("run", [*gen, "--device", "cpu"], "--vram-budget"),
+                                    ("serve", serve, "--prefix-cache"), ("serve", serve, "--max-body-bytes"),
+                                    ("agent", agent, "--prefix-cache"), ("agent", agent, "--checkpoint-cache"))]
+    cases += [(f"{args[1]}-{opt}-{v}", [*args, opt, v], opt) for args, opt, vs in (
+        (gen, "--device", ["cuda:99", "bogus", "mps"]), (dec, "--device", ["cuda:99"]), (prof, "--device", ["cuda:99"]),
+        (["inspect", engine], "--vram-budget", ["0"]), (["inspect", engine], "--max-context", ["0", "-1"]),
+        (serve, "--port", ["0", "65536", "-1"]), (serve, "--max-batch", ["0"]), (serve, "--max-prompt-tokens", ["0"]),
+        (serve, "--max-tokens", ["0"]), (serve, "--max-body-bytes", ["0"]), (serve, "--api-key", [""]),
+        (serve, "--allowed-hosts", ["", ","]), (serve, "--prompt", ["hi"]), (serve, "--slots", ["4"]),
+        (["run", engine, "--prompt", "hi"], "--port", ["9000"]),
+        (gen, "--max-new-tokens", ["-1"]), (gen, "--seed", ["-1", str(2**64)]), (gen, "--temperature", ["-1", "nan"]),
+        (gen, "--temperature", ["inf"]), (gen, "--top-p", ["0", "1.5", "nan"]), (gen, "--slots", ["-1"]),
+        (gen, "--prefill-chunk", ["0"]), (["run", engine], "--prompt-ids", ["1,-2", f"1,{VOCAB}", "1," + "9" * 30,
+                                                                         ",", "a,b"]),
+        (["compile", TINY, "--random-weights", "-o", tmp / "e"], "--seed", ["-1"]),
+        (exp, "--seconds", ["0", "-1", "nan", "inf"]), (exp, "--threads", ["0", "-1"]), (exp, "--tokens", ["0"]),
+        (exp, "-o", [missing, tmp]), (pre, "--lengths", ["0,-1", ","]), (pre, "--prefill-chunk", ["0"]),
+        (pre, "--plot", [missing]), (pre, "--stream-min-tokens", ["0"]), (pre, "--seed", ["-1"]),
+        (dec, "--synthetic-locality", ["2", "-0.1", "nan"]), (dec, "--slots", ["-1"]), (dec, "--prompt-tokens", ["0"]),
+        (dec, "--new-tokens", ["1"]), (agent, "--session-tokens", ["0"]), (agent, "--tool-output-tokens", ["0"]),
+        (prof, "--seconds", ["0", "nan"]), (prof, "-o", [missing]), (trace, "--max-new-tokens", ["0"]),
+        (["trace", engine, "--prompt-ids", "1"], "-o", [missing])) for v in vs]
+    if not torch.cuda.is_available():  # without a GPU, the default --device of `bench decode` and cuda itself
+        cases += [(f"{a[1]}-cuda", [*a, "--device", "cuda"], "--device") for a in (gen, ["bench", engine, "decode"],
+                                                                                   prof, pre)]
+        cases += [("decode-default-device", ["bench", engine, "decode"], "--device")]
+    return cases
+
+
+def _said(r) -> str:
+    """The output with rich's error panel taken apart: its words on one line."""
+    return " ".join(r.output.translate(str.maketrans("", "", "│╭╮╰╯─")).split())
+
+
+def test_every_bad_option_value_is_refused_without_a_traceback(engine, tmp_path):
+    runner = CliRunner()
+    for name, args, option in bad_option_cases(engine, tmp_path):
+        r = runner.invoke(app, list(map(str, args)))
+        assert r.exit_code in (1, 2), f"{name}: exit {r.exit_code}\n{r.output}"
+        assert r.exception is None or isinstance(r.exception, SystemExit), f"{name}: {r.exception!r}"
+        assert "Traceback" not in r.output, name
+        assert option in _said(r), f"{name}: the message does not name {option}\n{r.output}"
+        if r.exit_code == 1:
+            assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, f"{name}: {r.stderr}"
+    assert not (tmp_path / "e").exists()
+
+
+def test_an_empty_api_key_variable_is_refused(engine):
+    r = CliRunner().invoke(app, ["run", str(engine), "--serve"], env={"FTC_API_KEY": ""})
+    assert r.exit_code == 1 and r.stderr.startswith("error: --api-key (or FTC_API_KEY) is empty"), r.output
+
+
+def test_zero_new_tokens_print_nothing(engine):
+    r = ok("run", engine, "--prompt-ids", "1,2", "--max-new-tokens", 0)
+    assert r.stdout.strip() == "" and "2 prompt tokens, 0 generated" in r.stderr
+    assert parse_json(ftc(*run_json_args(engine, [1, 2], 0)))["tokens"] == []
+
+
+def test_compile_replaces_an_engine_only_with_force(engine, tmp_path):
+    out = shutil.copytree(engine, tmp_path / "e")
+    runner = CliRunner()
+    r = runner.invoke(app, list(map(str, compile_args(out, 4))))
+    assert r.exit_code == 1 and "--force" in r.stderr, r.output
+    assert manifest_sha(out, "experts.ftw") == manifest_sha(engine, "experts.ftw")
+    r = runner.invoke(app, list(map(str, [*compile_args(out, 4), "--force"])))
+    assert r.exit_code == 0, r.output
+    assert manifest_sha(out, "experts.ftw") != manifest_sha(engine, "experts.ftw")
+
+
+@pytest.mark.parametrize("bind, hosts, expected", [
+    ("127.0.0.1", None, LOOPBACK_HOSTS), ("localhost", None, LOOPBACK_HOSTS), ("0.0.0.0", None, None),
+    ("127.0.0.1", "*", None), ("0.0.0.0", "a.example, B.example,", ("a.example", "B.example")),
+])
+def test_allowed_hosts_default_by_bind_address(bind, hosts, expected):
+    assert server_config(bind, None, hosts)["allowed_hosts"] == expected
+
+
+def test_serve_wires_its_options_into_the_server(engine, monkeypatch):
+    """`ftc run --serve` up to the point where it would listen: the server gets the options, the
+    engine the prefix cache, and the start line says its size."""
+    started = {}
+    monkeypatch.setattr("ftc_runtime.serve.app.run_server", lambda app, host, port: started.update(
+        app=app, host=host, port=port))
+    args = ["run", engine, "--serve", "--host", "::1", "--port", "8123", "--api-key", "k", "--prefix-cache", "3MiB",
+            "--max-body-bytes", "1KiB", "--allowed-hosts", "a.example,b.example", "--max-batch", "3"]
+    r = CliRunner().invoke(app, list(map(str, args)))
+    assert r.exit_code == 0, r.output
+    assert (started["host"], started["port"]) == ("::1", 8123)
+    server = started["app"].state.server
+    c = server.config
+    assert (c.api_key, c.max_body_bytes, c.allowed_hosts, c.max_batch) == ("k", 1024, ("a.example", "b.example"), 3)
+    assert server.engine.prefix_cache.kv_budget == 3 << 20
+    assert "http://[::1]:8123/v1 (prefix cache 3.0 MiB, API key required)" in r.stderr
+
+
+def test_serve_prefix_cache_auto_and_off(engine, monkeypatch):
+    monkeypatch.setattr("ftc_runtime.serve.app.run_server", lambda app, host, port: None)
+    captured = []
+    monkeypatch.setattr("ftc_runtime.serve.app.default_prefix_cache_bytes", lambda eng: captured.append(eng) or 5 << 20)
+    runner = CliRunner()
+    r = runner.invoke(app, ["run", str(engine), "--serve"])
+    assert r.exit_code == 0 and captured and captured[0].prefix_cache.kv_budget == 5 << 20, r.output
+    assert "(prefix cache 5.0 MiB)" in r.stderr
+    r = runner.invoke(app, ["run", str(engine), "--serve", "--prefix-cache", "0"])
+    assert r.exit_code == 0 and "(no prefix cache)" in r.stderr, r.output

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -15,33 +18,135 @@ err = Console(stderr=True)
 MissPolicyOpt = Enum("MissPolicyOpt", {p: p for p in ("adaptive", "gpu", "cpu", "half")}, type=str)
 CachePolicyOpt = Enum("CachePolicyOpt", {p: p for p in ("lru", "static")}, type=str)
 
+MAX_SEED = 2**64 - 1  # torch.Generator takes seeds in [0, 2**64)
+
+
+# Parsers of option values. Typer reports their ValueError as a usage error naming the option, before
+# the command starts (and so before an engine loads or a benchmark runs).
+
+
+def size(text: str) -> int:
+    """A byte count such as 8GiB."""
+    from ftc_runtime.vram_plan import parse_size  # imports torch: only once an option needs it
+
+    return parse_size(text)
+
+
+def positive_size(text: str) -> int:
+    """A byte count of at least 1."""
+    n = size(text)
+    if n < 1:
+        raise ValueError(f"size {text!r}: expected at least 1 byte")
+    return n
+
+
+def cache_size(text: str) -> int | None:
+    """A size, or 'auto' (None): the command picks one."""
+    return None if text.strip().lower() == "auto" else size(text)
+
+
+def number_in(low: float, high: float | None = None, low_open: bool = False) -> Callable[[str], float]:
+    """A parser of finite numbers in [low, high] ((low, high] with `low_open`); typer's own `min=`
+    lets inf through."""
+    span = f"{'(' if low_open else '['}{low:g}, {'∞)' if high is None else f'{high:g}]'}"
+
+    def parse(text: str | float) -> float:
+        x = float(text)
+        if not (math.isfinite(x) and (x > low if low_open else x >= low) and (high is None or x <= high)):
+            raise ValueError(f"{text!r}: expected a number in {span}")
+        return x
+
+    return parse
+
+
+def output_file(text: str | Path) -> Path:
+    """A file to write once the work is done: its folder must exist now, not only minutes later."""
+    path = Path(text)
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a folder: give a file path")
+    if not path.parent.is_dir():
+        raise ValueError(f"{str(path)!r}: the folder {str(path.parent)!r} does not exist")
+    return path
+
+
 # The offload options that `ftc run` and `ftc bench` share (`offload_config` turns them into one).
-VramBudgetArg = Annotated[str | None, typer.Option(help="Cap on device memory, e.g. 32GiB.")]
-SlotsArg = Annotated[int | None, typer.Option(help="Expert slots (default: what the budget holds).")]
+VramBudgetArg = Annotated[int | None, typer.Option(parser=size, metavar="SIZE", help="Cap on device memory, e.g. "
+                                                   "32GiB.")]
+SlotsArg = Annotated[int | None, typer.Option(min=0, help="Expert slots (default: what the budget holds).")]
 MissPolicyArg = Annotated[MissPolicyOpt, typer.Option(help="Where cache misses run.")]
 CachePolicyArg = Annotated[CachePolicyOpt, typer.Option(help="lru, or static (the prompt's top experts).")]
 CpuExpertsArg = Annotated[bool, typer.Option("--cpu-experts", help="With --device: every routed expert on the CPU, "
                                              "the rest of the model on the device.")]
-PrefillChunkArg = Annotated[int | None, typer.Option(help="Prompt chunk in tokens (default: the plan's).")]
+PrefillChunkArg = Annotated[int | None, typer.Option(min=1, help="Prompt chunk in tokens (default: the plan's).")]
 
 
-def offload_config(device: str | None, vram_budget: str | None, slots: int | None, miss_policy: str,
+def check_device(device: str) -> str:
+    """`device` if this machine has it: 'cpu', or 'cuda[:N]' with that GPU present. (Without the
+    check, torch fails deep inside the engine with an assertion.)"""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: expected cuda, cuda:N, or cpu (to emulate a GPU)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA GPU on this machine (--device cpu emulates one)")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
+
+
+def offload_config(device: str | None, vram_budget: int | None, slots: int | None, miss_policy: str,
                    cache_policy: str, cpu_experts: bool = False, stream_min_tokens: int | None = None):
     """The OffloadConfig for --device and its options (None: every expert on the CPU)."""
     from ftc_runtime.engine import OffloadConfig
-    from ftc_runtime.vram_plan import parse_size
 
     if device is None:
-        if vram_budget or slots is not None or cpu_experts or stream_min_tokens is not None:
+        if vram_budget is not None or slots is not None or cpu_experts or stream_min_tokens is not None:
             raise ValueError("--vram-budget, --slots, --cpu-experts and --stream-min-tokens need --device (cuda, "
                              "or cpu to emulate a GPU)")
         return None
-    if stream_min_tokens is not None and stream_min_tokens < 1:
-        raise ValueError(f"--stream-min-tokens {stream_min_tokens}: give a token count of at least 1")
-    return OffloadConfig(device=device, vram_budget=parse_size(vram_budget) if vram_budget else None,
-                         n_slots=slots, miss_policy=str(getattr(miss_policy, "value", miss_policy)),
+    return OffloadConfig(device=check_device(device), vram_budget=vram_budget, n_slots=slots,
+                         miss_policy=str(getattr(miss_policy, "value", miss_policy)),
                          cache_policy=str(getattr(cache_policy, "value", cache_policy)), cpu_experts=cpu_experts,
                          stream_min_tokens=stream_min_tokens)
+
+
+# `ftc run` options of one mode only: given in the other, they would be silently ignored.
+SERVE_ONLY = ("host", "port", "api_key", "allowed_hosts", "max_batch", "max_prompt_tokens", "max_tokens",
+              "max_body_bytes", "prefix_cache")
+GENERATE_ONLY = ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "as_json",
+                 "reprofile")
+
+
+def check_run_mode(ctx: typer.Context, serve: bool) -> None:
+    """Refuses a command-line option that the mode (--serve or not) would not use."""
+    other = GENERATE_ONLY if serve else SERVE_ONLY
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name)
+        if param.name in other and source is not None and source.name == "COMMANDLINE":
+            raise ValueError(f"{param.opts[-1]} {'does not go with' if serve else 'needs'} --serve")
+
+
+def server_config(host: str, api_key: str | None, allowed_hosts: str | None, **limits: int | None) -> dict:
+    """ServerConfig's arguments for `ftc run --serve` (limits left None: the server's defaults),
+    checked before the engine loads."""
+    from ftc_runtime.serve.app import default_allowed_hosts
+
+    if api_key is None and os.environ.get("FTC_API_KEY") == "":
+        api_key = ""  # typer reads an empty variable as unset, which would serve without a key
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key (or FTC_API_KEY) is empty: give a key, or none to serve without one")
+    if allowed_hosts is None:
+        hosts = default_allowed_hosts(host)
+    else:
+        hosts = tuple(h.strip() for h in allowed_hosts.split(",") if h.strip())
+        if not hosts:
+            raise ValueError(f"--allowed-hosts {allowed_hosts!r}: give host names (comma-separated), or * for any")
+    return {"api_key": api_key, "allowed_hosts": None if hosts is None or "*" in hosts else hosts,
+            **{k: v for k, v in limits.items() if v is not None}}
 
 
 def reprofile_engine(engine_dir: Path, eng, offload) -> None:
@@ -61,11 +166,27 @@ def reprofile_engine(engine_dir: Path, eng, offload) -> None:
     err.print(f"profile: B_H {prof.b_h} GB/s" + (f", B_P {prof.b_p} GB/s" if prof.b_p else "") + " (engine.json)")
 
 
-def parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
+def parse_ids(text: str, option: str = "--prompt-ids", low: int = 0) -> list[int]:
+    """Comma-separated integers of at least `low`; at least one."""
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise ValueError(f"{option} {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+        ids = []
+    if not ids or min(ids) < low:
+        raise ValueError(f"{option} {text!r}: expected comma-separated integers >= {low}, e.g. 1,2,3")
+    return ids
+
+
+def prompt_ids_for(text: str, engine_dir: Path) -> list[int]:
+    """--prompt-ids, checked against the engine's vocabulary before the engine loads."""
+    from ftc_runtime.artifact import EngineManifest
+
+    ids = parse_ids(text)
+    vocab = EngineManifest.read(engine_dir).spec.vocab_size
+    bad = [i for i in ids if i >= vocab]
+    if bad:
+        raise ValueError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    return ids
 
 
 def engine_in_memory(spec: Path, random_weights: bool, seed: int, target: str, override: list[str] | None,
