@@ -376,7 +376,7 @@ def test_compile_replaces_an_engine_only_with_force(engine, tmp_path):
     ("127.0.0.1", "*", None), ("0.0.0.0", "a.example, B.example,", ("a.example", "B.example")),
 ])
 def test_allowed_hosts_default_by_bind_address(bind, hosts, expected):
-    assert server_config(bind, None, hosts)["allowed_hosts"] == expected
+    assert server_config(bind, None, None, hosts)["allowed_hosts"] == expected
 
 
 def test_serve_wires_its_options_into_the_server(engine, monkeypatch):
@@ -407,3 +407,16 @@ def test_serve_prefix_cache_auto_and_off(engine, monkeypatch):
     assert "(prefix cache 5.0 MiB)" in r.stderr
     r = runner.invoke(app, ["run", str(engine), "--serve", "--prefix-cache", "0"])
     assert r.exit_code == 0 and "(no prefix cache)" in r.stderr, r.output
+
+
+def test_api_keys_file_gives_each_key_its_own_namespace(tmp_path):
+    from ftc.cli.options import server_config
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# team\nkey-a\n\n  key-b  \n")
+    assert server_config("127.0.0.1", None, keys, None)["api_keys"] == ("key-a", "key-b")
+    keys.write_text("# nothing\n\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        server_config("127.0.0.1", None, keys, None)
+    with pytest.raises(ValueError, match="api-keys-file"):
+        server_config("127.0.0.1", None, tmp_path / "missing.txt", None)

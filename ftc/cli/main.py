@@ -137,6 +137,8 @@ def run(
     port: Annotated[int, typer.Option(min=1, max=65535, help="--serve: TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option(envvar="FTC_API_KEY", help="--serve: require this key "
                                                 "(Authorization: Bearer KEY or x-api-key); never empty.")] = None,
+    api_keys_file: Annotated[Path | None, typer.Option(help="--serve: a file of keys, one per line (# comments); "
+                                                       "each user's own prefix-cache namespace.")] = None,
     allowed_hosts: Annotated[str | None, typer.Option(help="--serve: Host header names answered, comma-separated; "
                                                       "* for any (default: the loopback names when bound to "
                                                       "loopback, else any).")] = None,
@@ -161,8 +163,8 @@ def run(
         check_run_mode(ctx, serve)
         offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts)
         if serve:
-            config = server_config(host, api_key, allowed_hosts, max_body_bytes=max_body_bytes, max_batch=max_batch,
-                                   max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_tokens)
+            config = server_config(host, api_key, api_keys_file, allowed_hosts, max_body_bytes=max_body_bytes,
+                                   max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_tokens)
         elif (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
         given_ids = prompt_ids_for(prompt_ids, engine) if prompt_ids is not None else None
@@ -223,8 +225,8 @@ def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: in
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"  # an IPv6 address goes in brackets
     cache = f"prefix cache {gib(kv_bytes)}" if kv_bytes else "no prefix cache"
     # Plain text, as in _fail: the address must be neither wrapped nor read as markup.
-    typer.echo(f"serving {eng.spec.name} on {url} ({cache}" + (", API key required)" if config["api_key"] else ")"),
-               err=True)
+    keyed = config["api_key"] is not None or bool(config["api_keys"])
+    typer.echo(f"serving {eng.spec.name} on {url} ({cache}" + (", API key required)" if keyed else ")"), err=True)
     run_server(app, host, port)
 
 

@@ -115,8 +115,8 @@ def offload_config(device: str | None, vram_budget: int | None, slots: int | Non
 
 
 # `ftc run` options of one mode only: given in the other, they would be silently ignored.
-SERVE_ONLY = ("host", "port", "api_key", "allowed_hosts", "max_batch", "max_prompt_tokens", "max_tokens",
-              "max_body_bytes", "prefix_cache")
+SERVE_ONLY = ("host", "port", "api_key", "api_keys_file", "allowed_hosts", "max_batch", "max_prompt_tokens",
+              "max_tokens", "max_body_bytes", "prefix_cache")
 GENERATE_ONLY = ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "as_json",
                  "reprofile")
 
@@ -130,7 +130,8 @@ def check_run_mode(ctx: typer.Context, serve: bool) -> None:
             raise ValueError(f"{param.opts[-1]} {'does not go with' if serve else 'needs'} --serve")
 
 
-def server_config(host: str, api_key: str | None, allowed_hosts: str | None, **limits: int | None) -> dict:
+def server_config(host: str, api_key: str | None, api_keys_file: Path | None, allowed_hosts: str | None,
+                  **limits: int | None) -> dict:
     """ServerConfig's arguments for `ftc run --serve` (limits left None: the server's defaults),
     checked before the engine loads."""
     from ftc_runtime.serve.app import default_allowed_hosts
@@ -145,7 +146,8 @@ def server_config(host: str, api_key: str | None, allowed_hosts: str | None, **l
         hosts = tuple(h.strip() for h in allowed_hosts.split(",") if h.strip())
         if not hosts:
             raise ValueError(f"--allowed-hosts {allowed_hosts!r}: give host names (comma-separated), or * for any")
-    return {"api_key": api_key, "allowed_hosts": None if hosts is None or "*" in hosts else hosts,
+    keys = read_api_keys(api_keys_file) if api_keys_file is not None else ()
+    return {"api_key": api_key, "api_keys": keys, "allowed_hosts": None if hosts is None or "*" in hosts else hosts,
             **{k: v for k, v in limits.items() if v is not None}}
 
 
@@ -213,3 +215,15 @@ def routing_for(trace: Path | None, synthetic_locality: float | None, spec, seed
                             seed=seed)
         return t, f"synthetic (locality {synthetic_locality}, Zipf 1.0, seed {seed})"
     return None, "the model's own router"
+
+
+def read_api_keys(path: Path) -> tuple[str, ...]:
+    """The keys of --api-keys-file: one per line, blank lines and # comments skipped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-keys-file {path}: {getattr(e, 'strerror', None) or e}") from None
+    keys = tuple(k for k in (line.strip() for line in lines) if k and not k.startswith("#"))
+    if not keys:
+        raise ValueError(f"--api-keys-file {path}: holds no key (one per line)")
+    return keys
