@@ -24,7 +24,6 @@ from ftc.spec_loader import load_spec
 from ftc.weights import RandomWeights
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.artifact import file_sha256
-from ftc_runtime.serve.app import LOOPBACK_HOSTS
 from ftc_runtime.tokenizer import StreamDecoder
 
 FTC = Path(sys.executable).parent / "ftc"
@@ -371,8 +370,11 @@ def test_compile_replaces_an_engine_only_with_force(engine, tmp_path):
     assert manifest_sha(out, "experts.ftw") != manifest_sha(engine, "experts.ftw")
 
 
+LOOPBACK = ("localhost", "127.0.0.1", "::1")  # the names a loopback-bound server answers to
+
+
 @pytest.mark.parametrize("bind, hosts, expected", [
-    ("127.0.0.1", None, LOOPBACK_HOSTS), ("localhost", None, LOOPBACK_HOSTS), ("0.0.0.0", None, None),
+    ("127.0.0.1", None, LOOPBACK), ("localhost", None, LOOPBACK), ("0.0.0.0", None, None),
     ("127.0.0.1", "*", None), ("0.0.0.0", "a.example, B.example,", ("a.example", "B.example")),
 ])
 def test_allowed_hosts_default_by_bind_address(bind, hosts, expected):

@@ -414,6 +414,12 @@ def test_dns_rebinding_hosts_are_refused(engine):
             assert httpx.get(base + "/v1/models", headers={"host": host}).status_code == 200, host
 
 
+def test_the_root_answers_probes_without_a_key(engine):
+    with serving(engine, api_key="k") as base:
+        assert httpx.head(base + "/").status_code == 200 and httpx.get(base + "/").status_code == 200
+        assert httpx.get(base + "/v1/models").status_code == 401
+
+
 def test_api_keys_are_utf8_and_never_empty(engine):
     with pytest.raises(ValueError, match="empty"):
         create_app(engine, ServerConfig(model_name=engine.spec.name, api_key=""))

@@ -254,6 +254,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             return JSONResponse({"status": "the engine thread has stopped"}, status_code=503)
         return {"status": "ok", "running": len(s.running), "waiting": s.waiting.qsize()}
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():
+        return {"status": "ok"}
+
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(_metrics(server), media_type="text/plain; version=0.0.4")

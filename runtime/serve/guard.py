@@ -22,7 +22,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Where a route finds the namespace of the key that authorized it (its prefix-cache namespace).
 NAMESPACE = "ftc.namespace"
-OPEN_PATHS = ("/health",)  # answered without a key (liveness probes)
+# Answered without a key: liveness probes, and the root that clients probe before their first
+# request (Claude Code sends HEAD / unauthenticated); neither tells anything about the model.
+OPEN_PATHS = ("/", "/health")
 
 
 class BodyTooLarge(HTTPException):
