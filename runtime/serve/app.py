@@ -79,7 +79,8 @@ class StrictJsonRoute(APIRoute):
 
 
 class ApiError(Exception):
-    """A 4xx answer: `status`, a message naming the field or value, the field (`param`)."""
+    """An error answer (4xx for the request, 500 where the engine failed on it): `status`, a
+    message naming the field or value, the field (`param`), the API's error type (`kind`)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
         super().__init__(message)
@@ -89,7 +90,7 @@ class ApiError(Exception):
 # Hosts a server bound to loopback answers by default: a page elsewhere that resolves its own name
 # to 127.0.0.1 (DNS rebinding) sends its own name as Host, and is refused.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-# Seconds that in-flight requests get to end once the server is told to stop (SIGTERM, Ctrl-C).
+# Seconds that open connections get to close once the server is told to stop (SIGTERM, Ctrl-C).
 SHUTDOWN_S = 3
 
 
@@ -126,7 +127,8 @@ def default_prefix_cache_bytes(engine: Engine) -> int:
 
 
 def run_server(app: FastAPI, host: str, port: int) -> None:
-    """Serves until SIGTERM or Ctrl-C; in-flight requests get SHUTDOWN_S seconds, then fail."""
+    """Serves until SIGTERM or Ctrl-C: the engine stops at once, in-flight requests end with an
+    error, and their connections get SHUTDOWN_S seconds to close."""
     import uvicorn
 
     class StoppingServer(uvicorn.Server):

@@ -87,6 +87,7 @@ class Scheduler:
         self.decode_tokens = 0
         self.decode_s = 0.0
         self._stopped = threading.Event()
+        self._admission = threading.Lock()  # a request submitted as the thread ends is failed, not lost
         self._thread = threading.Thread(target=self._loop, name="ftc-engine", daemon=True)
         self._thread.start()
 
@@ -96,11 +97,12 @@ class Scheduler:
         return self._thread.is_alive() and not self._stopped.is_set()
 
     def submit(self, request: Request) -> None:
-        if not self.alive:
-            request.error = "the server is shutting down"
-            _notify(request, None, "error")
-            return
-        self.waiting.put(request)
+        with self._admission:
+            if self.alive:
+                self.waiting.put(request)
+                return
+        request.error = "the server is shutting down"
+        _notify(request, None, "error")
 
     def stop(self) -> None:
         """Ends every request (reason "error") within a layer of the work in flight, then the
@@ -120,7 +122,9 @@ class Scheduler:
                 traceback.print_exc()
                 for r in self.running + self.reading:
                     self._fail(r, "internal error in the engine loop (see the server log)")
-        for r in self.running + self.reading + self._drain():
+        with self._admission:
+            left = self._drain()
+        for r in self.running + self.reading + left:
             self._fail(r, "the server is shutting down")
 
     def _iteration(self) -> None:
