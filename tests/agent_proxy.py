@@ -5,7 +5,6 @@ The server runs unchanged in its own process (`ftc run --serve`); nothing is pat
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import uvicorn
 
-from live_server import free_port
+from live_server import serving_app
 
 # Per-hop headers, and Accept-Encoding so that answers are recorded as the plain text they are.
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
@@ -116,21 +114,9 @@ class RecordingProxy:
 def recording_proxy(upstream: str) -> Iterator[tuple[str, RecordingProxy]]:
     """(base URL of the proxy, the proxy) in front of `upstream`, stopped on exit."""
     proxy = RecordingProxy(upstream)
-    port = free_port()
     # The upstream's Date and Server headers pass through: uvicorn adds none of its own.
-    server = uvicorn.Server(uvicorn.Config(proxy, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-                                           server_header=False, date_header=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "the recording proxy did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", proxy
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serving_app(proxy, lifespan="off", server_header=False, date_header=False) as base:
+        yield base, proxy
 
 
 def sse_events(text: str) -> list[tuple[str | None, Any]]:

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
-from fastapi import FastAPI
 
 from ftc_runtime import Engine
 from ftc_runtime.serve.app import ServerConfig, create_app
@@ -29,10 +28,11 @@ def serving(engine: Engine, **config) -> Iterator[str]:
 
 
 @contextmanager
-def serving_app(app: FastAPI) -> Iterator[str]:
-    """The base URL of `app` served on a free loopback port, stopped on exit."""
+def serving_app(app, **options) -> Iterator[str]:
+    """The base URL of the ASGI `app` served on a free loopback port (more uvicorn.Config options as
+    keywords), stopped on exit."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30

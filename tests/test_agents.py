@@ -37,12 +37,11 @@ pytestmark = pytest.mark.agents
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from agent_engine import PROMPT_ENDS, ToolScript, build_checkpoint, train_tokenizer  # noqa: E402
-from agent_proxy import Exchange, recording_proxy, sse_events  # noqa: E402
-
 from ftc.pipeline import CompileOptions, compile_engine  # noqa: E402
 from ftc_runtime import Engine, SamplingParams  # noqa: E402
 
+from agent_engine import PROMPT_ENDS, ToolScript, build_checkpoint, train_tokenizer  # noqa: E402
+from agent_proxy import Exchange, recording_proxy, sse_events  # noqa: E402
 from live_server import free_port  # noqa: E402
 
 KEY = "agent-test-key"
@@ -413,9 +412,13 @@ def protocol_problems(session: Session, tool: str, calls: Callable[[Exchange], l
     return problems
 
 
-def report(session: Session, path: Path, problems: list[str]) -> str:
+def assert_clean_session(session: Session, script: ToolScript, calls: Callable[[Exchange], list],
+                         results: Callable[[Exchange], set], harness: Callable[[Session], list[str]],
+                         path: Path) -> None:
+    """The protocol's problems and the harness's own, each a line, with the diagnostics written to `path`."""
+    problems = protocol_problems(session, script.tool, calls, results) + harness(session)
     session.write(path)
-    return "\n".join(problems + [f"(diagnostics: {path})"])
+    assert not problems, "\n".join(problems + [f"(diagnostics: {path})"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,10 +444,8 @@ def test_claude_code_runs_a_tool_against_the_served_engine(claude_code, claude_e
     cmd = [str(claude_code), "-p", "Run `echo hi` with the Bash tool.", "--model", name,
            "--output-format", "stream-json", "--verbose", "--max-turns", "4", "--allowedTools", "Bash"]
     session = run_session("claude-code", cmd, setup, work, claude_engine, tmp_path)
-    diagnostics = session.write(tmp_path / "diagnostics.json")
-    problems = protocol_problems(session, CLAUDE_SCRIPT.tool, anthropic_tool_uses, anthropic_tool_results)
-    problems += claude_code_problems(session)
-    assert not problems, report(session, diagnostics, problems)
+    assert_clean_session(session, CLAUDE_SCRIPT, anthropic_tool_uses, anthropic_tool_results, claude_code_problems,
+                         tmp_path / "diagnostics.json")
 
 
 def claude_code_problems(session: Session) -> list[str]:
@@ -484,10 +485,8 @@ def test_opencode_runs_a_tool_against_the_served_engine(opencode, opencode_engin
     cmd = [str(opencode), "run", "Run `echo hi` with the bash tool.", "--model", f"ftc/{name}", "--format", "json",
            "--print-logs", "--log-level", "INFO"]
     session = run_session("opencode", cmd, setup, work, opencode_engine, tmp_path)
-    diagnostics = session.write(tmp_path / "diagnostics.json")
-    problems = protocol_problems(session, OPENCODE_SCRIPT.tool, openai_tool_calls, openai_tool_results)
-    problems += opencode_problems(session)
-    assert not problems, report(session, diagnostics, problems)
+    assert_clean_session(session, OPENCODE_SCRIPT, openai_tool_calls, openai_tool_results, opencode_problems,
+                         tmp_path / "diagnostics.json")
 
 
 def opencode_problems(session: Session) -> list[str]:

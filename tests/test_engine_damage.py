@@ -39,6 +39,8 @@ from ftc_runtime.artifact import ArtifactError, file_sha256
 from ftc_runtime.ftw import HEADER_ROOM, PREFIX, FtwError, FtwHeader, bf16_expert_banks, read_header
 from ftc_runtime.spec import SpecError
 
+from field_edits import DELETE, set_field
+
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 USER_ERRORS = (ArtifactError, FtwError, SpecError)
 SEED = int(os.environ.get("FTC_TEST_SEED", random.randrange(2**32)))
@@ -199,18 +201,6 @@ def _meta(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def _set(d: dict, keys: str | tuple[str, ...], value: Any) -> None:
-    """Sets (or with DELETE deletes) the field at `keys`: dotted, or a tuple where a key has dots."""
-    *parents, last = keys.split(".") if isinstance(keys, str) else keys
-    for p in parents:
-        d = d[p]
-    if value is DELETE:
-        del d[last]
-    else:
-        d[last] = value
-
-
-DELETE = object()
 DAMAGES: list[Callable[[Damage], str]] = []
 
 
@@ -222,7 +212,7 @@ def damage(make: Callable[[Damage], str]) -> Callable[[Damage], str]:
 
 
 def _edit_field(keys: str | tuple[str, ...], value: Any) -> Callable[[Damage], str]:
-    return lambda d: d.edit(lambda m: _set(m, keys, value(d.rng) if callable(value) else value))
+    return lambda d: d.edit(lambda m: set_field(m, keys, value(d.rng) if callable(value) else value))
 
 
 def _register_field_damage(name: str, keys: str | tuple[str, ...], value: Any) -> None:
@@ -249,7 +239,7 @@ def json_not_utf8(d: Damage) -> str:
 
 @damage
 def json_nan_or_infinity(d: Damage) -> str:
-    return d.edit(lambda m: _set(m, d.rng.choice(["spec.norm.eps", "spec.rope.theta", "target.b_p"]),
+    return d.edit(lambda m: set_field(m, d.rng.choice(["spec.norm.eps", "spec.rope.theta", "target.b_p"]),
                                  d.rng.choice([float("nan"), float("inf"), -float("inf")])))
 
 
@@ -327,7 +317,7 @@ def files_required_entry_missing(d: Damage) -> str:
 @damage
 def spec_of_other_shapes(d: Damage) -> str:
     """Valid sizes, but not the ones the files were written for."""
-    d.edit(lambda m: _set(m, d.rng.choice(["spec.hidden_size", "spec.moe.expert_intermediate_size"]), 512))
+    d.edit(lambda m: set_field(m, d.rng.choice(["spec.hidden_size", "spec.moe.expert_intermediate_size"]), 512))
     return EXPERTS
 
 

@@ -19,20 +19,17 @@ anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from ftc.pipeline import CompileOptions, compile_engine  # noqa: E402
 from ftc_runtime import Engine, SamplingParams  # noqa: E402
 from ftc_runtime.sampling import Sampler  # noqa: E402
 
 from live_server import free_port, serving  # noqa: E402
 
-SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 KEY = "test-key-" + str(random.randrange(10**9))
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Engine:
-    out = tmp_path_factory.mktemp("serve") / "tiny"
-    return Engine.load(compile_engine(CompileOptions(source=SPEC, target="cpu", random_weights=True, output=out)))
+def engine(cpu_engine) -> Engine:
+    return cpu_engine  # conftest's tiny engine, loaded for this module
 
 
 @pytest.fixture(scope="module")

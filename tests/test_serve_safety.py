@@ -20,7 +20,6 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from ftc.pipeline import CompileOptions, compile_engine  # noqa: E402
 from ftc_runtime import Engine  # noqa: E402
 from ftc_runtime.sampling import Sampler  # noqa: E402
 from ftc_runtime.serve.app import ServerConfig, create_app  # noqa: E402
@@ -28,15 +27,13 @@ from ftc_runtime.serve.token_stream import StopMatcher  # noqa: E402
 
 from live_server import free_port, serving, serving_app  # noqa: E402
 
-SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 MSG = [{"role": "user", "content": "hi"}]
 LETTER_A = 65  # a byte token of the tiny engine's tokenizer, never end-of-sequence
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Engine:
-    out = tmp_path_factory.mktemp("safety") / "tiny"
-    return Engine.load(compile_engine(CompileOptions(source=SPEC, target="cpu", random_weights=True, output=out)))
+def engine(cpu_engine) -> Engine:
+    return cpu_engine  # conftest's tiny engine: this module's own, tests monkeypatch its model
 
 
 @pytest.fixture(scope="module")

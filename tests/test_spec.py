@@ -17,12 +17,12 @@ from ftc.spec_loader import load_spec
 from ftc_runtime import spec as spec_mod
 from ftc_runtime.spec import ModelSpec, SpecError
 
+from field_edits import DELETE, set_field
 from hf_models import TinyShape, build_model, save_checkpoint
 
 SPECS = Path(__file__).resolve().parents[1] / "model_specs"
 TINY = SPECS / "qwen3-moe-tiny.yaml"
 BIG = SPECS / "qwen3-30b-a3b.yaml"
-DELETE = object()
 
 
 def _tiny_dict() -> dict:
@@ -33,16 +33,6 @@ def _write(tmp_path: Path, data, name: str = "spec.yaml") -> Path:
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
-
-
-def _set(data: dict, dotted: str, value) -> None:
-    *parents, last = dotted.split(".")
-    for p in parents:
-        data = data[p]
-    if value is DELETE:
-        del data[last]
-    else:
-        data[last] = value
 
 
 # -- the shipped specs --------------------------------------------------------------------------------
@@ -76,12 +66,12 @@ def test_tiny_spec_loads_and_round_trips_through_a_dict():
 
 
 def _missing_top(d, rng):
-    _set(d, "hidden_size", DELETE)
+    set_field(d, "hidden_size", DELETE)
     return "hidden_size", None
 
 
 def _missing_nested(d, rng):
-    _set(d, "moe.top_k", DELETE)
+    set_field(d, "moe.top_k", DELETE)
     return "moe.top_k", None
 
 
@@ -96,133 +86,133 @@ def _unknown_nested(d, rng):
 
 
 def _string_for_int(d, rng):
-    _set(d, "num_layers", str(rng.randint(1, 9)))
+    set_field(d, "num_layers", str(rng.randint(1, 9)))
     return "num_layers", d["num_layers"]
 
 
 def _float_for_int(d, rng):
-    _set(d, "moe.num_experts", rng.randint(2, 30) + 0.5)
+    set_field(d, "moe.num_experts", rng.randint(2, 30) + 0.5)
     return "moe.num_experts", d["moe"]["num_experts"]
 
 
 def _bool_for_int(d, rng):
-    _set(d, "vocab_size", True)
+    set_field(d, "vocab_size", True)
     return "vocab_size", True
 
 
 def _int_for_bool(d, rng):
-    _set(d, "attention.qk_norm", rng.choice([0, 1]))
+    set_field(d, "attention.qk_norm", rng.choice([0, 1]))
     return "attention.qk_norm", d["attention"]["qk_norm"]
 
 
 def _list_for_mapping(d, rng):
-    _set(d, "moe", [rng.randint(1, 9), rng.randint(1, 9)])
+    set_field(d, "moe", [rng.randint(1, 9), rng.randint(1, 9)])
     return "moe", d["moe"]
 
 
 def _string_in_int_list(d, rng):
-    _set(d, "moe.dense_layers", ["first"])
-    _set(d, "moe.dense_intermediate_size", 64)
+    set_field(d, "moe.dense_layers", ["first"])
+    set_field(d, "moe.dense_intermediate_size", 64)
     return "moe.dense_layers[0]", "first"
 
 
 def _top_k_over_experts(d, rng):
-    _set(d, "moe.top_k", rng.randint(17, 200))
+    set_field(d, "moe.top_k", rng.randint(17, 200))
     return "moe.top_k", d["moe"]["top_k"]
 
 
 def _kv_heads_not_dividing(d, rng):
-    _set(d, "attention.num_heads", 12)
-    _set(d, "attention.num_kv_heads", rng.choice([5, 7, 8, 9, 10, 11]))
+    set_field(d, "attention.num_heads", 12)
+    set_field(d, "attention.num_kv_heads", rng.choice([5, 7, 8, 9, 10, 11]))
     return "attention.num_kv_heads", d["attention"]["num_kv_heads"]
 
 
 def _unknown_family(d, rng):
-    _set(d, "family", rng.choice(["llama", "mixtral", "qwen2_moe"]))
+    set_field(d, "family", rng.choice(["llama", "mixtral", "qwen2_moe"]))
     return "family", d["family"]
 
 
 def _unknown_router(d, rng):
-    _set(d, "moe.router", rng.choice(["sigmoid_topk", "expert_choice"]))
+    set_field(d, "moe.router", rng.choice(["sigmoid_topk", "expert_choice"]))
     return "moe.router", d["moe"]["router"]
 
 
 def _negative_hidden(d, rng):
-    _set(d, "hidden_size", -rng.randint(1, 4096))
+    set_field(d, "hidden_size", -rng.randint(1, 4096))
     return "hidden_size", d["hidden_size"]
 
 
 def _zero_experts(d, rng):
-    _set(d, "moe.num_experts", 0)
+    set_field(d, "moe.num_experts", 0)
     return "moe.num_experts", 0
 
 
 def _zero_head_dim(d, rng):
-    _set(d, "attention.head_dim", 0)
+    set_field(d, "attention.head_dim", 0)
     return "attention.head_dim", 0
 
 
 def _odd_head_dim(d, rng):
-    _set(d, "attention.head_dim", 2 * rng.randint(1, 64) + 1)
+    set_field(d, "attention.head_dim", 2 * rng.randint(1, 64) + 1)
     return "attention.head_dim", d["attention"]["head_dim"]
 
 
 def _eos_not_special(d, rng):
     name = f"<|eos_{rng.randint(0, 999)}|>"
-    _set(d, "tokens.eos", ["<|im_end|>", name])
+    set_field(d, "tokens.eos", ["<|im_end|>", name])
     return "tokens.eos[1]", name
 
 
 def _bos_not_special(d, rng):
-    _set(d, "tokens.bos", "<s>")
+    set_field(d, "tokens.bos", "<s>")
     return "tokens.bos", "<s>"
 
 
 def _special_id_too_large(d, rng):
-    _set(d, "tokens.special.<think>", rng.randint(512, 10**6))
+    set_field(d, "tokens.special.<think>", rng.randint(512, 10**6))
     return "tokens.special.<think>", d["tokens"]["special"]["<think>"]
 
 
 def _special_id_negative(d, rng):
-    _set(d, "tokens.special.<think>", -1)
+    set_field(d, "tokens.special.<think>", -1)
     return "tokens.special.<think>", -1
 
 
 def _dense_layer_out_of_range(d, rng):
     bad = rng.randint(4, 50)
-    _set(d, "moe.dense_layers", [0, bad])
-    _set(d, "moe.dense_intermediate_size", 64)
+    set_field(d, "moe.dense_layers", [0, bad])
+    set_field(d, "moe.dense_intermediate_size", 64)
     return "moe.dense_layers[1]", bad
 
 
 def _dense_layers_without_size(d, rng):
-    _set(d, "moe.dense_layers", [rng.randint(0, 3)])
+    set_field(d, "moe.dense_layers", [rng.randint(0, 3)])
     return "moe.dense_intermediate_size", 0
 
 
 def _every_layer_dense(d, rng):
-    _set(d, "moe.dense_layers", [0, 1, 2, 3])
-    _set(d, "moe.dense_intermediate_size", 64)
+    set_field(d, "moe.dense_layers", [0, 1, 2, 3])
+    set_field(d, "moe.dense_intermediate_size", 64)
     return "moe.dense_layers", [0, 1, 2, 3]
 
 
 def _bad_norm_kind(d, rng):
-    _set(d, "norm.kind", "layernorm")
+    set_field(d, "norm.kind", "layernorm")
     return "norm.kind", "layernorm"
 
 
 def _rotary_factor_over_one(d, rng):
-    _set(d, "rope.partial_rotary_factor", 1.0 + rng.randint(1, 9) / 10)
+    set_field(d, "rope.partial_rotary_factor", 1.0 + rng.randint(1, 9) / 10)
     return "rope.partial_rotary_factor", d["rope"]["partial_rotary_factor"]
 
 
 def _layer_kinds_wrong_length(d, rng):
-    _set(d, "layer_kinds", ["full_attention"] * 3)
+    set_field(d, "layer_kinds", ["full_attention"] * 3)
     return "layer_kinds", 3
 
 
 def _shared_experts(d, rng):
-    _set(d, "moe.num_shared_experts", rng.randint(1, 4))
+    set_field(d, "moe.num_shared_experts", rng.randint(1, 4))
     return "moe.num_shared_experts", d["moe"]["num_shared_experts"]
 
 
@@ -343,7 +333,7 @@ BOUNDS = {"num_layers": spec_mod.MAX_LAYERS, "hidden_size": spec_mod.MAX_HIDDEN,
 def test_a_size_beyond_its_bound_is_refused_naming_field_and_value(field, tmp_path):
     data = yaml.safe_load((HYBRID if field.startswith("linear_attention.") else TINY).read_text())
     value = random.choice([BOUNDS[field] + 1, 10**9, 10 ** random.randint(10, 40)])
-    _set(data, field, value)
+    set_field(data, field, value)
     path = _write(tmp_path, data)
     with pytest.raises(SpecError) as info:
         load_spec(path)
@@ -355,7 +345,7 @@ def test_sizes_at_their_bounds_are_accepted():
     data = _tiny_dict()
     for field, bound in BOUNDS.items():
         if not field.startswith("linear_attention."):
-            _set(data, field, bound)
+            set_field(data, field, bound)
     spec = ModelSpec.from_dict(data)
     assert (spec.num_layers, spec.vocab_size, spec.moe.num_experts) == (
         spec_mod.MAX_LAYERS, spec_mod.MAX_VOCAB, spec_mod.MAX_EXPERTS)
@@ -369,7 +359,7 @@ def test_a_750b_class_model_is_well_within_the_bounds():
               "attention.num_kv_heads": 128, "attention.head_dim": 256, "moe.num_experts": 384, "moe.top_k": 8,
               "moe.expert_intermediate_size": 2048, "max_position_embeddings": 1 << 20}
     for field, value in shapes.items():
-        _set(data, field, value)
+        set_field(data, field, value)
         assert value <= BOUNDS[field] // 4, field
     assert ModelSpec.from_dict(data).hidden_size == 7168
 
