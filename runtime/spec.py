@@ -306,18 +306,27 @@ def _check(s: ModelSpec, source: str) -> None:
         need(not a.output_gate, "attention.output_gate", a.output_gate, f"false for family {s.family}")
         need(not s.linear_attention_layers, "layer_kinds", list(s.layer_kinds),
              f"only full_attention layers for family {s.family}")
-    la = s.linear_attention
-    if s.linear_attention_layers:
-        need(la is not None, "linear_attention", la, "the Gated DeltaNet shapes (layer_kinds has linear layers)")
-        for path, v, top in (("linear_attention.num_k_heads", la.num_k_heads, MAX_HEADS),
-                             ("linear_attention.num_v_heads", la.num_v_heads, MAX_HEADS),
-                             ("linear_attention.k_head_dim", la.k_head_dim, MAX_HEAD_DIM),
-                             ("linear_attention.v_head_dim", la.v_head_dim, MAX_HEAD_DIM),
-                             ("linear_attention.conv_kernel", la.conv_kernel, MAX_CONV_KERNEL)):
-            _bounded(need, path, v, 1, top)
-        need(la.num_v_heads % la.num_k_heads == 0, "linear_attention.num_v_heads", la.num_v_heads,
-             f"a multiple of linear_attention.num_k_heads ({la.num_k_heads})")
+    _check_linear_attention(s, need)
     need(len(s.full_attention_layers) > 0, "layer_kinds", list(s.layer_kinds), "at least one full_attention layer")
+    _check_tokens(s, need)
+
+
+def _check_linear_attention(s: ModelSpec, need: Need) -> None:
+    la = s.linear_attention
+    if not s.linear_attention_layers:
+        return
+    need(la is not None, "linear_attention", la, "the Gated DeltaNet shapes (layer_kinds has linear layers)")
+    for path, v, top in (("linear_attention.num_k_heads", la.num_k_heads, MAX_HEADS),
+                         ("linear_attention.num_v_heads", la.num_v_heads, MAX_HEADS),
+                         ("linear_attention.k_head_dim", la.k_head_dim, MAX_HEAD_DIM),
+                         ("linear_attention.v_head_dim", la.v_head_dim, MAX_HEAD_DIM),
+                         ("linear_attention.conv_kernel", la.conv_kernel, MAX_CONV_KERNEL)):
+        _bounded(need, path, v, 1, top)
+    need(la.num_v_heads % la.num_k_heads == 0, "linear_attention.num_v_heads", la.num_v_heads,
+         f"a multiple of linear_attention.num_k_heads ({la.num_k_heads})")
+
+
+def _check_tokens(s: ModelSpec, need: Need) -> None:
     for text, tid in s.tokens.special.items():
         need(0 <= tid < s.vocab_size, f"tokens.special.{text}", tid, f"an id in [0, vocab_size={s.vocab_size})")
     for i, text in enumerate(s.tokens.eos):
