@@ -135,7 +135,7 @@ async def messages(body: MessagesRequest, request: Request):
     server.check_prompt(ids, "messages")
     limit = server.new_tokens(body.max_tokens, len(ids))
     sampling = SamplingParams(body.temperature, body.top_p, secrets.randbits(63), body.top_k)
-    stream = TokenStream(server, ids, limit, sampling, list(body.stop_sequences or []), namespace_of(request),
+    stream = server.stream(ids, limit, sampling, list(body.stop_sequences or []), namespace_of(request),
                          opening)
     tools = _tools(body)
     msg_id, parser = f"msg_{uuid.uuid4().hex}", tool_parser(server.engine.tool_parser)

@@ -22,8 +22,10 @@ from starlette.exceptions import HTTPException
 
 from ..chat_template import ChatTemplateError
 from ..engine import Engine
+from ..sampling import SamplingParams
 from .guard import NAMESPACE, RequestGuard, error_body
 from .scheduler import Scheduler
+from .token_stream import TokenStream
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -175,6 +177,12 @@ class Server:
         the server's limit and what the model's context leaves after the prompt."""
         limit = min(self.config.max_new_tokens, self.context - prompt_tokens)
         return limit if asked is None else min(asked, limit)
+
+    def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams, stop: list[str],
+               namespace: str = "", opening: str = "") -> TokenStream:
+        """Submits the request; its text arrives through the stream (see `TokenStream`)."""
+        return TokenStream(self.engine, self.scheduler, prompt_ids, max_new_tokens, sampling, stop, namespace,
+                           opening)
 
     async def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                          **options: Any) -> list[int]:

@@ -149,7 +149,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     ids += server.engine.tokenizer.encode(opening) if opening else []
     server.check_prompt(ids, "messages")
     limit = server.new_tokens(body.max_completion_tokens or body.max_tokens, len(ids))
-    stream = TokenStream(server, ids, limit, _sampling(body), _stops(body.stop), namespace_of(request), opening)
+    stream = server.stream(ids, limit, _sampling(body), _stops(body.stop), namespace_of(request), opening)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.model_name}
     if body.stream:
         return _sse(server, _chat_chunks(stream, meta, tools, parser, _include_usage(body)))
@@ -176,7 +176,7 @@ async def completions(body: CompletionRequest, request: Request):
     if bad:
         raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
     server.check_prompt(ids, "prompt")
-    stream = TokenStream(server, ids, server.new_tokens(body.max_tokens, len(ids)), _sampling(body),
+    stream = server.stream(ids, server.new_tokens(body.max_tokens, len(ids)), _sampling(body),
                          _stops(body.stop), namespace_of(request))
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.model_name,
             "object": "text_completion"}

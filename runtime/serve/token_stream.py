@@ -7,17 +7,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 
+from ..engine import Engine
 from ..sampling import SamplingParams
 from ..tokenizer import StreamDecoder
 from ..tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser
 from .scheduler import Request as EngineRequest
-
-if TYPE_CHECKING:
-    from .app import Server
+from .scheduler import Scheduler
 
 MAX_STOPS = 16  # stop strings per request
 MAX_STOP_CHARS = 512  # characters of one stop string
@@ -64,9 +63,9 @@ class TokenStream:
     the prompt already ends with on the answer's behalf (a forced tool call's tag): it leads the
     deltas."""
 
-    def __init__(self, server: Server, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
-                 stop: list[str], namespace: str = "", opening: str = ""):
-        self.server, self.stops, self.opening = server, StopMatcher(stop), opening
+    def __init__(self, engine: Engine, scheduler: Scheduler, prompt_ids: list[int], max_new_tokens: int,
+                 sampling: SamplingParams, stop: list[str], namespace: str = "", opening: str = ""):
+        self.engine, self.stops, self.opening = engine, StopMatcher(stop), opening
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int | None, str | None]] = asyncio.Queue()
         self.finish_reason: str | None = None
@@ -75,14 +74,14 @@ class TokenStream:
         self.completion_tokens = 0
         self.prompt_tokens = len(prompt_ids)
         self.request = EngineRequest(prompt_ids, max_new_tokens, sampling, self._on_token,
-                                     frozenset(server.engine.spec.eos_token_ids), namespace=namespace)
-        server.scheduler.submit(self.request)
+                                     frozenset(engine.spec.eos_token_ids), namespace=namespace)
+        scheduler.submit(self.request)
 
     def _on_token(self, token: int | None, reason: str | None) -> None:  # the engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, reason))
 
     async def deltas(self) -> AsyncIterator[str]:
-        decoder, eos = StreamDecoder(self.server.engine.tokenizer), self.request.stop_ids
+        decoder, eos = StreamDecoder(self.engine.tokenizer), self.request.stop_ids
         engine_done = False
         try:
             if self.opening:
