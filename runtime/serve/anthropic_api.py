@@ -23,6 +23,7 @@ from .app import (
     StrictJsonRoute,
     ToolName,
     namespace_of,
+    raise_if_failed,
     server_of,
     unique_tool_names,
 )
@@ -145,8 +146,7 @@ async def messages(body: MessagesRequest, request: Request):
                                 server.config.keepalive_s)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     text = await stream.text(request)
-    if stream.finish_reason == "error":
-        raise ApiError(500, f"the engine failed on this request: {stream.error}", None, "api_error")
+    raise_if_failed(stream, "api_error")
     out = parse_output(text, parser, tools)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": server.config.model_name,
             "content": _blocks(out), "stop_reason": _stop_reason(stream, out), "stop_sequence": stream.stop_sequence,
@@ -227,9 +227,7 @@ async def _prompt_ids(server: Server, body: CountRequest) -> tuple[list[int], st
             raise ApiError(400, f"tool_choice {body.tool_choice.type!r} forces a tool call, which thinking "
                            "cannot precede: use tool_choice auto or none with thinking", "tool_choice")
         options["enable_thinking"] = body.thinking.type != "disabled"
-    ids = await server.prompt_ids(messages, _tools(body) or None, **options)
-    opening = tool_parser(server.engine.tool_parser).open_tag + "\n" if forced else ""
-    return ids + (server.engine.tokenizer.encode(opening) if opening else []), opening
+    return await server.prompt_ids(messages, _tools(body) or None, forced, **options)
 
 
 def _text(content: str | list[Block]) -> str:

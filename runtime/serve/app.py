@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from ..chat_template import ChatTemplateError
 from ..engine import Engine
 from ..sampling import SamplingParams
+from ..tool_parsers import tool_parser
 from .guard import NAMESPACE, RequestGuard, error_body
 from .scheduler import Scheduler
 from .token_stream import TokenStream
@@ -185,10 +186,20 @@ class Server:
                            opening)
 
     async def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                         **options: Any) -> list[int]:
-        """The conversation as prompt ids, rendered and tokenized on a worker thread (a long prompt
-        takes a while): client text stays text (special-token strings in it are not control
-        tokens); text that is not valid Unicode is a 400."""
+                         force_call: bool = False, **options: Any) -> tuple[list[int], str]:
+        """The conversation as prompt ids and, where a tool call is forced, the call's opening tag,
+        which the prompt then ends with (the answer starts inside the call)."""
+        ids = await self._render_ids(messages, tools, **options)
+        if not force_call:
+            return ids, ""
+        opening = tool_parser(self.engine.tool_parser).open_tag + "\n"
+        return ids + self.engine.tokenizer.encode(opening), opening
+
+    async def _render_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          **options: Any) -> list[int]:
+        """Rendered and tokenized on a worker thread (a long prompt takes a while): client text
+        stays text (special-token strings in it are not control tokens); text that is not valid
+        Unicode is a 400."""
         template, tokenizer = self.engine.chat_template, self.engine.tokenizer
         try:
             return await run_in_threadpool(template.render_ids, tokenizer, messages, tools, **options)
@@ -210,6 +221,12 @@ class Server:
             raise ApiError(400, f"{param}: invalid text (lone surrogate U+{ord(text[e.start]):04X} at character "
                            f"{e.start})", param) from None
         return await run_in_threadpool(self.engine.tokenizer.encode, text)
+
+
+def raise_if_failed(stream: TokenStream, kind: str) -> None:
+    """A non-streamed answer whose request the engine failed: a 500 in the API's shape."""
+    if stream.finish_reason == "error":
+        raise ApiError(500, f"the engine failed on this request: {stream.error}", None, kind)
 
 
 def _later_system_turns(messages: list[dict[str, Any]]) -> bool:

@@ -24,6 +24,7 @@ from .app import (
     StrictJsonRoute,
     ToolName,
     namespace_of,
+    raise_if_failed,
     server_of,
     unique_tool_names,
 )
@@ -144,9 +145,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     server.check_model(body.model)
     tools, forced = _tool_choice(body)
     parser = tool_parser(server.engine.tool_parser)
-    ids = await server.prompt_ids([_template_message(m) for m in body.messages], tools or None)
-    opening = parser.open_tag + "\n" if forced else ""  # the answer starts inside a call
-    ids += server.engine.tokenizer.encode(opening) if opening else []
+    ids, opening = await server.prompt_ids([_template_message(m) for m in body.messages], tools or None, forced)
     server.check_prompt(ids, "messages")
     limit = server.new_tokens(body.max_completion_tokens or body.max_tokens, len(ids))
     stream = server.stream(ids, limit, _sampling(body), _stops(body.stop), namespace_of(request), opening)
@@ -154,7 +153,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     if body.stream:
         return _sse(server, _chat_chunks(stream, meta, tools, parser, _include_usage(body)))
     text = await stream.text(request)
-    _raise_if_failed(stream)
+    raise_if_failed(stream, "server_error")
     out = parse_output(text, parser, tools)
     message: dict[str, Any] = {"role": "assistant", "content": out.content}
     if out.reasoning is not None:
@@ -193,7 +192,7 @@ async def completions(body: CompletionRequest, request: Request):
                 yield {**meta, "choices": [], "usage": _usage(stream)}
         return _sse(server, chunks())
     text = await stream.text(request)
-    _raise_if_failed(stream)
+    raise_if_failed(stream, "server_error")
     return {**meta, "usage": _usage(stream),
             "choices": [{"index": 0, "text": text, "finish_reason": stream.finish_reason, "logprobs": None}]}
 
@@ -235,11 +234,6 @@ def _sse(server: Server, chunks) -> StreamingResponse:
 def _stream_error(stream: TokenStream) -> dict[str, Any]:
     """The error event of a stream whose request the engine failed (OpenAI sends errors as data)."""
     return {"error": {"message": stream.error, "type": "server_error", "param": None, "code": None}}
-
-
-def _raise_if_failed(stream: TokenStream) -> None:
-    if stream.finish_reason == "error":
-        raise ApiError(500, f"the engine failed on this request: {stream.error}", None, "server_error")
 
 
 def _tool_choice(body: ChatRequest) -> tuple[list[dict[str, Any]], bool]:
