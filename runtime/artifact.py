@@ -299,6 +299,7 @@ class CheckedEngine:
     experts: ftw.FtwHeader | None  # None: the experts are in memory (no experts.ftw)
     dense_shapes: dict[str, tuple[int, ...]]
     tokenizer: Tokenizer
+    chat_template: ChatTemplate | None  # None: compiled before templates were stored
 
 
 def check_engine(root: Path, hash_experts: bool = False) -> CheckedEngine:
@@ -314,10 +315,10 @@ def check_engine(root: Path, hash_experts: bool = False) -> CheckedEngine:
     experts = None if m.experts_in_memory else _check_experts(m, hash_experts)
     shapes = _check_dense(m)
     tokenizer = _check_tokenizer(m)
-    _check_chat_template(m)
+    template = _check_chat_template(m)
     _check_library(m)
     _check_triton_source(m)
-    return CheckedEngine(m, experts, shapes, tokenizer)
+    return CheckedEngine(m, experts, shapes, tokenizer, template)
 
 
 def _check_experts(m: EngineManifest, hash_experts: bool) -> ftw.FtwHeader:
@@ -365,12 +366,12 @@ def _check_tokenizer(m: EngineManifest) -> Tokenizer:
         raise ArtifactError(f"{path}: not a readable tokenizer ({_one_line(e)})") from None
 
 
-def _check_chat_template(m: EngineManifest) -> None:
+def _check_chat_template(m: EngineManifest) -> ChatTemplate | None:
     if CHAT_TEMPLATE_FILE not in m.files:  # engines compiled before templates were stored
-        return
+        return None
     path = m.path(CHAT_TEMPLATE_FILE)
     try:
-        ChatTemplate(path.read_bytes().decode("utf-8"), str(path))
+        return ChatTemplate(path.read_bytes().decode("utf-8"), str(path))
     except UnicodeDecodeError as e:
         raise ArtifactError(f"{path}: not UTF-8 text ({e})") from None
     except ChatTemplateError as e:

@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 
 from . import ftw
 from .artifact import (
-    CHAT_TEMPLATE_FILE,
     DENSE_FILE,
     EXPERTS_FILE,
     LIBRARY_FILE,
@@ -95,7 +94,8 @@ class Generation:
 
 class Engine:
     def __init__(self, manifest: EngineManifest, tokenizer: Tokenizer, model, pool: ftw.ExpertPool,
-                 vram: VramPlan | None = None, prefill_chunk: int | None = None):
+                 vram: VramPlan | None = None, prefill_chunk: int | None = None,
+                 chat_template: ChatTemplate | None = None):
         self.manifest, self.spec, self.tokenizer, self.model, self.pool, self.vram = (
             manifest, manifest.spec, tokenizer, model, pool, vram)
         self.prefill_chunk = prefill_chunk or manifest.plan.prefill_chunk
@@ -104,9 +104,7 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None
         self.elastic: ElasticVram | None = None  # a GPU engine's budget split between KV and expert slots
         # The conversation → prompt template (engines compiled before it was stored have none).
-        root = manifest.root
-        self.chat_template = (ChatTemplate.load(root / CHAT_TEMPLATE_FILE) if CHAT_TEMPLATE_FILE in manifest.files
-                              else None)
+        self.chat_template = chat_template
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill chunk = {self.prefill_chunk}: expected a number of tokens >= 1")
 
@@ -135,7 +133,7 @@ class Engine:
         fam, expected, tokenizer = family(spec.family), checked.dense_shapes, checked.tokenizer
         if offload is None:
             return cls(manifest, tokenizer, fam.model(spec, dense, CpuExperts(pool, kernel)), pool,
-                       prefill_chunk=prefill_chunk)
+                       prefill_chunk=prefill_chunk, chat_template=checked.chat_template)
         vram = _vram_plan(manifest, offload, expected, pool)
         if offload.cpu_experts:
             print("ftc: --cpu-experts: every routed expert runs on the CPU; only activations cross PCIe",
@@ -148,14 +146,14 @@ class Engine:
         planner = MissPlanner(offload.miss_policy, b_p, b_h,
                               manifest.target.get("b_p_concurrent") if measured else None,
                               manifest.target.get("b_h_concurrent") if measured else None)
-        device_kernel, grouped_kernel = _gpu_expert_kernels(root, offload.device)
+        device_kernel, grouped_kernel = _gpu_expert_kernels(manifest, offload.device)
         stream_min = offload.stream_min_tokens or plan.prefill_stream_min_tokens
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
                                    offload.cache_policy, device_kernel, stream_min, offload.prefill_overlap,
                                    grouped_kernel)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, settings().decode_graphs, settings().torch_compile)
-        engine = cls(manifest, tokenizer, model, pool, vram, prefill_chunk)
+        engine = cls(manifest, tokenizer, model, pool, vram, prefill_chunk, checked.chat_template)
         if not offload.cpu_experts and offload.n_slots is None:  # an explicit slot count stays fixed
             device = torch.device(offload.device)
             engine.elastic = ElasticVram(vram, experts, cuda_memory_info(device) if device.type == "cuda" else None)
@@ -297,13 +295,13 @@ def _load_pool(manifest: EngineManifest, show_progress: bool) -> ftw.ExpertPool:
         return ftw.load(manifest.path(EXPERTS_FILE), on_bytes=lambda n: bar.advance(task, n))
 
 
-def _gpu_expert_kernels(root: Path, device: str) -> tuple:
+def _gpu_expert_kernels(manifest: EngineManifest, device: str) -> tuple:
     """The engine's generated Triton expert kernels on a CUDA device, for a few tokens per expert
     and grouped for many; (None, None) elsewhere (torch then)."""
     if torch.device(device).type != "cuda":
         return None, None
     # Through the manifest: the source it runs must be a listed (so hashed) file inside the engine.
-    source = EngineManifest.read(root).path(TRITON_EXPERT_FILE)
+    source = manifest.path(TRITON_EXPERT_FILE)
     spec = importlib.util.spec_from_file_location("ftc_engine_expert_ffn", source)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

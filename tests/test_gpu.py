@@ -64,11 +64,12 @@ def test_gpu_engine_matches_the_cpu_engine(engine_dir):
 def test_triton_expert_kernel_matches_the_torch_path(engine_dir):
     from ftc_runtime.engine import _gpu_expert_kernels
 
-    cpu = Engine.load(engine_dir).model.experts
+    loaded = Engine.load(engine_dir)
+    cpu = loaded.model.experts
     planner = MissPlanner("gpu", 25.0, 50.0)
     n_slots = random.randrange(8, 64)
     fast = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), n_slots, planner,
-                            device_kernel=_gpu_expert_kernels(engine_dir, "cuda")[0])
+                            device_kernel=_gpu_expert_kernels(loaded.manifest, "cuda")[0])
     ref = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), n_slots, planner)
     for t in (1, 1, 2, 1, 3, 1, 9, 1, 33, 1):  # one-token calls: eager, then captured, then replayed
         layer = random.randrange(cpu.pool.header.num_moe_layers)
@@ -82,10 +83,11 @@ def test_triton_expert_kernel_skips_negative_slots(engine_dir):
     """A one-token graph launches for all top-k pair entries; the unused ones carry slot -1."""
     from ftc_runtime.engine import _gpu_expert_kernels
 
-    cpu = Engine.load(engine_dir).model.experts
+    loaded = Engine.load(engine_dir)
+    cpu = loaded.model.experts
     ref = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), 8, MissPlanner("gpu"))
     ref.slots.copy_(ref.host_rows[torch.randperm(ref.host_rows.shape[0])[:8]].cuda())
-    kernel = _gpu_expert_kernels(engine_dir, "cuda")[0]
+    kernel = _gpu_expert_kernels(loaded.manifest, "cuda")[0]
     x = torch.randn(1, 256, device="cuda")
     slot = torch.tensor([3, -1, 5, 0, -1], dtype=torch.int32, device="cuda")
     w = torch.rand(5, device="cuda")
@@ -117,10 +119,11 @@ def test_grouped_expert_kernel_matches_the_torch_path(engine_dir):
     grouped GEMM against torch in fp32; bf16 tokens and activations cost ~4e-3 relative."""
     from ftc_runtime.engine import _gpu_expert_kernels
 
-    cpu = Engine.load(engine_dir).model.experts
+    loaded = Engine.load(engine_dir)
+    cpu = loaded.model.experts
     ref = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), 8, MissPlanner("gpu"))
     ref.slots.copy_(ref.host_rows[torch.randperm(ref.host_rows.shape[0])[:8]].cuda())
-    grouped = _gpu_expert_kernels(engine_dir, "cuda")[1]
+    grouped = _gpu_expert_kernels(loaded.manifest, "cuda")[1]
     for t in (3, 65, 300):
         x = torch.randn(t, 256, device="cuda")
         flat = torch.stack([torch.randperm(8)[:4] for _ in range(t)]).reshape(-1).int().cuda()
