@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from ftc.bench_decode import bench_decode
-from ftc.pipeline import CompileOptions, compile_with_experts_in_memory
+from ftc.bench.decode import bench_decode
+from ftc.compile.pipeline import CompileOptions, compile_with_experts_in_memory
 from ftc_runtime.artifact import EngineManifest
 from ftc_runtime.engine import OffloadConfig
-from ftc_runtime.routing_trace import RoutingTrace, synthetic_trace
-from ftc_runtime.vram_plan import parse_size
+from ftc_runtime.experts.routing_trace import RoutingTrace, synthetic_trace
+from ftc_runtime.experts.vram_plan import parse_size
 
 
 def routing(name: str, spec) -> tuple[RoutingTrace | None, str, float]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ftc.pipeline import CompileOptions, compile_engine
+from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
 from ftc_runtime.engine import OffloadConfig
 

@@ -14,14 +14,14 @@ import json
 import tempfile
 from pathlib import Path
 
-from ftc.build import build_kernels
-from ftc.codegen import render_cpu_kernels
-from ftc_runtime import ftw
+from ftc.codegen.build import build_kernels
+from ftc.codegen.render import render_cpu_kernels
 from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest
 from ftc_runtime.cpu_info import worker_cpus
-from ftc_runtime.kernels import CpuExpertKernel
+from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
+from ftc_runtime.experts.throughput import expert_kernel_gbps
+from ftc_runtime.io import ftw
 from ftc_runtime.settings import settings
-from ftc_runtime.throughput import expert_kernel_gbps
 
 
 def main() -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 from rich.table import Table
 
 from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest, check_engine
-from ftc_runtime.ftw import read_header
+from ftc_runtime.experts.vram_plan import dense_bytes, gib, plan_vram
+from ftc_runtime.io.ftw import read_header
 from ftc_runtime.models import family
-from ftc_runtime.vram_plan import dense_bytes, gib, plan_vram
 
 
 def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None = None,

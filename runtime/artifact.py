@@ -22,12 +22,12 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
-from . import ftw
-from .chat_template import ChatTemplate, ChatTemplateError
-from .cpu_info import ISA_FLAGS
-from .models import family
-from .spec import ModelSpec, SpecError, from_plain, short_repr
-from .tokenizer import Tokenizer
+from ftc_runtime.chat.template import ChatTemplate, ChatTemplateError
+from ftc_runtime.chat.tokenizer import Tokenizer
+from ftc_runtime.cpu_info import ISA_FLAGS
+from ftc_runtime.io import ftw
+from ftc_runtime.models import family
+from ftc_runtime.spec import ModelSpec, SpecError, from_plain, short_repr
 
 FORMAT = "ftc-engine"
 FORMAT_VERSION = 1

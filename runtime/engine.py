@@ -17,8 +17,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from . import ftw
-from .artifact import (
+from ftc_runtime.artifact import (
     DENSE_FILE,
     EXPERTS_FILE,
     LIBRARY_FILE,
@@ -28,20 +27,21 @@ from .artifact import (
     Plan,
     check_engine,
 )
-from .chat_template import ChatTemplate
-from .cpu_info import gpu_engine_worker_cpus, pin_this_thread, worker_cpus
-from .decode_graphs import decode_graphs_for
-from .elastic_vram import ElasticVram, cuda_memory_info
-from .experts import CpuExperts
-from .kernels import CpuExpertKernel
-from .miss_planner import MissPlanner
-from .models import family
-from .offload import OffloadedExperts
-from .prefix_cache import PrefixCache
-from .sampling import Sampler, SamplingParams
-from .settings import settings
-from .tokenizer import Tokenizer
-from .vram_plan import VramPlan, plan_vram
+from ftc_runtime.cache.prefix import PrefixCache
+from ftc_runtime.chat.template import ChatTemplate
+from ftc_runtime.chat.tokenizer import Tokenizer
+from ftc_runtime.cpu_info import gpu_engine_worker_cpus, pin_this_thread, worker_cpus
+from ftc_runtime.decode.graphs import decode_graphs_for
+from ftc_runtime.experts.base import CpuExperts
+from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
+from ftc_runtime.experts.elastic_vram import ElasticVram, cuda_memory_info
+from ftc_runtime.experts.miss_planner import MissPlanner
+from ftc_runtime.experts.offload import OffloadedExperts
+from ftc_runtime.experts.vram_plan import VramPlan, plan_vram
+from ftc_runtime.io import ftw
+from ftc_runtime.models import family
+from ftc_runtime.sampling import Sampler, SamplingParams
+from ftc_runtime.settings import settings
 
 
 @dataclass(frozen=True)

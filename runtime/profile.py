@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from .cpu_info import gpu_engine_worker_cpus, physical_cpus
-from .ftw import ExpertPool
-from .kernels import CpuExpertKernel
-from .spec import ModelSpec
-from .throughput import expert_kernel_gbps, l3_bytes, torch_read_gbps
+from ftc_runtime.cpu_info import gpu_engine_worker_cpus, physical_cpus
+from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
+from ftc_runtime.experts.throughput import expert_kernel_gbps, l3_bytes, torch_read_gbps
+from ftc_runtime.io.ftw import ExpertPool
+from ftc_runtime.spec import ModelSpec
 
 
 @dataclass(frozen=True)

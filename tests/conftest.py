@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.pipeline import CompileOptions, compile_engine
+from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
 
 

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.agents
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from ftc.pipeline import CompileOptions, compile_engine  # noqa: E402
+from ftc.compile.pipeline import CompileOptions, compile_engine  # noqa: E402
 from ftc_runtime import Engine, SamplingParams  # noqa: E402
 
 from agent_engine import PROMPT_ENDS, ToolScript, build_checkpoint, train_tokenizer  # noqa: E402

@@ -21,11 +21,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders as hf_decoders
 from tokenizers import models as hf_models
 
-from ftc.spec_loader import load_spec
-from ftc.tokenizer_builder import build_byte_tokenizer
-from ftc_runtime.chat_template import ChatTemplate, ChatTemplateError
+from ftc.compile.spec_loader import load_spec
+from ftc.compile.tokenizer_builder import build_byte_tokenizer
+from ftc_runtime.chat.template import ChatTemplate, ChatTemplateError
+from ftc_runtime.chat.tokenizer import Tokenizer
 from ftc_runtime.models import family
-from ftc_runtime.tokenizer import Tokenizer
 
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 ALPHABET = string.ascii_letters + string.digits + "éü中 _\n<>|/{}\"'"

@@ -11,12 +11,10 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from ftc.pipeline import CompileOptions, compile_engine
+from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
-from ftc_runtime.chat_template import ChatTemplate, ChatTemplateError
-from ftc_runtime.models import family
-from ftc_runtime.spec import SpecError
-from ftc_runtime.tool_parsers import (
+from ftc_runtime.chat.template import ChatTemplate, ChatTemplateError
+from ftc_runtime.chat.tool_parsers import (
     QwenToolParser,
     ReasoningSplitter,
     ToolCall,
@@ -25,6 +23,8 @@ from ftc_runtime.tool_parsers import (
     split_reasoning,
     tool_parser,
 )
+from ftc_runtime.models import family
+from ftc_runtime.spec import SpecError
 
 from hf_models import TinyShape, build_model, save_checkpoint
 

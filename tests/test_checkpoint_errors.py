@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ftc.checkpoint import CheckpointError
-from ftc.ftw_writer import FtwWriter
-from ftc.pipeline import CompileOptions, compile_engine
-from ftc.spec_loader import load_spec
+from ftc.compile.checkpoint import CheckpointError
+from ftc.compile.ftw_writer import FtwWriter
+from ftc.compile.pipeline import CompileOptions, compile_engine
+from ftc.compile.spec_loader import load_spec
 from ftc_runtime import Engine
-from ftc_runtime.ftw import FtwHeader, bf16_expert_banks
+from ftc_runtime.io.ftw import FtwHeader, bf16_expert_banks
 from ftc_runtime.models import family
 
 from hf_models import TinyShape, build_model, save_checkpoint

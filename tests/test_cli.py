@@ -19,12 +19,12 @@ from typer.testing import CliRunner
 
 from ftc.cli.main import app
 from ftc.cli.options import server_config
-from ftc.pipeline import _write_dense
-from ftc.spec_loader import load_spec
-from ftc.weights import RandomWeights
+from ftc.compile.pipeline import _write_dense
+from ftc.compile.spec_loader import load_spec
+from ftc.compile.weights import RandomWeights
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.artifact import file_sha256
-from ftc_runtime.tokenizer import StreamDecoder
+from ftc_runtime.chat.tokenizer import StreamDecoder
 
 FTC = Path(sys.executable).parent / "ftc"
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,7 +213,7 @@ def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path):
 def test_bench_load_reports_the_loader_against_the_disk(engine):
     """The loader's read of the expert file, the disk's own direct read of the same bytes, and
     the engine around them; every figure positive and the byte count the file's data region."""
-    from ftc_runtime import ftw
+    from ftc_runtime.io import ftw
 
     r = ok("bench", engine, "load", "--device", "cpu")
     x = json.loads(r.stdout)

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.build import build_kernels
-from ftc.codegen import render_cpu_kernels
-from ftc.ftw_writer import FtwWriter
-from ftc.pipeline import make_plan
-from ftc.targets import Target
-from ftc_runtime import ftw
+from ftc.codegen.build import build_kernels
+from ftc.codegen.render import render_cpu_kernels
+from ftc.compile.ftw_writer import FtwWriter
+from ftc.compile.pipeline import make_plan
+from ftc.compile.targets import Target
 from ftc_runtime.cpu_info import physical_cpus, supported_isas
-from ftc_runtime.experts import group_by_expert
-from ftc_runtime.kernels import CpuExpertKernel
+from ftc_runtime.experts.base import group_by_expert
+from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
+from ftc_runtime.io import ftw
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec
 

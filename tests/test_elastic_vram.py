@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from ftc_runtime import Engine, SamplingParams
-from ftc_runtime.elastic_vram import ElasticVram
 from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.experts.elastic_vram import ElasticVram
+from ftc_runtime.experts.vram_plan import VramError
 from ftc_runtime.serve.scheduler import Request, Scheduler
-from ftc_runtime.vram_plan import VramError
 
 from slot_checks import check_slots_hold_their_rows
 

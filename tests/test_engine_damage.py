@@ -32,11 +32,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from typer.testing import CliRunner
 
 from ftc.cli.main import app
-from ftc.ftw_writer import FtwWriter
-from ftc.pipeline import CompileOptions, compile_engine
+from ftc.compile.ftw_writer import FtwWriter
+from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
 from ftc_runtime.artifact import ArtifactError, file_sha256
-from ftc_runtime.ftw import HEADER_ROOM, PREFIX, FtwError, FtwHeader, bf16_expert_banks, read_header
+from ftc_runtime.io.ftw import HEADER_ROOM, PREFIX, FtwError, FtwHeader, bf16_expert_banks, read_header
 from ftc_runtime.spec import SpecError
 
 from field_edits import DELETE, set_field

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from ftc.pipeline import CompileOptions, compile_engine
+from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
 from ftc_runtime.artifact import ArtifactError
-from ftc_runtime.ftw import FtwError, read_header
-from ftc_runtime.kernels import KernelError
+from ftc_runtime.experts.cpu_kernel import KernelError
+from ftc_runtime.io.ftw import FtwError, read_header
 
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 

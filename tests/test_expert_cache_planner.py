@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from ftc_runtime.expert_cache import ExpertCache
-from ftc_runtime.miss_planner import MissPlanner
+from ftc_runtime.experts.cache import ExpertCache
+from ftc_runtime.experts.miss_planner import MissPlanner
 
 
 def test_empty_slots_go_first_then_least_recently_used():
@@ -100,7 +100,7 @@ def test_fixed_policies():
 
 
 def test_gpu_presets_carry_the_papers_bandwidths():
-    from ftc.targets import PRESETS, TargetError, resolve_target
+    from ftc.compile.targets import PRESETS, TargetError, resolve_target
 
     t = resolve_target("rtx-4090")
     assert (t.b_p, t.b_h, t.vram_bytes) == (25.1, 63.2, 24 * 10**9)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.pipeline import CompileOptions, compile_engine, compile_with_experts_in_memory
+from ftc.compile.pipeline import CompileOptions, compile_engine, compile_with_experts_in_memory
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.artifact import ArtifactError
 from ftc_runtime.engine import OffloadConfig

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.ftw_writer import FtwWriter
-from ftc_runtime import ftw
+from ftc.compile.ftw_writer import FtwWriter
 from ftc_runtime.artifact import file_sha256
+from ftc_runtime.io import ftw
 
 SHAPES = {"gate_up": (64, 90), "down": (90, 32)}  # row bytes not multiples of 4096: padding is exercised
 
@@ -125,7 +125,7 @@ def test_direct_reads_give_the_bytes_on_disk(tmp_path, direct, pages):
     """Parallel reads of a file region into a page-aligned buffer: O_DIRECT where asked and the
     offset and length are page multiples (and the filesystem takes it), buffered otherwise; either
     way the bytes on disk. A region past the end of the file is refused."""
-    from ftc_runtime.direct_read import PAGE, aligned_empty, read_into, sequential_direct_read
+    from ftc_runtime.io.direct_read import PAGE, aligned_empty, read_into, sequential_direct_read
 
     n = random.randrange(1, 40) * PAGE + (0 if pages else random.randrange(1, PAGE))
     data = os.urandom(PAGE + n + 100)

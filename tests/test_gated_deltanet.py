@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
 
-from ftc_runtime.models.gated_deltanet import (
+from ftc_runtime.models.layers.gated_deltanet import (
     DeltaNetShape,
     DeltaNetState,
     DeltaNetWeights,

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.pipeline import CompileOptions, compile_engine
+from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
 from ftc_runtime.engine import OffloadConfig
-from ftc_runtime.miss_planner import MissPlanner
-from ftc_runtime.offload import OffloadedExperts
+from ftc_runtime.experts.miss_planner import MissPlanner
+from ftc_runtime.experts.offload import OffloadedExperts
 
 from slot_checks import assert_graphs_match, check_slots_hold_their_rows, rel
 

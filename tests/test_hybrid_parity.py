@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.pipeline import CompileOptions, compile_engine
-from ftc.spec_loader import load_spec
+from ftc.compile.pipeline import CompileOptions, compile_engine
+from ftc.compile.spec_loader import load_spec
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.models import family

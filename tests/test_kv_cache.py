@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from ftc_runtime.kv_cache import KVCache
-from ftc_runtime.models.qwen3_moe import decode_attention
+from ftc_runtime.cache.kv import KVCache
+from ftc_runtime.models.qwen3_moe.model import decode_attention
 
 
 def test_growth_keeps_the_tokens_and_renews_the_generation():

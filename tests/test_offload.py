@@ -11,9 +11,9 @@ import torch
 
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
-from ftc_runtime.miss_planner import MISS_POLICIES, MissPlanner
-from ftc_runtime.offload import OffloadedExperts
-from ftc_runtime.vram_plan import VramError, parse_size, plan_vram
+from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
+from ftc_runtime.experts.offload import OffloadedExperts
+from ftc_runtime.experts.vram_plan import VramError, parse_size, plan_vram
 
 from slot_checks import check_slots_hold_their_rows
 
@@ -313,7 +313,7 @@ def test_batched_decode_equals_one_sequence_at_a_time(engine_dir, cpu_engine, of
 def test_a_failed_streamed_chunk_leaves_no_pass_behind(engine_dir, cpu_engine, monkeypatch):
     """A prompt chunk that fails halfway through its streamed layers must not leave its layer stream
     to the next call: a decode batch after it streams nothing and computes what the CPU engine does."""
-    from ftc_runtime.layer_stream import LayerStream
+    from ftc_runtime.experts.layer_stream import LayerStream
 
     off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=40, b_p=20.0, b_h=40.0))
     real = LayerStream.forward

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.pipeline import CompileOptions, compile_engine
+from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine, SamplingParams
-from ftc_runtime.prefix_cache import PrefixCache
+from ftc_runtime.cache.prefix import PrefixCache
 
 SPECS = Path(__file__).resolve().parents[1] / "model_specs"
 NEW = 6  # greedy tokens per turn
@@ -209,7 +209,7 @@ def test_the_agent_bench_reports_what_each_mode_reuses(engine_dir):
     cache every turn after the first resumes, and the edit turn exactly after the last boundary
     token before the edited tool output (for a pure-attention model: right after the tokens the
     edit kept)."""
-    from ftc.bench_agent import EDITED, agent_session, bench_agent
+    from ftc.bench.agent import EDITED, agent_session, bench_agent
 
     seed = random.randrange(100)
     result = bench_agent(engine_dir, None, ["cache", "no-checkpoints", "no-prefix-cache"], 700, 120,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.pipeline import CompileOptions, compile_engine
-from ftc.targets import TargetError, resolve_target
+from ftc.compile.pipeline import CompileOptions, compile_engine
+from ftc.compile.targets import TargetError, resolve_target
 from ftc_runtime import Engine
 from ftc_runtime.profile import HardwareProfile, measure_profile
 

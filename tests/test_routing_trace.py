@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ftc.pipeline import CompileOptions, compile_engine
+from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine, SamplingParams
-from ftc_runtime.expert_cache import ExpertCache
-from ftc_runtime.routing_trace import RoutingTrace, TraceError, TraceReplay, synthetic_trace
+from ftc_runtime.experts.cache import ExpertCache
+from ftc_runtime.experts.routing_trace import RoutingTrace, TraceError, TraceReplay, synthetic_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "model_specs" / "qwen3-moe-tiny.yaml"

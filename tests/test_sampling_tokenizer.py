@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.spec_loader import load_spec
-from ftc.tokenizer_builder import build_byte_tokenizer
+from ftc.compile.spec_loader import load_spec
+from ftc.compile.tokenizer_builder import build_byte_tokenizer
+from ftc_runtime.chat.tokenizer import StreamDecoder, Tokenizer
 from ftc_runtime.sampling import Sampler, SamplingParams
-from ftc_runtime.tokenizer import StreamDecoder, Tokenizer
 
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 

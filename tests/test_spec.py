@@ -13,7 +13,7 @@ import pytest
 import yaml
 from transformers import Qwen3MoeConfig
 
-from ftc.spec_loader import load_spec
+from ftc.compile.spec_loader import load_spec
 from ftc_runtime import spec as spec_mod
 from ftc_runtime.spec import ModelSpec, SpecError
 

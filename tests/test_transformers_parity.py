@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from ftc.pipeline import CompileOptions, compile_engine
+from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine, SamplingParams
 
 from hf_models import TinyShape, build_model, reference_greedy, reference_logits, save_checkpoint

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from .options import (
+from ftc.cli.options import (
     MAX_SEED,
     CachePolicyArg,
     CpuExpertsArg,
@@ -49,17 +49,16 @@ def _fail(e: Exception) -> None:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from ftc.codegen.build import BuildError
+    from ftc.codegen.kernel_check import KernelCheckError
+    from ftc.codegen.render import CodegenError
+    from ftc.compile.checkpoint import CheckpointError
+    from ftc.compile.targets import TargetError
     from ftc_runtime.artifact import ArtifactError
-    from ftc_runtime.ftw import FtwError
-    from ftc_runtime.kernels import KernelError
+    from ftc_runtime.experts.cpu_kernel import KernelError
+    from ftc_runtime.io.ftw import FtwError
     from ftc_runtime.settings import SettingsError
     from ftc_runtime.spec import SpecError
-
-    from ..build import BuildError
-    from ..checkpoint import CheckpointError
-    from ..codegen import CodegenError
-    from ..kernel_check import KernelCheckError
-    from ..targets import TargetError
 
     return (ArtifactError, FtwError, KernelError, SettingsError, SpecError, BuildError, CheckpointError,
             CodegenError, KernelCheckError, TargetError, ValueError, OSError, RuntimeError)
@@ -77,7 +76,7 @@ def compile(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing engine at -o.")] = False,
 ) -> None:
     """Compile a model into an engine directory."""
-    from ..pipeline import CompileOptions, compile_engine
+    from ftc.compile.pipeline import CompileOptions, compile_engine
 
     if random_weights and checkpoint:
         _fail(ValueError("give either --checkpoint or --random-weights, not both"))
@@ -97,7 +96,7 @@ def inspect(
     max_context: Annotated[int, typer.Option(min=1, help="KV cache tokens the budget reserves.")] = 4096,
 ) -> None:
     """Show an engine's model, memory split, plan and files."""
-    from ..inspect_engine import inspect_engine
+    from ftc.inspect_engine import inspect_engine
 
     try:
         tables = inspect_engine(engine, verify, vram_budget, max_context)
@@ -157,7 +156,7 @@ def run(
     """Generate from a prompt, streaming the text (or one JSON object with --json); or, with
     --serve, answer the OpenAI and Anthropic APIs over HTTP."""
     from ftc_runtime import Engine, SamplingParams
-    from ftc_runtime.tokenizer import StreamDecoder
+    from ftc_runtime.chat.tokenizer import StreamDecoder
 
     try:
         check_run_mode(ctx, serve)
@@ -211,8 +210,8 @@ def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: in
            prefix_cache: int | None) -> None:
     """Serves `engine` until SIGTERM or Ctrl-C; `prefix_cache` None: the server's default size."""
     from ftc_runtime import Engine
+    from ftc_runtime.experts.vram_plan import gib
     from ftc_runtime.serve.app import ServerConfig, create_app, default_prefix_cache_bytes, run_server
-    from ftc_runtime.vram_plan import gib
 
     try:
         eng = Engine.load(engine, show_progress=True, offload=offload, prefill_chunk=prefill_chunk)
@@ -287,13 +286,12 @@ def bench(
                                                  "model then cannot resume).")] = False,
 ) -> None:
     """Measure an engine, or a spec built in memory with random weights; prints JSON."""
+    from ftc.bench.agent import bench_agent, plot_agent
+    from ftc.bench.decode import bench_decode
+    from ftc.bench.experts import bench_experts
+    from ftc.bench.load import bench_load
+    from ftc.bench.prefill import bench_prefill, plot_prefill
     from ftc_runtime.artifact import EngineManifest
-
-    from ..bench_agent import bench_agent, plot_agent
-    from ..bench_decode import bench_decode
-    from ..bench_experts import bench_experts
-    from ..bench_load import bench_load
-    from ..bench_prefill import bench_prefill, plot_prefill
 
     try:
         # Options checked before a spec's engine is built in memory. The experts benchmark uses no
@@ -380,7 +378,7 @@ def trace(
 ) -> None:
     """Record the experts the router chooses, per token and MoE layer, while generating greedily."""
     from ftc_runtime import Engine, SamplingParams
-    from ftc_runtime.routing_trace import TraceRecorder
+    from ftc_runtime.experts.routing_trace import TraceRecorder
 
     if (prompt is None) == (prompt_ids is None):
         _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))

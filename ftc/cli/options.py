@@ -27,7 +27,7 @@ MAX_SEED = 2**64 - 1  # torch.Generator takes seeds in [0, 2**64)
 
 def size(text: str) -> int:
     """A byte count such as 8GiB."""
-    from ftc_runtime.vram_plan import parse_size  # imports torch: only once an option needs it
+    from ftc_runtime.experts.vram_plan import parse_size  # imports torch: only once an option needs it
 
     return parse_size(text)
 
@@ -156,7 +156,7 @@ def reprofile_engine(engine_dir: Path, eng, offload) -> None:
     import dataclasses
 
     from ftc_runtime.artifact import store_profile
-    from ftc_runtime.miss_planner import MissPlanner
+    from ftc_runtime.experts.miss_planner import MissPlanner
     from ftc_runtime.profile import measure_profile
 
     experts = eng.model.experts
@@ -194,7 +194,7 @@ def prompt_ids_for(text: str, engine_dir: Path) -> list[int]:
 def engine_in_memory(spec: Path, random_weights: bool, seed: int, target: str, override: list[str] | None,
                      workdir: Path):
     """A benchmark engine for `spec` in `workdir`, its expert pool generated into memory."""
-    from ..pipeline import CompileOptions, compile_with_experts_in_memory
+    from ftc.compile.pipeline import CompileOptions, compile_with_experts_in_memory
 
     if not random_weights:
         raise ValueError(f"{spec}: benchmarking a spec needs --random-weights (or compile an engine first)")
@@ -204,7 +204,7 @@ def engine_in_memory(spec: Path, random_weights: bool, seed: int, target: str, o
 
 def routing_for(trace: Path | None, synthetic_locality: float | None, spec, seed: int):
     """The trace a decode benchmark replays, and how the JSON names it."""
-    from ftc_runtime.routing_trace import RoutingTrace, synthetic_trace
+    from ftc_runtime.experts.routing_trace import RoutingTrace, synthetic_trace
 
     if trace is not None and synthetic_locality is not None:
         raise ValueError("give --routing-trace or --synthetic-locality, not both")

@@ -6,11 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..spec import ModelSpec
-from .qwen3_moe import Qwen3MoeModel
-from .qwen3_moe import dense_tensor_shapes as qwen3_moe_dense_shapes
-from .qwen3_next import Qwen3NextModel
-from .qwen3_next import dense_tensor_shapes as qwen3_next_dense_shapes
+from ftc_runtime.models.qwen3_moe.model import Qwen3MoeModel
+from ftc_runtime.models.qwen3_moe.model import dense_tensor_shapes as qwen3_moe_dense_shapes
+from ftc_runtime.models.qwen3_next.model import Qwen3NextModel
+from ftc_runtime.models.qwen3_next.model import dense_tensor_shapes as qwen3_next_dense_shapes
+from ftc_runtime.spec import ModelSpec
 
 
 @dataclass(frozen=True)

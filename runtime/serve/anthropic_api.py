@@ -13,9 +13,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator, model_validator
 
-from ..sampling import SamplingParams
-from ..tool_parsers import AssistantOutput, parse_output, tool_parser
-from .app import (
+from ftc_runtime.chat.tool_parsers import AssistantOutput, parse_output, tool_parser
+from ftc_runtime.sampling import SamplingParams
+from ftc_runtime.serve.app import (
     MAX_TOKENS,
     ApiBody,
     ApiError,
@@ -27,7 +27,7 @@ from .app import (
     server_of,
     unique_tool_names,
 )
-from .token_stream import MAX_STOP_CHARS, MAX_STOPS, TokenStream, message_parts, with_keepalive
+from ftc_runtime.serve.token_stream import MAX_STOP_CHARS, MAX_STOPS, TokenStream, message_parts, with_keepalive
 
 router = APIRouter(route_class=StrictJsonRoute)
 

@@ -20,13 +20,13 @@ from fastapi.routing import APIRoute
 from pydantic import AfterValidator, BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from ..chat_template import ChatTemplateError
-from ..engine import Engine
-from ..sampling import SamplingParams
-from ..tool_parsers import tool_parser
-from .guard import NAMESPACE, RequestGuard, error_body
-from .scheduler import Scheduler
-from .token_stream import TokenStream
+from ftc_runtime.chat.template import ChatTemplateError
+from ftc_runtime.chat.tool_parsers import tool_parser
+from ftc_runtime.engine import Engine
+from ftc_runtime.sampling import SamplingParams
+from ftc_runtime.serve.guard import NAMESPACE, RequestGuard, error_body
+from ftc_runtime.serve.scheduler import Scheduler
+from ftc_runtime.serve.token_stream import TokenStream
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -245,8 +245,8 @@ def namespace_of(request: Request) -> str:
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    from .anthropic_api import router as anthropic_router
-    from .openai_api import router as openai_router
+    from ftc_runtime.serve.anthropic_api import router as anthropic_router
+    from ftc_runtime.serve.openai_api import router as openai_router
 
     server = Server(engine, config)
 

@@ -14,9 +14,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator, model_validator
 
-from ..sampling import SEED_RANGE, SamplingParams
-from ..tool_parsers import parse_output, tool_parser
-from .app import (
+from ftc_runtime.chat.tool_parsers import parse_output, tool_parser
+from ftc_runtime.sampling import SEED_RANGE, SamplingParams
+from ftc_runtime.serve.app import (
     MAX_TOKENS,
     ApiBody,
     ApiError,
@@ -28,7 +28,7 @@ from .app import (
     server_of,
     unique_tool_names,
 )
-from .token_stream import MAX_STOP_CHARS, TokenStream, message_parts, with_keepalive
+from ftc_runtime.serve.token_stream import MAX_STOP_CHARS, TokenStream, message_parts, with_keepalive
 
 router = APIRouter(route_class=StrictJsonRoute)
 

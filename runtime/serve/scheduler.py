@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import Engine
-from ..hybrid_cache import HybridCache
-from ..kv_cache import KVCache
-from ..prefix_cache import Resume
-from ..sampling import Sampler, SamplingParams
-from ..vram_plan import VramError
+from ftc_runtime.cache.kv import KVCache
+from ftc_runtime.cache.prefix import Resume
+from ftc_runtime.cache.sequence import HybridCache
+from ftc_runtime.engine import Engine
+from ftc_runtime.experts.vram_plan import VramError
+from ftc_runtime.sampling import Sampler, SamplingParams
 
 # What a request's callback receives, on the engine thread: (token id, None) for each new token,
 # then (None, finish reason) once: "stop" (a stop token), "length" (max_new_tokens), "cancelled"

@@ -11,12 +11,12 @@ from typing import Any
 
 from fastapi import Request
 
-from ..engine import Engine
-from ..sampling import SamplingParams
-from ..tokenizer import StreamDecoder
-from ..tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser
-from .scheduler import Request as EngineRequest
-from .scheduler import Scheduler
+from ftc_runtime.chat.tokenizer import StreamDecoder
+from ftc_runtime.chat.tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser
+from ftc_runtime.engine import Engine
+from ftc_runtime.sampling import SamplingParams
+from ftc_runtime.serve.scheduler import Request as EngineRequest
+from ftc_runtime.serve.scheduler import Scheduler
 
 MAX_STOPS = 16  # stop strings per request
 MAX_STOP_CHARS = 512  # characters of one stop string

@@ -1,0 +1,95 @@
+"""`ftc bench ENGINE decode`: decode speed with the experts split between a slot cache on the
+device and the CPU, the split's statistics, and the bandwidth bound of the steps that ran.
+
+The bound (DESIGN.md's performance model) per token: Σ over MoE layers of the miss time at the
+planner's rates, max(q·S/B_P', (m−q)·S/B_H'), plus the bytes the device itself must read (the
+non-expert weights once and every hit or fill expert) at the device's measured memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from ftc_runtime import Engine, SamplingParams
+from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay
+from ftc_runtime.experts.stats import OffloadStats
+from ftc_runtime.experts.throughput import torch_read_gbps
+from ftc_runtime.io.ftw import ExpertPool
+
+PROFILED_STEPS = 4
+
+
+def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace | None, routing: str,
+                 prompt_tokens: int = 128, new_tokens: int = 64, seed: int = 0,
+                 pool: ExpertPool | None = None, profile_to: Path | None = None, temperature: float = 0.0) -> dict:
+    """`temperature` > 0 samples the tokens: a random-weight model decoding greedily repeats one
+    token, so its router picks the same experts every step (a 99% hit rate on the device), while
+    sampled tokens route near-uniformly. `profile_to`: also write a torch profiler table of a few
+    decode steps there (not timed)."""
+    engine = Engine.load(engine_dir, offload=offload, pool=pool)
+    experts = engine.model.experts
+    if trace is not None:
+        trace.check_fits(len(engine.spec.moe_layers), engine.spec.moe.num_experts, routing)
+        engine.model.experts.routing = TraceReplay(trace)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(prompt_tokens)]
+    device_gbps = torch_read_gbps(1 << 30, 0.5, experts.device)
+    sampling = SamplingParams(temperature, seed=seed)
+    if profile_to is not None:
+        _profile(engine, prompt, profile_to, sampling)
+    # The first decode steps of a sequence run eagerly, then capture the CUDA graphs: timed apart.
+    warmup = 2 if engine.model.decode_graphs is not None else 0
+    if new_tokens < warmup + 2:
+        raise ValueError(f"new_tokens = {new_tokens}: decode benchmarks need at least {warmup + 2}")
+    gen = engine.generate(prompt, new_tokens, sampling, stop_at_eos=False)
+    t0 = warm_t0 = 0.0
+    for n, _ in enumerate(gen):
+        if n == 0:  # the prompt's token: prefill done
+            warm_t0 = time.perf_counter()
+        if n == warmup:  # decode statistics only, after the warm-up steps
+            experts.stats = OffloadStats(experts.device)
+            t0 = time.perf_counter()
+    decode_s = time.perf_counter() - t0
+    warmup_s = t0 - warm_t0
+    s = experts.stats
+    steps = new_tokens - 1 - warmup
+    planner = experts.planner
+    device_bytes = engine.vram.dense + (s.hits + s.fills) * engine.vram.expert_stride / steps
+    miss_bound = s.miss_bound_s / steps
+    bound = miss_bound + device_bytes / (device_gbps * 1e9)
+    measured = decode_s / steps
+    return {
+        "engine": engine.spec.name, "routing": routing, "temperature": temperature, "device": str(experts.device),
+        "miss_policy": planner.policy, "cache_policy": experts.cache.policy, "b_p": planner.b_p, "b_h": planner.b_h,
+        "rates_while_both_run": planner.rates(), "measured_concurrency": planner.measured_concurrency,
+        "slots": experts.cache.n_slots, "pool_experts": engine.pool.header.num_rows,
+        "vram": engine.vram.to_dict(), "prompt_tokens": prompt_tokens, "decode_tokens": steps,
+        "warmup_steps": warmup, "warmup_ms": round(1e3 * warmup_s, 1),
+        "decode_tok_s": round(steps / decode_s, 3), "ms_per_token": round(1e3 * measured, 3),
+        "miss_bound_ms_per_token": round(1e3 * miss_bound, 3), "device_read_gbps": round(device_gbps, 1),
+        "device_bytes_per_token": int(device_bytes), "bound_ms_per_token": round(1e3 * bound, 3),
+        "measured_over_bound": round(measured / bound, 3) if bound else None,
+        "experts": s.to_dict(),
+        "decode_graphs": engine.model.decode_graphs is not None,
+    }
+
+
+def _profile(engine: Engine, prompt: list[int], out: Path, sampling: SamplingParams) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    gen = iter(engine.generate(prompt, PROFILED_STEPS + 4, sampling, stop_at_eos=False))
+    for _ in range(3):  # prefill, the eager first step and the step that captures graphs
+        next(gen)
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            next(gen)
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    out.write_text(f"{PROFILED_STEPS} decode steps\n"
+                   + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n"
+                   + prof.key_averages().table(sort_by=key, row_limit=30) + "\n")

@@ -1,0 +1,55 @@
+"""`ftc bench ENGINE experts`: the CPU expert kernel's throughput in GB/s of expert weights, next
+to torch's bf16 matmul on the same experts and the machine's plain memory read bandwidth."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ftc_runtime.artifact import EXPERTS_FILE, LIBRARY_FILE, EngineManifest
+from ftc_runtime.cpu_info import worker_cpus
+from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
+from ftc_runtime.experts.throughput import expert_kernel_gbps, l3_bytes, routed_gbps, torch_read_gbps
+from ftc_runtime.io import ftw
+from ftc_runtime.spec import ModelSpec
+
+
+def torch_bf16_gbps(spec: ModelSpec, pool: ftw.ExpertPool, tokens: int, seconds: float, seed: int = 0) -> dict:
+    """The same routed calls through torch's bf16 matmul, reading the pool's rows in place."""
+    row_bytes = sum(b.row_bytes for b in pool.header.banks)
+
+    def call(layer: int, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> int:
+        xb = x.to(torch.bfloat16)
+        experts = ids.unique().tolist()
+        for expert in experts:
+            row = layer * spec.moe.num_experts + expert
+            gate, up = F.linear(xb, pool.expert_tensor("gate_up", row)).chunk(2, dim=-1)
+            F.linear(F.silu(gate) * up, pool.expert_tensor("down", row))
+        return len(experts) * row_bytes
+
+    return routed_gbps(spec, tokens, seconds, call, seed)
+
+
+def bench_experts(engine: Path, tokens: int = 1, threads: int | None = None, seconds: float = 3.0,
+                  seed: int = 0, pool: ftw.ExpertPool | None = None) -> dict:
+    manifest = EngineManifest.read(engine)
+    manifest.verify()
+    spec, plan = manifest.spec, manifest.plan
+    pool = pool or ftw.load(manifest.path(EXPERTS_FILE))
+    kernel = CpuExpertKernel(manifest.path(LIBRARY_FILE), plan.isa, spec.hidden_size,
+                             spec.moe.expert_intermediate_size, worker_cpus(threads or plan.cpu_threads))
+    ours = expert_kernel_gbps(spec, pool, kernel, tokens, seconds, seed)
+    ref = torch_bf16_gbps(spec, pool, tokens, seconds, seed)
+    read = torch_read_gbps()
+    return {
+        "engine": spec.name, "isa": plan.isa, "threads": kernel.n_threads,
+        "torch_threads": torch.get_num_threads(), "tokens": tokens, "top_k": spec.moe.top_k,
+        "hidden": spec.hidden_size, "expert_intermediate": spec.moe.expert_intermediate_size,
+        "expert_bytes": spec.expert_bytes, "pool_bytes": pool.nbytes, "l3_bytes": l3_bytes(),
+        "kernel_gbps": round(ours["gbps"], 2), "kernel_gbps_median": round(ours["gbps_median"], 2),
+        "kernel_ms_per_layer": round(ours["ms_per_layer"], 4),
+        "torch_bf16_gbps": round(ref["gbps"], 2), "torch_read_gbps": round(read, 2),
+        "kernel_vs_read": round(ours["gbps"] / read, 3), "kernel_vs_torch_bf16": round(ours["gbps"] / ref["gbps"], 3),
+    }

@@ -1,0 +1,126 @@
+"""Where an engine's weights come from: an HF checkpoint, or deterministic random weights.
+
+Both give the dense tensors by checkpoint name and the routed experts one at a time, so that the
+compiler streams experts into FTW and never holds the model in memory twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ftc.compile.checkpoint import CheckpointError, SafetensorsCheckpoint
+from ftc.compile.checkpoint_layout import CheckpointLayout
+from ftc_runtime.models import family
+from ftc_runtime.spec import ModelSpec
+
+
+class WeightSource(Protocol):
+    description: str
+
+    def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every non-expert tensor, bf16, by checkpoint name."""
+
+    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """Expert `expert` of decoder layer `layer` as FTW bank rows: gate_up [2I, H], down [H, I]."""
+
+
+class CheckpointWeights:
+    """An HF checkpoint in either expert layout: per-expert `experts.J.{gate,up,down}_proj.weight`
+    or fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (or transposed);
+    dense tensors by canonical name wherever the checkpoint's layout keeps them (`CheckpointLayout`)."""
+
+    def __init__(self, spec: ModelSpec, directory: Path):
+        self.spec, self.ckpt = spec, SafetensorsCheckpoint(directory)
+        self.layout = CheckpointLayout(self.ckpt, spec)
+        self.description = f"checkpoint {directory}"
+        self.shapes = family(spec.family).dense_tensor_shapes(spec)
+        for name, shape in self.shapes.items():
+            if name not in self.layout:
+                raise CheckpointError(f"{directory}: tensor {self.layout.name(name)} not found in the checkpoint")
+            if self.layout.shape(name) != shape:
+                raise CheckpointError(f"{directory}: tensor {self.layout.name(name)} has shape "
+                                      f"{self.layout.shape(name)}, the spec implies {shape}")
+        first = self._experts_prefix(spec.moe_layers[0])
+        self.fused = f"{first}gate_up_proj" in self.ckpt
+        if not self.fused and f"{first}0.gate_proj.weight" not in self.ckpt:
+            raise CheckpointError(f"{directory}: no experts for layer {spec.moe_layers[0]}: expected "
+                                  f"{first}gate_up_proj or {first}0.gate_proj.weight")
+
+    def _experts_prefix(self, layer: int) -> str:
+        return self.layout.name(f"model.layers.{layer}.mlp.experts.")
+
+    def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.shapes:
+            yield name, self.layout.get(name)
+
+    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        h, i, e = self.spec.hidden_size, self.spec.moe.expert_intermediate_size, self.spec.moe.num_experts
+        p = self._experts_prefix(layer)
+        if self.fused:
+            down, transposed = self._fused(p + "down_proj", (e, h, i), expert, None)
+            gate_up, _ = self._fused(p + "gate_up_proj", (e, 2 * i, h), expert, transposed)
+        else:
+            gate = self._checked(f"{p}{expert}.gate_proj.weight", (i, h))
+            up = self._checked(f"{p}{expert}.up_proj.weight", (i, h))
+            gate_up = torch.cat([gate, up], dim=0)
+            down = self._checked(f"{p}{expert}.down_proj.weight", (h, i))
+        return {"gate_up": gate_up, "down": down}
+
+    def _checked(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        got = self.ckpt.shape(name)
+        if got != shape:
+            raise CheckpointError(f"{self.ckpt.directory}: tensor {name} has shape {got}, expected {shape}")
+        return self.ckpt.get(name)
+
+    def _fused(self, name: str, shape: tuple[int, int, int], expert: int,
+               transposed: bool | None) -> tuple[torch.Tensor, bool]:
+        """One expert of a fused tensor as [out, in], and whether the file stores it as [in, out].
+        A square tensor cannot tell by its shape; it follows `transposed` (the down projection's
+        orientation), else the transformers layout."""
+        got = self.ckpt.shape(name)
+        flipped = (shape[0], shape[2], shape[1])
+        if got not in (shape, flipped):
+            raise CheckpointError(f"{self.ckpt.directory}: tensor {name} has shape {got}, expected {shape}")
+        is_t = (transposed or False) if shape == flipped else got == flipped
+        t = self.ckpt.get(name, expert)
+        return (t.t().contiguous() if is_t else t), is_t
+
+
+class RandomWeights:
+    """Deterministic random weights of the spec's shapes: each tensor draws from its own generator,
+    seeded by (seed, tensor name), so any tensor can be made alone and in any order. Linear weights
+    are N(0, 1/fan_in), norms are 1, so activations keep a sane scale through all layers."""
+
+    def __init__(self, spec: ModelSpec, seed: int = 0):
+        self.spec, self.seed = spec, seed
+        self.description = f"random weights (seed {seed})"
+        self.shapes = family(spec.family).dense_tensor_shapes(spec)
+
+    def _randn(self, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
+        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+        return (torch.randn(shape, generator=g) * std).to(torch.bfloat16)
+
+    def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # (1 + w) norms store the offset from 1; the linear layers' gated norm is plain w.
+        one_plus = self.spec.norm.kind == "rms_one_plus"
+        for name, shape in self.shapes.items():
+            if len(shape) == 1:
+                zero = name.endswith(".bias") or (one_plus and name.endswith("norm.weight")
+                                                  and not name.endswith("linear_attn.norm.weight"))
+                yield name, (torch.zeros if zero else torch.ones)(shape, dtype=torch.bfloat16)
+            elif name == "model.embed_tokens.weight":
+                yield name, self._randn(name, shape, 1.0)
+            else:  # N(0, 1/fan_in); a depthwise convolution [C, 1, K] takes K inputs
+                yield name, self._randn(name, shape, (shape[1] if len(shape) == 2 else shape[-1]) ** -0.5)
+
+    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        h, i = self.spec.hidden_size, self.spec.moe.expert_intermediate_size
+        p = f"model.layers.{layer}.mlp.experts.{expert}."
+        return {"gate_up": self._randn(p + "gate_up", (2 * i, h), h ** -0.5),
+                "down": self._randn(p + "down", (h, i), i ** -0.5)}

@@ -1,0 +1,221 @@
+"""`DecodeGraphs`: one decode step (one token) with each layer's non-expert work replayed as one
+CUDA graph, so that a layer costs one launch instead of ~60 kernel launches from Python.
+
+Per layer one graph, cut where the step must leave the GPU for the routed experts (for Qwen3-MoE
+here; the hybrid family's layers are in hybrid_decode_graphs.py):
+- the previous MoE layer's output (its device part plus the copy of its CPU part) joins x;
+- input norm, q/k/v, q/k norms, RoPE; k and v written into the KV cache at the step's position (a
+  device tensor); attention over the cache's whole capacity with the positions after this token
+  masked off (so the graph's shapes never change while the storage stays put);
+- o_proj and residual, post-attention norm, then the router and the staging of the experts' input
+  for the host (`OffloadedExperts.stage`), or a dense MLP;
+then, outside the graph, the host round trip of the experts (`launch_staged`, `finish_staged`),
+whose own device part is one more graph. One graph for the final norm and lm_head ends the step.
+Graphs are captured in the second step on a KV storage (the first runs the same code eagerly,
+which warms up every kernel), and again whenever the storage moves (a new sequence, or growth by
+doubling).
+The model's functions are fused by torch.compile first, at load (FTC_TORCH_COMPILE=0 turns it
+off; a compiler failure falls back to the same functions uncompiled): on the device it took
+qwen3-30b-a3b decode from 24.8 to 35.2 tok/s (docs/performance.md), for about 6 s at load.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from ftc_runtime.cache.kv import INITIAL_CAPACITY, KVCache
+from ftc_runtime.models.qwen3_moe.model import (
+    Qwen3MoeModel,
+    attention_in,
+    attention_out,
+    decode_attention,
+    dense_mlp,
+    route,
+)
+
+
+class DecodeGraphs(ABC):
+    """The machinery shared by the model families: static buffers, one graph per layer and one
+    for the head, captured on the second step of a KV storage, and the step loop with the host
+    round trip of each MoE layer. A family's subclass gives its functions (`functions`, fused by
+    torch.compile), their warm-up and the body of one layer (`_layer`)."""
+
+    def __init__(self, model, compile_fns: bool):
+        if model.device.type != "cuda":
+            raise ValueError("DecodeGraphs needs a CUDA device")
+        self.model = model
+        spec, dev, dt = model.spec, model.device, model.dtype
+        hidden = spec.hidden_size
+        self.x = torch.zeros(1, hidden, dtype=dt, device=dev)
+        self.mlp = torch.zeros(1, hidden, dtype=dt, device=dev)
+        self.cos = torch.zeros(1, 1, model.inv_freq.numel() * 2, dtype=dt, device=dev)
+        self.sin = torch.zeros_like(self.cos)
+        self.position = torch.zeros(1, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(1, spec.vocab_size, dtype=torch.float32, device=dev)
+        self.cpu_part = torch.zeros(1, hidden, dtype=torch.float32, device=dev)  # a CPU part, copied in
+        self.shared: torch.Tensor | None = None  # a shared expert's output, where the family has one
+        self.fns = self.functions()
+        if compile_fns:
+            # Compiled in this process, without a pool of compile workers: with one, the CPU experts
+            # of the run right after compiling were 5× slower on the device (probably those
+            # workers, still busy, on the cores of the expert workers).
+            import torch._inductor.config as inductor_config
+
+            inductor_config.compile_threads = 1
+            # decode_attention stays eager: its key length changes with every doubling of the KV
+            # storage, and each new length would compile it again until dynamo's recompile limit
+            # fails the step (an agent session at 20K tokens did); it is two matmuls and a softmax.
+            eager, self.fns = self.fns, {name: f if name == "decode_attention" else
+                                         torch.compile(f, dynamic=False, fullgraph=True)
+                                         for name, f in self.fns.items()}
+            try:
+                with torch.inference_mode():  # as decode runs: compiled code is specialized to the grad mode
+                    self._warm_up()
+            except Exception as e:  # noqa: BLE001 (any compiler failure: the same functions run uncompiled)
+                print(f"ftc: torch.compile failed for decode, running uncompiled ({type(e).__name__}: {e})",
+                      file=sys.stderr)
+                self.fns = eager
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.graph_storage: int | None = None  # the KVCache.generation the graphs were captured on
+        self.pool = torch.cuda.graph_pool_handle()
+        self.warm = False  # a step ran eagerly on the current storage
+
+    @abstractmethod
+    def functions(self) -> dict[str, Callable]:
+        """The pure tensor functions a layer runs, by name (each compiled once for all layers)."""
+
+    @abstractmethod
+    def _warm_up(self) -> None:
+        """Runs every function once (compiling it, at load) on the static buffers and the weights
+        of the first layer of each kind; the outputs are discarded."""
+
+    @abstractmethod
+    def _layer(self, i: int, cache) -> None:
+        """Layer i's non-expert work on x: joins the previous MLP output, mixes tokens, and either
+        stages the routed experts' input for the host or writes a dense MLP's output to `mlp`."""
+
+    def step(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """Logits [1, vocab] fp32 of the token `ids` (one) after the cache's tokens."""
+        m, position = self.model, cache.length
+        cache.reserve(position + 1)
+        if cache.generation != self.graph_storage:
+            # New storage: the next graphs capture new addresses (and new shapes, after growth),
+            # into a new memory pool (a pool whose graphs are all freed cannot take new ones).
+            # This step runs eagerly first, so that every kernel is warmed up (and compiled) for
+            # the new shapes outside a capture.
+            self.graphs.clear()
+            self.pool = torch.cuda.graph_pool_handle()
+            self.graph_storage = cache.generation
+            self.warm = False
+        cos, sin = m.rope_at(torch.tensor([position], device=m.device))
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+        self.position.fill_(position)
+        self.x.copy_(m.embed[ids.to(m.device)].to(m.dtype))
+        self.mlp.zero_()
+        clock = m.experts.stats.host_s
+        for i in range(m.spec.num_layers):
+            t0 = time.perf_counter()
+            self._run(("layer", i), lambda i=i: self._layer(i, cache))
+            clock["layer_launch"] += time.perf_counter() - t0
+            if m.is_moe(i):
+                m.experts.launch_staged(m.moe_index[i], 1, m.spec.moe.top_k, position)
+                m.experts.finish_staged()
+        cache.length += 1
+        self._run(("head", 0), self._head)
+        self.warm = True
+        return self.logits.clone()
+
+    def _run(self, key: tuple[str, int], fn: Callable[[], None]) -> None:
+        graph = self.graphs.get(key)
+        if graph is None and not self.warm:
+            fn()
+            return
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                fn()
+            self.graphs[key] = graph
+        graph.replay()
+
+    def _join_previous(self, i: int) -> None:
+        """x += the previous layer's MLP output; a MoE layer's is its device part plus its CPU part
+        (plus its shared expert's, where there is one)."""
+        m = self.model
+        if i > 0 and m.is_moe(i - 1):
+            on_device, on_host = m.experts.token_outputs()
+            self.cpu_part.copy_(on_host, non_blocking=True)
+            self.mlp.copy_(on_device + self.cpu_part)
+            if self.shared is not None:
+                self.mlp.add_(self.shared)
+        self.x.add_(self.mlp)
+
+    def _head(self) -> None:
+        self._join_previous(self.model.spec.num_layers)
+        self.logits.copy_(self.model.head(self.x))
+
+    def store_kv(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Writes k, v at the step's position (a device tensor) of the cache's `layer`: its whole
+        key and value storage and the mask of the positions this token sees."""
+        keys, values = cache.storage(layer)
+        keys.index_copy_(0, self.position, k)
+        values.index_copy_(0, self.position, v)
+        return keys, values, torch.arange(keys.shape[0], device=keys.device) <= self.position
+
+
+class AttentionDecodeGraphs(DecodeGraphs):
+    """Qwen3-MoE's layers: attention over the KV cache, then the router or a dense MLP."""
+
+    def functions(self) -> dict[str, Callable]:
+        return {f.__name__: f for f in (attention_in, attention_out, decode_attention, route, dense_mlp)}
+
+    def _warm_up(self) -> None:
+        m, eps = self.model, self.model.spec.norm.eps
+        q, k, _ = self.fns["attention_in"](self.x, *m.attention_in_weights(0), self.cos, self.sin, eps, m.heads)
+        keys = k.new_zeros(INITIAL_CAPACITY, *k.shape[1:])
+        valid = torch.arange(INITIAL_CAPACITY, device=keys.device) <= self.position
+        attn = self.fns["decode_attention"](q, keys, keys, valid, m.heads)
+        _, h = self.fns["attention_out"](self.x, attn, *m.attention_out_weights(0), eps)
+        kinds = {m.is_moe(i): i for i in reversed(range(m.spec.num_layers))}
+        if True in kinds:
+            self.fns["route"](h, *m.router_args(kinds[True]))
+        if False in kinds:
+            self.fns["dense_mlp"](h, *m.dense_mlp_weights(kinds[False]))
+
+    def _layer(self, i: int, cache: KVCache) -> None:
+        m, f, eps = self.model, self.fns, self.model.spec.norm.eps
+        self._join_previous(i)
+        q, k, v = f["attention_in"](self.x, *m.attention_in_weights(i), self.cos, self.sin, eps, m.heads)
+        attn = f["decode_attention"](q, *self.store_kv(cache, i, k, v), m.heads)
+        x, h = f["attention_out"](self.x, attn, *m.attention_out_weights(i), eps)
+        self.x.copy_(x)
+        if m.is_moe(i):
+            ids, weights = f["route"](h, *m.router_args(i))
+            m.experts.stage(h.float(), ids, weights)
+        else:
+            self.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
+
+
+def decode_graphs_for(model, enabled: bool, compile_fns: bool) -> DecodeGraphs | None:
+    """The model family's DecodeGraphs on a CUDA device with an expert backend that stages its
+    input (`stage`, `launch_staged`, `finish_staged`, `token_outputs`) when enabled; None
+    elsewhere (eager)."""
+    if not enabled or model.device.type != "cuda" or not hasattr(model.experts, "launch_staged"):
+        return None
+    from ftc_runtime.models.qwen3_next.decode import HybridDecodeGraphs  # a subclass of this module's
+    from ftc_runtime.models.qwen3_next.model import Qwen3NextModel
+
+    kind = {Qwen3MoeModel: AttentionDecodeGraphs, Qwen3NextModel: HybridDecodeGraphs}.get(type(model))
+    if kind is None:
+        return None
+    try:
+        return kind(model, compile_fns)
+    except RuntimeError as e:  # a torch without graph support for this device: eager decode still works
+        print(f"ftc: CUDA graphs off for decode ({e})", file=sys.stderr)
+        return None

@@ -1,0 +1,125 @@
+"""The engine's generated CPU kernel library, loaded with ctypes (no torch headers needed to build it)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from ftc_runtime.cpu_info import ISA_FLAGS, missing_flags
+
+_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class KernelError(RuntimeError):
+    """The kernel library is missing, built for other shapes, or needs an ISA this CPU lacks."""
+
+
+class CpuExpertKernel:
+    """Routed-expert FFN over FTW rows in host memory, run on a pinned worker pool.
+
+    `run` accumulates  out[t] += Σ w · down(silu(gate x_t) · up x_t)  for pairs grouped by expert.
+    Calls are serialized: the pool runs one job at a time. With `background`, every one of the
+    pool's threads is its own pinned worker and `start` returns at once (the caller drives a GPU
+    meanwhile, then `wait`s); without it the caller works as thread 0 and `start` is `run`.
+    """
+
+    def __init__(self, lib_path: Path, isa: str, hidden: int, intermediate: int, cpus: list[int],
+                 background: bool = False):
+        if not lib_path.is_file():
+            raise KernelError(f"{lib_path}: kernel library not found (run `ftc compile` again)")
+        if isa not in ISA_FLAGS:
+            raise KernelError(f"{lib_path}: unknown kernel ISA {isa!r}")
+        lacking = missing_flags(isa)
+        if lacking:
+            raise KernelError(f"{lib_path}: built for {isa}, but this CPU lacks {', '.join(lacking)}; "
+                              "compile the engine for this machine (`ftc compile ... --target auto`)")
+        self.lib_path = lib_path
+        self.lib = ctypes.CDLL(str(lib_path))
+        self.lib.ftc_kernel_isa.restype = ctypes.c_char_p
+        got = (self.lib.ftc_kernel_isa().decode(), self.lib.ftc_kernel_hidden(),
+               self.lib.ftc_kernel_intermediate())
+        if got != (isa, hidden, intermediate):
+            raise KernelError(f"{lib_path}: library was built for (isa, hidden, intermediate) = {got}, "
+                              f"the engine expects {(isa, hidden, intermediate)}")
+        self.lib.ftc_pool_create.restype = _p
+        self.lib.ftc_pool_create.argtypes = [_i32, ctypes.POINTER(ctypes.c_int), _i32]
+        self.lib.ftc_pool_destroy.argtypes = [_p]
+        self.lib.ftc_pool_wait.argtypes = [_p]
+        self.lib.ftc_expert_ffn_workspace_bytes.restype = _i64
+        self.lib.ftc_expert_ffn_workspace_bytes.argtypes = [_i32, _i32]
+        for fn in (self.lib.ftc_expert_ffn, self.lib.ftc_expert_ffn_start):
+            fn.restype = _i32
+            fn.argtypes = [_p, _p, _i64, _p, _i64, _i32, _p, _p, _i32, _p, _p, _p, _p, _p]
+        self.hidden, self.intermediate, self.isa = hidden, intermediate, isa
+        self.n_threads, self.background = len(cpus), background
+        self._pool = self.lib.ftc_pool_create(len(cpus), (ctypes.c_int * len(cpus))(*cpus), int(not background))
+        self._workspace = torch.empty(0, dtype=torch.uint8)
+        self._lock = threading.Lock()
+        self._in_flight: tuple | None = None  # a background job's tensors, kept alive until wait()
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool:
+            self.lib.ftc_pool_destroy(pool)
+            self._pool = None
+
+    def run(self, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+            expert_ids: torch.Tensor, offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
+        """gate_up/down: bank views [rows, stride] uint8; x, out: [T, hidden] fp32 contiguous;
+        expert_ids int64 [m]; offsets int32 [m+1]; tok_idx int32 and tok_w fp32 [pairs]."""
+        with self._lock:
+            self._call(self.lib.ftc_expert_ffn, gate_up, down, x, out, expert_ids, offsets, tok_idx, tok_w)
+
+    def start(self, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+              expert_ids: torch.Tensor, offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
+        """`run` in the background (with `background`; else the pool runs it now, the caller taking
+        part). Every tensor is kept alive, and must not be touched, until `wait()`."""
+        self._lock.acquire()  # released by wait()
+        self._in_flight = (gate_up, down, x, out, expert_ids, offsets, tok_idx, tok_w)
+        self._call(self.lib.ftc_expert_ffn_start, *self._in_flight)
+
+    def on_cpus(self, cpus: list[int], background: bool) -> CpuExpertKernel:
+        """The same kernel library on another worker pool."""
+        return CpuExpertKernel(self.lib_path, self.isa, self.hidden, self.intermediate, cpus, background)
+
+    @property
+    def pool_handle(self) -> int:
+        """The native worker pool, for other functions of this library that start jobs on it."""
+        return self._pool
+
+    def workspace_bytes(self, n_tokens: int, n_pairs: int) -> int:
+        return self.lib.ftc_expert_ffn_workspace_bytes(n_tokens, n_pairs)
+
+    def hold(self, keep: tuple) -> None:
+        """Takes the pool for a job that a native function of this library starts itself (as
+        `start` does), keeping `keep` alive; `wait()` joins the job, if any, and frees the pool."""
+        self._lock.acquire()  # released by wait()
+        self._in_flight = keep
+
+    def wait(self) -> None:
+        """Returns when the job that `start` began has finished (at once when there is none)."""
+        if self._in_flight is None:
+            return
+        self.lib.ftc_pool_wait(self._pool)
+        self._in_flight = None
+        self._lock.release()
+
+    def _call(self, fn, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+              expert_ids: torch.Tensor, offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
+        n_tokens, n_pairs = x.shape[0], tok_idx.numel()
+        for name, t, dt in (("x", x, torch.float32), ("out", out, torch.float32),
+                            ("expert_ids", expert_ids, torch.int64), ("offsets", offsets, torch.int32),
+                            ("tok_idx", tok_idx, torch.int32), ("tok_w", tok_w, torch.float32)):
+            if t.dtype != dt or not t.is_contiguous():
+                raise ValueError(f"CpuExpertKernel: {name} must be contiguous {dt}, got {t.dtype}")
+        if x.shape[1] != self.hidden or out.shape != x.shape:
+            raise ValueError(f"CpuExpertKernel: x/out must be [T, {self.hidden}], got {tuple(x.shape)}")
+        need = self.workspace_bytes(n_tokens, n_pairs)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.uint8)
+        fn(self._pool, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0), n_tokens,
+           x.data_ptr(), out.data_ptr(), expert_ids.numel(), expert_ids.data_ptr(), offsets.data_ptr(),
+           tok_idx.data_ptr(), tok_w.data_ptr(), self._workspace.data_ptr())

@@ -1,0 +1,122 @@
+"""`LayerStream`: one prompt chunk's MoE layers streamed whole through full-layer buffers.
+
+A long chunk routes to nearly every expert of every layer, so it moves each layer's uncached
+experts over PCIe once and computes everything on the device. While the device computes MoE layer
+j, a copy stream fills the slots of the next layer that has uncached experts (layers the cache
+holds whole in between cost nothing); events order them (a slot is refilled only after the
+layers that read it are done). Copies go to the slots whose next use is farthest
+(`ExpertCache.scan_victims`: the layers just computed, then the farthest ahead), never to those
+of the layers in flight. So the cache keeps a fixed set of layers, as many as it holds beside two
+layers' worth of slots (E each) that cycle: the next chunk or prompt finds them cached, streams
+only the rest, and starts on that while it computes the cached ones; decode starts warm. With
+one buffer (`overlap=False`) each layer is loaded, then computed: the baseline that double
+buffering is measured against.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from ftc_runtime.experts.offload import OffloadedExperts
+
+
+class LayerStream:
+    def __init__(self, experts: OffloadedExperts, overlap: bool):
+        self.experts, self.overlap = experts, overlap
+        if experts.cache.n_slots < experts.stream_slots:
+            raise ValueError(f"streaming layers needs {experts.stream_slots} slots, the cache has "
+                             f"{experts.cache.n_slots}")
+        self.on_gpu = experts.on_gpu
+        self.copy_stream = torch.cuda.Stream(experts.device) if self.on_gpu else None
+        if self.copy_stream is not None:  # kernels queued before this chunk may still read any slot
+            self.copy_stream.wait_stream(torch.cuda.current_stream(experts.device))
+        self.ready: dict[int, torch.cuda.Event] = {}  # MoE layer → its copies have landed
+        self.last_done: torch.cuda.Event | None = None  # the device is done with the last layer computed
+        self.loaded: dict[int, int] = {}  # MoE layer → experts it copied (0: all were cached)
+        self.num_layers = experts.pool.header.num_moe_layers
+        self.load(0, np.empty(0, dtype=np.int64), 0)
+
+    def load(self, j: int, held: np.ndarray, now: int) -> bool:
+        """While layer `now` computes, queues the copies of MoE layer j's uncached experts into the
+        scan's victims, never a slot in `held` (the layers from `now` to j), after the device is
+        done with every layer computed so far (any of them may have read those slots). False,
+        loading nothing, when the cache has too few other slots."""
+        cache, e = self.experts.cache, self.experts.num_experts
+        ids = j * e + np.arange(e, dtype=np.int64)
+        slots = cache.slot_of[ids]
+        missing = ids[slots < 0]
+        dst = cache.scan_victims(missing.size, np.concatenate([slots[slots >= 0], held]), now,
+                                 self.num_layers)
+        if dst.size < missing.size:
+            return False
+        self.loaded[j] = missing.size
+        cache.install(dst, missing)
+        cache.touch(dst)
+        self.experts.stats.streamed += missing.size
+        if self.copy_stream is None:
+            self.experts.copy_rows_now(dst, missing)
+            return True
+        with torch.cuda.stream(self.copy_stream):
+            if self.last_done is not None:
+                self.copy_stream.wait_event(self.last_done)
+            self.experts.copy_rows_now(dst, missing)
+            self.ready[j] = torch.cuda.Event()
+            self.ready[j].record(self.copy_stream)
+        return True
+
+    def load_ahead(self, j: int) -> None:
+        """Loads the layers after j in order until one of them has copies in flight: layers the
+        cache holds cost nothing, so the copies of the next uncached layer run beside the compute
+        of every cached layer before it (a chunk after the first finds its first layers cached)."""
+        for p in range(j + 1, self.num_layers):
+            if p not in self.loaded and not self.load(p, self._slots_of(range(j, p)), j):
+                return  # the layers before p hold too much of the cache: try again after layer j
+            if self.loaded[p]:
+                return
+
+    def abandon(self) -> None:
+        """The chunk ended before its last MoE layer: later work on the device waits for the copies
+        queued so far, since the cache already lists their slots as filled."""
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.experts.device).wait_stream(self.copy_stream)
+
+    def _slots_of(self, layers: range) -> np.ndarray:
+        e = self.experts.num_experts
+        slots = self.experts.cache.slot_of[layers.start * e:layers.stop * e]
+        return slots[slots >= 0]
+
+    def forward(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                first_position: int) -> torch.Tensor:
+        """MoE layer j for the chunk's T tokens: x [T, hidden] fp32, ids/weights [T, k]."""
+        experts, cache, e = self.experts, self.experts.cache, self.experts.num_experts
+        t, k = ids.shape
+        host_ids = ids.cpu().numpy().astype(np.int64)
+        if experts.routing is not None:
+            host_ids, host_w = experts.routed(j, first_position, host_ids, weights.float().cpu().numpy())
+            ids, weights = torch.from_numpy(host_ids).to(x.device), torch.from_numpy(host_w).to(x.device)
+        if j not in self.loaded:
+            self.load(j, np.empty(0, dtype=np.int64), j)
+        # The slots this layer reads count as used now: decode's LRU after the chunk sees them.
+        cache.touch(np.unique(cache.slot_of[j * e + host_ids.reshape(-1)]))
+        if self.overlap:
+            self.load_ahead(j)  # the next uncached layer crosses PCIe while this one computes
+        slot_table = torch.from_numpy(cache.slot_of[j * e:(j + 1) * e].astype(np.int32)).to(x.device)
+        flat_slot = slot_table[ids.reshape(-1)]
+        order = torch.argsort(flat_slot, stable=True)
+        tokens = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)
+        pairs = torch.stack([flat_slot[order], tokens[order], weights.reshape(-1).float()[order].view(torch.int32)])
+        out = torch.zeros_like(x)
+        if self.on_gpu and j in self.ready:
+            torch.cuda.current_stream(x.device).wait_event(self.ready.pop(j))
+        with experts.stats.compute.measure():
+            experts.grouped_on_device(x.contiguous(), pairs, out)
+        if self.on_gpu:
+            self.last_done = torch.cuda.Event()
+            self.last_done.record(torch.cuda.current_stream(x.device))
+        s = experts.stats
+        s.stream_layers += 1
+        return out

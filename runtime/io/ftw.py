@@ -1,0 +1,301 @@
+"""FTW, the routed-expert weight file, and the host pool it is loaded into.
+
+Layout (version 1):
+
+    b"FTW1" | u64 LE header length | JSON header | pad to 4096 | experts | checksum trailer (JSON)
+
+An expert is several tensors; each tensor kind is a *bank* (`gate_up` [2I, H] with the gate rows
+first, `down` [H, I]). Row `id = l·E + e` of every bank is expert `e` of MoE layer `l`. The rows
+of one expert lie together (expert-major): expert `id` starts at `data_offset + id·expert_stride`,
+each of its rows padded to 4096 bytes. So the file is written in one sequential pass (its sha256
+is computed on the way), a GPU fill of one expert is one contiguous copy, and O_DIRECT can read the
+data region straight into the final host buffer. The trailer holds a CRC-32 for every row, so
+corruption is reported as the exact bank, layer and expert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from ftc_runtime.io.direct_read import ReadResult, aligned_empty, read_into
+
+MAGIC = b"FTW1"
+VERSION = 1
+ALIGN = 4096
+PREFIX = struct.Struct("<4sQ")
+HEADER_ROOM = 4096  # magic, length and JSON header; the first expert starts here
+_DTYPE_BYTES = {"bf16": 2}
+
+
+class FtwError(ValueError):
+    """The FTW file is missing, truncated, corrupted or of another version; the message says which."""
+
+
+def _positive_int(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class Bank:
+    name: str
+    dtype: str
+    row_shape: tuple[int, ...]
+    offset: int  # offset of row 0 from the start of the data region
+
+    @property
+    def row_bytes(self) -> int:
+        n = _DTYPE_BYTES[self.dtype]
+        for d in self.row_shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class FtwHeader:
+    num_moe_layers: int
+    num_experts: int
+    banks: tuple[Bank, ...]
+
+    @classmethod
+    def create(cls, num_moe_layers: int, num_experts: int,
+               banks: list[tuple[str, str, tuple[int, ...]]]) -> FtwHeader:
+        # A damaged header read back must not yield negative offsets or sizes (seeks, allocations).
+        for what, n in (("num_moe_layers", num_moe_layers), ("num_experts", num_experts)):
+            if not _positive_int(n):
+                raise ValueError(f"FTW {what} = {n!r}: expected a positive integer")
+        out, offset = [], 0
+        for name, dtype, shape in banks:
+            if dtype not in _DTYPE_BYTES:
+                raise ValueError(f"FTW bank {name!r}: dtype {dtype!r} is not one of {list(_DTYPE_BYTES)}")
+            if not isinstance(name, str) or not shape or not all(_positive_int(d) for d in shape):
+                raise ValueError(f"FTW bank {name!r}: row shape {shape!r}: expected positive integers")
+            bank = Bank(name, dtype, tuple(shape), offset)
+            out.append(bank)
+            offset += round_up(bank.row_bytes)
+        return cls(num_moe_layers, num_experts, tuple(out))
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_moe_layers * self.num_experts
+
+    @property
+    def expert_stride(self) -> int:
+        return sum(round_up(b.row_bytes) for b in self.banks)
+
+    @property
+    def data_offset(self) -> int:
+        return HEADER_ROOM
+
+    @property
+    def data_bytes(self) -> int:
+        return self.num_rows * self.expert_stride
+
+    @property
+    def trailer_offset(self) -> int:
+        return self.data_offset + self.data_bytes
+
+    def bank(self, name: str) -> Bank:
+        for b in self.banks:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def encode(self) -> bytes:
+        body = json.dumps({
+            "version": VERSION, "num_moe_layers": self.num_moe_layers, "num_experts": self.num_experts,
+            "expert_stride": self.expert_stride, "data_offset": self.data_offset,
+            "banks": [{"name": b.name, "dtype": b.dtype, "row_shape": list(b.row_shape),
+                       "row_bytes": b.row_bytes, "offset": b.offset} for b in self.banks],
+            "checksums": {"algo": "crc32", "offset": self.trailer_offset},
+        }, separators=(",", ":")).encode()
+        room = HEADER_ROOM - PREFIX.size
+        if len(body) > room:
+            raise ValueError(f"FTW header needs {len(body)} bytes, only {room} fit")
+        return PREFIX.pack(MAGIC, room) + body + b" " * (room - len(body))
+
+
+def bf16_expert_banks(hidden: int, intermediate: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The banks of a bf16 SwiGLU expert: gate_up [2I, H] (gate rows first), down [H, I]."""
+    return [("gate_up", "bf16", (2 * intermediate, hidden)), ("down", "bf16", (hidden, intermediate))]
+
+
+def encode_trailer(checksums: dict[str, list[int]]) -> bytes:
+    return json.dumps({k: [f"{c:08x}" for c in v] for k, v in checksums.items()}).encode()
+
+
+def read_header(path: Path) -> tuple[FtwHeader, dict[str, tuple[int, ...]]]:
+    """Parse and check the header and the checksum trailer; the data region is not read."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            header = _parse_header(f, size, path)
+            if size <= header.trailer_offset:
+                raise FtwError(f"{path}: truncated: {size} bytes on disk, the experts alone need "
+                               f"{header.trailer_offset} plus the checksum trailer")
+            # Bounded, so that a damaged header over a huge file cannot make the trailer a huge read.
+            limit = _trailer_limit(header)
+            if size - header.trailer_offset > limit:
+                raise FtwError(f"{path}: corrupted: {size - header.trailer_offset} bytes after the experts, "
+                               f"the checksum trailer of {header.num_rows} rows takes at most {limit}")
+            f.seek(header.trailer_offset)
+            trailer = json.loads(f.read())
+            checksums = {b.name: tuple(int(c, 16) for c in trailer[b.name]) for b in header.banks}
+    except FileNotFoundError:
+        raise FtwError(f"{path}: file not found") from None
+    except FtwError:
+        raise
+    except OSError as e:
+        raise FtwError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
+        raise FtwError(f"{path}: corrupted header or checksum trailer ({type(e).__name__}: {e})") from None
+    for b in header.banks:
+        if len(checksums[b.name]) != header.num_rows:
+            raise FtwError(f"{path}: checksum trailer has {len(checksums[b.name])} rows for bank "
+                           f"'{b.name}', expected {header.num_rows} (truncated or corrupted)")
+    return header, checksums
+
+
+def _parse_header(f: BinaryIO, size: int, path: Path) -> FtwHeader:
+    prefix = f.read(PREFIX.size)
+    if len(prefix) < PREFIX.size:
+        raise FtwError(f"{path}: truncated: {size} bytes, too short for an FTW header")
+    magic, length = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise FtwError(f"{path}: not an FTW v{VERSION} file (magic {magic!r}, expected {MAGIC!r})")
+    if length != HEADER_ROOM - PREFIX.size:
+        raise FtwError(f"{path}: corrupted header (length field {length})")
+    raw = f.read(length)
+    if len(raw) < length:
+        raise FtwError(f"{path}: truncated inside its header ({size} bytes)")
+    h = json.loads(raw)
+    if not isinstance(h, dict) or "version" not in h:
+        raise FtwError(f"{path}: corrupted header (no 'version' field)")
+    if h["version"] != VERSION:
+        raise FtwError(f"{path}: FTW version {h['version']} is not supported (this runtime reads version {VERSION})")
+    header = FtwHeader.create(h["num_moe_layers"], h["num_experts"],
+                              [(b["name"], b["dtype"], tuple(b["row_shape"])) for b in h["banks"]])
+    if header.encode()[PREFIX.size:].rstrip() != raw.rstrip():
+        raise FtwError(f"{path}: corrupted header (its fields disagree with each other)")
+    return header
+
+
+def _trailer_limit(header: FtwHeader) -> int:
+    """An upper bound of `encode_trailer`'s length: 8 hex digits, quotes and a separator per row."""
+    return 2 + sum(6 * len(b.name) + 8 + 12 * header.num_rows for b in header.banks)
+
+
+def verify_file(path: Path, header: FtwHeader, checksums: dict[str, tuple[int, ...]]) -> str:
+    """Reads the file once, checking every row against its CRC-32 (as `load` does) and hashing the
+    whole file (engine.json records its sha256); returns the sha256. Nothing is kept in memory."""
+    sha = hashlib.sha256()
+    per_read = max(1, (32 << 20) // header.expert_stride)  # experts per read
+    try:
+        with open(path, "rb") as f:
+            sha.update(_read_exact(f, header.data_offset, path))
+            for first in range(0, header.num_rows, per_read):
+                block = memoryview(_read_exact(f, min(per_read, header.num_rows - first) * header.expert_stride, path))
+                sha.update(block)
+                for i in range(len(block) // header.expert_stride):
+                    for b in header.banks:
+                        start = i * header.expert_stride + b.offset
+                        got = zlib.crc32(block[start:start + b.row_bytes])
+                        if got != checksums[b.name][first + i]:
+                            raise _row_error(str(path), header, b.name, first + i, got, checksums[b.name][first + i])
+            while chunk := f.read(16 << 20):
+                sha.update(chunk)
+    except OSError as e:
+        raise FtwError(f"{path}: cannot be read ({e.strerror or e})") from None
+    return sha.hexdigest()
+
+
+def _read_exact(f: BinaryIO, n: int, path: Path) -> bytes:
+    data = f.read(n)
+    if len(data) < n:
+        raise FtwError(f"{path}: truncated: ends at byte {f.tell()}, before the data its header describes")
+    return data
+
+
+def _row_error(name: str, h: FtwHeader, bank: str, r: int, got: int, expected: int) -> FtwError:
+    layer, expert = divmod(r, h.num_experts)
+    return FtwError(f"{name}: corrupted: bank '{bank}' row {r} (MoE layer {layer}, expert {expert}) fails its "
+                    f"checksum (crc32 {got:08x}, expected {expected:08x})")
+
+
+class ExpertPool:
+    """The whole routed-expert pool in host memory: one buffer, one strided view per bank.
+
+    `bank(name)` is a `[num_rows, row_bytes]` uint8 view whose row stride is the expert stride;
+    row `id` is expert `id % E` of MoE layer `id // E`. The CPU kernels read these rows in place.
+    """
+
+    def __init__(self, header: FtwHeader, buffer: torch.Tensor):
+        if buffer.numel() != header.data_bytes:
+            raise ValueError(f"expert pool buffer has {buffer.numel()} bytes, expected {header.data_bytes}")
+        self.header = header
+        self.buffer = buffer
+        self._banks = {b.name: buffer.as_strided((header.num_rows, b.row_bytes), (header.expert_stride, 1),
+                                                 buffer.storage_offset() + b.offset)
+                       for b in header.banks}
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def bank(self, name: str) -> torch.Tensor:
+        return self._banks[name]
+
+    def expert_tensor(self, name: str, row: int) -> torch.Tensor:
+        """Row `row` of bank `name` as a bf16 tensor of the bank's row shape (a view, no copy)."""
+        b = self.header.bank(name)
+        return self._banks[name][row].view(torch.bfloat16).view(b.row_shape)
+
+
+def load(path: Path, on_bytes: Callable[[int], None] | None = None, direct: bool = True,
+         on_read: Callable[[ReadResult], None] | None = None) -> ExpertPool:
+    """Read an FTW file's data region straight into one page-aligned host buffer (parallel reads,
+    O_DIRECT where the filesystem takes it: no page-cache copy, no repacking) and check every
+    row against its checksum. `on_read` receives the read's time and whether it was direct."""
+    header, checksums = read_header(path)
+    buffer = aligned_empty(header.data_bytes)
+    try:
+        result = read_into(path, header.data_offset, buffer, direct=direct, on_bytes=on_bytes)
+    except EOFError as e:  # the file shrank after its header was read
+        raise FtwError(f"{path}: truncated while loading ({e})") from None
+    if on_read:
+        on_read(result)
+    pool = ExpertPool(header, buffer)
+    verify_rows(pool, checksums, str(path))
+    return pool
+
+
+def row_checksum(row: torch.Tensor) -> int:
+    return zlib.crc32(row.numpy())
+
+
+def verify_rows(pool: ExpertPool, checksums: dict[str, tuple[int, ...]], name: str) -> None:
+    """Check every row's CRC-32 (zlib releases the GIL, so the rows are checked on all cores)."""
+    h = pool.header
+    jobs = [(b.name, r) for b in h.banks for r in range(h.num_rows)]
+
+    def crc(job: tuple[str, int]) -> int:
+        return row_checksum(pool.bank(job[0])[job[1]])
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
+        for (bank, r), got in zip(jobs, ex.map(crc, jobs, chunksize=16), strict=True):
+            if got != checksums[bank][r]:
+                raise _row_error(name, h, bank, r, got, checksums[bank][r])

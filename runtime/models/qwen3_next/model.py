@@ -1,0 +1,270 @@
+"""The Qwen3-Next / Qwen3.5-MoE hybrid decoder in torch (families `qwen3_next`, `qwen3_5_moe`):
+Gated DeltaNet layers and full-attention layers (three to one in the released models), (1 + w)
+RMSNorms, partial RoPE, a sigmoid output gate on full attention, and a softmax top-k router over
+the routed experts (an `ExpertBackend`) plus one shared expert behind a sigmoid gate, which is
+dense and stays on the model's device.
+
+Tensor names are the canonical HF ones under `model.layers.L.`, with the linear layers' split
+projections (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`): the compiler maps Qwen3.5's
+`model.language_model.` prefix and Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ftc_runtime.cache.kv import KVCache
+from ftc_runtime.cache.sequence import HybridCache, RecurrentCheckpoint
+from ftc_runtime.experts.base import ExpertBackend
+from ftc_runtime.models.layers.gated_deltanet import (
+    DeltaNetShape,
+    DeltaNetState,
+    DeltaNetWeights,
+    decode_step,
+    gated_deltanet,
+)
+from ftc_runtime.models.qwen3_moe.model import (
+    apply_rope,
+    cached_attention,
+    dense_mlp,
+    end_tensor_shapes,
+    mlp_tensor_shapes,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    route,
+)
+from ftc_runtime.spec import ModelSpec
+
+# (1 + w) norms: the stored weight is the offset from 1 (the linear layers' gated norm is plain w).
+_ONE_PLUS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+             "self_attn.k_norm.weight")
+
+
+def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every non-expert tensor of the model, by canonical checkpoint name, with its shape."""
+    a, m, h = spec.attention, spec.moe, spec.hidden_size
+    shapes = end_tensor_shapes(spec)
+    moe_layers = set(spec.moe_layers)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if spec.layer_kind(i) == "linear_attention":
+            la = spec.linear_attention
+            kd, vd = la.num_k_heads * la.k_head_dim, la.num_v_heads * la.v_head_dim
+            q = p + "linear_attn."
+            shapes |= {q + "in_proj_qkv.weight": (2 * kd + vd, h), q + "in_proj_z.weight": (vd, h),
+                       q + "in_proj_b.weight": (la.num_v_heads, h), q + "in_proj_a.weight": (la.num_v_heads, h),
+                       q + "conv1d.weight": (2 * kd + vd, 1, la.conv_kernel), q + "dt_bias": (la.num_v_heads,),
+                       q + "A_log": (la.num_v_heads,), q + "norm.weight": (la.v_head_dim,),
+                       q + "out_proj.weight": (h, vd)}
+        else:
+            qd, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            q = p + "self_attn."
+            shapes |= {q + "q_proj.weight": ((2 if a.output_gate else 1) * qd, h), q + "k_proj.weight": (kv, h),
+                       q + "v_proj.weight": (kv, h), q + "o_proj.weight": (h, qd),
+                       q + "q_norm.weight": (a.head_dim,), q + "k_norm.weight": (a.head_dim,)}
+        if i in moe_layers:
+            shapes[p + "mlp.gate.weight"] = (m.num_experts, h)
+            if m.num_shared_experts:
+                shapes |= mlp_tensor_shapes(p + "mlp.shared_expert.", m.shared_expert_intermediate_size, h)
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+        else:
+            shapes |= mlp_tensor_shapes(p + "mlp.", m.dense_intermediate_size, h)
+    return shapes
+
+
+# The layer's pieces as functions of tensors only, shared by the eager path and the CUDA graphs of
+# decode (`HybridDecodeGraphs`), so that torch.compile sees one function for all layers.
+
+def gated_attention_in(h: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor,
+                       q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       eps: float, heads: tuple[int, int, int], output_gate: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Projections, q/k norms and partial RoPE of the normalized input h [T, hidden]: q [T, heads,
+    d], k and v [T, kv heads, d], and the output gate's logits [T, heads · d] (or None)."""
+    n_q, n_kv, d = heads
+    t = h.shape[0]
+    q = F.linear(h, q_w)
+    gate = None
+    if output_gate:  # per head: d query channels, then d gate channels
+        q, gate = q.view(t, n_q, 2 * d).chunk(2, dim=-1)
+        gate = gate.reshape(t, n_q * d)
+    q = apply_rope(rms_norm(q.reshape(t, n_q, d), q_norm_w, eps), cos, sin)
+    k = apply_rope(rms_norm(F.linear(h, k_w).view(t, n_kv, d), k_norm_w, eps), cos, sin)
+    return q, k, F.linear(h, v_w).view(t, n_kv, d), gate
+
+
+def gated_attention_out(attn: torch.Tensor, gate: torch.Tensor | None, o_w: torch.Tensor) -> torch.Tensor:
+    return F.linear(attn if gate is None else attn * torch.sigmoid(gate), o_w)
+
+
+def residual_norm(x: torch.Tensor, out: torch.Tensor, norm_w: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + out, and its post-attention norm."""
+    x = x + out
+    return x, rms_norm(x, norm_w, eps)
+
+
+def shared_expert(h: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
+                  router_w: torch.Tensor) -> torch.Tensor:
+    """The shared expert behind its sigmoid gate."""
+    return torch.sigmoid(F.linear(h, router_w)) * dense_mlp(h, gate_w, up_w, down_w)
+
+
+class Qwen3NextModel:
+    """Sequences on `device`: fp32 activations on the CPU, bf16 on a GPU; the Gated DeltaNet
+    state stays fp32."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertBackend,
+                 device: torch.device | str = "cpu"):
+        self.spec, self.experts = spec, experts
+        self.device = torch.device(device)
+        self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.embed = weights["model.embed_tokens.weight"].to(self.device)
+        self.w = {}
+        for name, t in weights.items():
+            if name == "model.embed_tokens.weight":
+                continue
+            keep_fp32 = name.endswith(("A_log", "dt_bias"))  # the decay's parameters, as the reference
+            t = t.to(self.device, torch.float32 if keep_fp32 else self.dtype)
+            self.w[name] = 1.0 + t if name.endswith(_ONE_PLUS) or name == "model.norm.weight" else t
+        self.lm_head = self.embed.to(self.dtype) if spec.tie_word_embeddings else self.w["lm_head.weight"]
+        self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        self.kv_index = {layer: i for i, layer in enumerate(spec.full_attention_layers)}
+        self.linear_index = {layer: i for i, layer in enumerate(spec.linear_attention_layers)}
+        a = spec.attention
+        self.heads = (a.num_heads, a.num_kv_heads, a.head_dim)
+        self.inv_freq = rope_inv_freq(spec).to(self.device)
+        la = spec.linear_attention
+        self.delta_shape = None if la is None else DeltaNetShape(
+            la.num_k_heads, la.num_v_heads, la.k_head_dim, la.v_head_dim, la.conv_kernel, spec.norm.eps)
+        self.delta_weights = {i: self._delta_weights(i) for i in self.linear_index}
+        self.decode_graphs = None  # HybridDecodeGraphs, set by the engine on a GPU
+
+    def _delta_weights(self, i: int) -> DeltaNetWeights:
+        p = f"model.layers.{i}.linear_attn."
+        return DeltaNetWeights(*(self.w[p + n] for n in (
+            "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
+            "dt_bias", "A_log", "norm.weight", "out_proj.weight")))
+
+    def new_cache(self) -> HybridCache:
+        a = self.spec.attention
+        kv = KVCache(len(self.kv_index), a.num_kv_heads, a.head_dim, self.dtype, self.device)
+        return HybridCache(kv, [DeltaNetState.zeros(self.delta_shape, self.dtype, self.device)
+                                for _ in self.linear_index])
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: HybridCache, all_logits: bool = False,
+                checkpoint_at: tuple[int, ...] = (), between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32.
+        `checkpoint_at`: indices into ids (ascending) after which the linear layers' state goes
+        into `cache.checkpoints`, taken within the chunk, which is not cut there. `between_layers`
+        is called after each layer and may raise to abandon the pass (the linear layers' state is
+        then part-way through the chunk: the sequence must end)."""
+        if self.decode_graphs is not None and ids.numel() == 1 and not checkpoint_at:
+            return self.decode_graphs.step(ids, cache)
+        start, n = cache.length, ids.numel()
+        self.experts.begin_pass(n)
+        cos, sin = self.rope_at(torch.arange(start, start + n, device=self.device))
+        x = self.embed[ids.to(self.device)].to(self.dtype)
+        taken: list[list[DeltaNetState]] = []  # per linear layer, per checkpoint
+        for i in range(self.spec.num_layers):
+            h = rms_norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.spec.norm.eps)
+            if i in self.linear_index:
+                state = cache.linear[self.linear_index[i]]
+                out, after, states = gated_deltanet(h, self.delta_weights[i], self.delta_shape, state, checkpoint_at)
+                state.assign(after)
+                taken.append(states)
+                x = x + out
+            else:
+                x = x + self.full_attention(i, h, cos, sin, [cache])
+            x = x + self.mlp(i, rms_norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"],
+                                         self.spec.norm.eps), start)
+            if between_layers is not None:
+                between_layers()
+        for c, at in enumerate(checkpoint_at):
+            cache.checkpoints[start + at + 1] = RecurrentCheckpoint(start + at + 1, tuple(t[c] for t in taken))
+        cache.length = start + n
+        return self.head(x if all_logits else x[-1:])
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], caches: list[HybridCache]) -> torch.Tensor:
+        """One new token for each of several sequences, each after its own tokens: logits [B, vocab]
+        fp32. Projections, router, experts and head run once over the batch; attention and the
+        linear layers' recurrence run per sequence on its own state."""
+        if len(tokens) != len(caches) or not tokens:
+            raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
+        positions = [c.length for c in caches]
+        self.experts.begin_pass(len(tokens), prompt=False)
+        cos, sin = self.rope_at(torch.tensor(positions, device=self.device))
+        x = self.embed[torch.tensor(tokens, device=self.device)].to(self.dtype)
+        for i in range(self.spec.num_layers):
+            h = rms_norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.spec.norm.eps)
+            x = x + self.mix_batch(i, h, cos, sin, caches)
+            x = x + self.mlp(i, rms_norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"],
+                                         self.spec.norm.eps), positions[0])
+        for c in caches:
+            c.length += 1
+        return self.head(x)
+
+    def mix_batch(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  caches: list[HybridCache]) -> torch.Tensor:
+        """Layer i's token mixer over one token of each of T sequences (h [T, hidden], T caches)."""
+        if i not in self.linear_index:
+            return self.full_attention(i, h, cos, sin, caches)
+        j = self.linear_index[i]
+        return torch.cat([decode_step(row, self.delta_weights[i], self.delta_shape, cache.linear[j])
+                          for row, cache in zip(h.split(1), caches, strict=True)])
+
+    def full_attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       caches: list[HybridCache]) -> torch.Tensor:
+        q, k, v, gate = gated_attention_in(h, *self.attention_in_weights(i), cos, sin, self.spec.norm.eps,
+                                           self.heads, self.spec.attention.output_gate)
+        layer = self.kv_index[i]
+        if len(caches) == 1:
+            attn = cached_attention(caches[0].kv, layer, q, k, v, self.heads)
+        else:
+            attn = torch.cat([cached_attention(c.kv, layer, q[j:j + 1], k[j:j + 1], v[j:j + 1], self.heads)
+                              for j, c in enumerate(caches)])
+        return gated_attention_out(attn, gate, self.w[f"model.layers.{i}.self_attn.o_proj.weight"])
+
+    def attention_in_weights(self, i: int) -> tuple[torch.Tensor, ...]:
+        p = f"model.layers.{i}.self_attn."
+        return tuple(self.w[p + n] for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_norm.weight",
+                                             "k_norm.weight"))
+
+    def shared_expert_weights(self, i: int) -> tuple[torch.Tensor, ...]:
+        p = f"model.layers.{i}.mlp.shared_expert"
+        return tuple(self.w[p + n] for n in (".gate_proj.weight", ".up_proj.weight", ".down_proj.weight",
+                                             "_gate.weight"))
+
+    def is_moe(self, i: int) -> bool:
+        return i in self.moe_index
+
+    def router_args(self, i: int) -> tuple:
+        """`route`'s arguments after h: gate weight, top-k, renormalize."""
+        m = self.spec.moe
+        return self.w[f"model.layers.{i}.mlp.gate.weight"], m.top_k, m.norm_topk_prob
+
+    def dense_mlp_weights(self, i: int) -> tuple[torch.Tensor, ...]:
+        p = f"model.layers.{i}.mlp."
+        return self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"], self.w[p + "down_proj.weight"]
+
+    def mlp(self, i: int, h: torch.Tensor, first_position: int) -> torch.Tensor:
+        if i not in self.moe_index:
+            return dense_mlp(h, *self.dense_mlp_weights(i))
+        ids, weights = route(h, *self.router_args(i))
+        out = self.experts.forward(self.moe_index[i], h.float(), ids, weights, first_position).to(self.dtype)
+        if self.spec.moe.num_shared_experts:
+            out = out + shared_expert(h, *self.shared_expert_weights(i))
+        return out
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x, self.w["model.norm.weight"], self.spec.norm.eps), self.lm_head).float()
+
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(self.inv_freq, positions, self.dtype)
