@@ -30,7 +30,7 @@ from ftc_runtime.models import family
 from ftc_runtime.spec import ModelSpec, SpecError, from_plain, short_repr
 
 FORMAT = "ftc-engine"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "engine.json"
 EXPERTS_FILE = "experts.ftw"
 DENSE_FILE = "dense.safetensors"

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin
 
+from ftc_runtime.formats import FORMATS
+
 # Families whose runtime model exists. Later families (deepseek_v4, ...) add their name here and
 # their model class to `ftc_runtime.models`.
 FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next")
@@ -22,7 +24,6 @@ HYBRID_FAMILIES = ("qwen3_5_moe", "qwen3_next")  # Gated DeltaNet and full atten
 ROUTERS = ("softmax_topk",)
 ATTENTION_KINDS = ("gqa",)
 LAYER_KINDS = ("full_attention", "linear_attention")
-DTYPES = ("bf16",)
 
 # Upper bounds of the size fields: an engine.json or spec that is damaged or hostile must not make the
 # loader allocate or loop without limit. Each is several times the largest model in view: GLM-5 and
@@ -126,7 +127,7 @@ class ModelSpec:
     linear_attention: LinearAttentionSpec | None = None
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
-    dtype: str = "bf16"
+    expert_format: str = "bf16"  # how the routed experts are stored: a module of ftc_runtime.formats
     checkpoint: str | None = None
 
     # -- derived ---------------------------------------------------------------------------------
@@ -269,7 +270,7 @@ def _check(s: ModelSpec, source: str) -> None:
 
     a, m = s.attention, s.moe
     need(s.family in FAMILIES, "family", s.family, "one of " + ", ".join(FAMILIES))
-    need(s.dtype in DTYPES, "dtype", s.dtype, "one of " + ", ".join(DTYPES))
+    need(s.expert_format in FORMATS, "expert_format", s.expert_format, "one of " + ", ".join(FORMATS))
     # The default engine directory is build/<name>: a name that is not one plain file name would put it elsewhere.
     plain = 0 < len(s.name) <= MAX_NAME and s.name not in (".", "..") and not any(c in s.name for c in "/\\\0")
     need(plain, "name", s.name, f"a plain file name of at most {MAX_NAME} characters (no '/', '\\', '.' or '..')")

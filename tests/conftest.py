@@ -1,4 +1,6 @@
 import os
+import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -6,6 +8,35 @@ import torch
 
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
+
+
+# One base seed per run, from FTC_TEST_SEED or fresh; each test's seed is derived from it and the
+# test's id, so a failure is reproduced by running it again with FTC_TEST_SEED set to the base.
+BASE_SEED = int(os.environ.get("FTC_TEST_SEED", random.randrange(2**31)))
+
+
+def pytest_report_header(config) -> str:
+    return f"test seed: FTC_TEST_SEED={BASE_SEED}"
+
+
+def seed_for(key: str) -> int:
+    """The seed of `key` (a test id or a fixture's name) in this run."""
+    return zlib.crc32(f"{BASE_SEED}:{key}".encode()) & 0x7FFFFFFF
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """The seed of a randomized test: printed in its report when it fails."""
+    value = seed_for(request.node.nodeid)
+    request.node.ftc_seed = value
+    return value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.failed and hasattr(item, "ftc_seed"):
+        report.sections.append(("seed", f"seed {item.ftc_seed}: rerun with FTC_TEST_SEED={BASE_SEED} {item.nodeid}"))
 
 
 def pytest_collection_modifyitems(config, items):

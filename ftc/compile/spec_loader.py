@@ -87,7 +87,7 @@ def spec_dict_from_hf(config: dict[str, Any], directory: Path) -> dict[str, Any]
         "max_position_embeddings": get("max_position_embeddings", 32768),
         "tie_word_embeddings": get("tie_word_embeddings", False),
         "tokens": _tokens(get("eos_token_id", []), directory),
-        "dtype": "bf16",
+        "expert_format": "bf16",
         "checkpoint": str(directory.resolve()),
     }
     data["attention"] |= {"kind": "gqa", "num_heads": heads, "head_dim": get("head_dim", get("hidden_size") // heads),
