@@ -152,7 +152,8 @@ class Engine:
                                    offload.cache_policy, device_kernel, stream_min, offload.prefill_overlap,
                                    grouped_kernel)
         model = fam.model(spec, dense, experts, device=offload.device)
-        model.decode_graphs = decode_graphs_for(model, settings().decode_graphs, settings().torch_compile)
+        model.decode_graphs = decode_graphs_for(model, fam.decode_graphs, settings().decode_graphs,
+                                                settings().torch_compile)
         engine = cls(manifest, tokenizer, model, pool, vram, prefill_chunk, checked.chat_template)
         if not offload.cpu_experts and offload.n_slots is None:  # an explicit slot count stays fixed
             device = torch.device(offload.device)

@@ -14,7 +14,6 @@ from typing import Protocol
 import torch
 
 from ftc.compile.checkpoint import CheckpointError, SafetensorsCheckpoint
-from ftc.compile.checkpoint_layout import CheckpointLayout
 from ftc_runtime.models import family
 from ftc_runtime.spec import ModelSpec
 
@@ -32,11 +31,11 @@ class WeightSource(Protocol):
 class CheckpointWeights:
     """An HF checkpoint in either expert layout: per-expert `experts.J.{gate,up,down}_proj.weight`
     or fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (or transposed);
-    dense tensors by canonical name wherever the checkpoint's layout keeps them (`CheckpointLayout`)."""
+    dense tensors by canonical name wherever the checkpoint's layout keeps them (the family's `CheckpointLayout`)."""
 
     def __init__(self, spec: ModelSpec, directory: Path):
         self.spec, self.ckpt = spec, SafetensorsCheckpoint(directory)
-        self.layout = CheckpointLayout(self.ckpt, spec)
+        self.layout = family(spec.family).checkpoint_layout(self.ckpt, spec)
         self.description = f"checkpoint {directory}"
         self.shapes = family(spec.family).dense_tensor_shapes(spec)
         for name, shape in self.shapes.items():

@@ -1,0 +1,1 @@
+"""Per-sequence state (KV cache, recurrent state, checkpoints) and the prefix cache across sequences."""

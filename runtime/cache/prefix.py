@@ -23,9 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ftc_runtime.cache.kv import KVCache
-from ftc_runtime.cache.sequence import HybridCache, RecurrentCheckpoint
-from ftc_runtime.models.layers.gated_deltanet import DeltaNetState
+from ftc_runtime.cache.base import RecurrentCheckpoint, SequenceState
 
 _clock = itertools.count(1)
 
@@ -66,11 +64,6 @@ class Resume:
     held: tuple[RadixNode, ...]
 
 
-def checkpoint_bytes(c: RecurrentCheckpoint) -> int:
-    return sum(s.conv.numel() * s.conv.element_size() + s.recurrent.numel() * s.recurrent.element_size()
-               for s in c.states)
-
-
 class PrefixCache:
     def __init__(self, kv_budget: int, checkpoint_budget: int, recurrent: bool):
         self.kv_budget, self.checkpoint_budget = kv_budget, checkpoint_budget
@@ -88,7 +81,7 @@ class PrefixCache:
 
     # -- lookup ------------------------------------------------------------------------------
 
-    def resume(self, ids: list[int], cache: KVCache | HybridCache, namespace: str = "") -> Resume:
+    def resume(self, ids: list[int], cache: SequenceState, namespace: str = "") -> Resume:
         """Restores the longest usable cached prefix of `ids` in `namespace` (at most all but the
         last token, so that the prompt still yields logits) into an empty `cache`, and holds its
         nodes until `release`; the `Resume` says how many tokens it restored."""
@@ -136,8 +129,8 @@ class PrefixCache:
     def _depth(path: list[RadixNode] | tuple[RadixNode, ...]) -> int:
         return sum(len(n.tokens) for n in path)
 
-    def _restore(self, path: tuple[RadixNode, ...], length: int, cache: KVCache | HybridCache) -> None:
-        kv = cache.kv if isinstance(cache, HybridCache) else cache
+    def _restore(self, path: tuple[RadixNode, ...], length: int, cache: SequenceState) -> None:
+        kv = cache.kv
         if kv.length:
             raise ValueError("PrefixCache.resume needs an empty cache")
         counts, start = [], 0
@@ -148,16 +141,16 @@ class PrefixCache:
             kv.append(layer, torch.cat([n.kv[layer][0][:c] for n, c in zip(path, counts, strict=True)]),
                       torch.cat([n.kv[layer][1][:c] for n, c in zip(path, counts, strict=True)]))
         kv.length = length
-        if isinstance(cache, HybridCache):
+        if cache.recurrent:
             cache.restore(path[-1].checkpoint)
 
     # -- insert ------------------------------------------------------------------------------
-    def insert(self, ids: list[int], cache: KVCache | HybridCache,
+    def insert(self, ids: list[int], cache: SequenceState,
                checkpoints: dict[int, RecurrentCheckpoint], namespace: str = "") -> None:
         """Adds the sequence `ids` (whose keys and values `cache` holds, at least len(ids) of them)
         and its checkpoints (by the number of tokens they follow) to `namespace`, then evicts down
         to the budgets."""
-        kv = cache.kv if isinstance(cache, HybridCache) else cache
+        kv = cache.kv
         if kv.length < len(ids):
             raise ValueError(f"insert: the cache holds {kv.length} tokens, the sequence has {len(ids)}")
         root = self._root(namespace)
@@ -200,9 +193,8 @@ class PrefixCache:
         if self._depth(path) > len(prefix):
             node = self._split(node, len(node.tokens) - (self._depth(path) - len(prefix)))
         if node.checkpoint is None:
-            node.checkpoint = RecurrentCheckpoint(checkpoint.length, tuple(
-                DeltaNetState(st.conv.cpu(), st.recurrent.cpu()) for st in checkpoint.states))
-            self.checkpoint_used += checkpoint_bytes(node.checkpoint)
+            node.checkpoint = checkpoint.to("cpu")
+            self.checkpoint_used += node.checkpoint.nbytes
 
     # -- eviction ----------------------------------------------------------------------------
     def _evict(self) -> None:
@@ -216,7 +208,7 @@ class PrefixCache:
         heapq.heapify(held)
         while self.checkpoint_used > self.checkpoint_budget and held:
             victim = heapq.heappop(held)[2]
-            self.checkpoint_used -= checkpoint_bytes(victim.checkpoint)
+            self.checkpoint_used -= victim.checkpoint.nbytes
             victim.checkpoint = None
             self.stats.checkpoint_evictions += 1
         leaves = [(n.last_used, id(n), n) for n in nodes if not n.children and n.refs == 0]
@@ -227,7 +219,7 @@ class PrefixCache:
             del parent.children[victim.tokens[0]]
             self.kv_used -= victim.kv_bytes
             if victim.checkpoint is not None:
-                self.checkpoint_used -= checkpoint_bytes(victim.checkpoint)
+                self.checkpoint_used -= victim.checkpoint.nbytes
             self.stats.kv_evictions += 1
             if parent.parent is not None and not parent.children and parent.refs == 0:
                 heapq.heappush(leaves, (parent.last_used, id(parent), parent))

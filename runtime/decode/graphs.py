@@ -1,22 +1,23 @@
 """`DecodeGraphs`: one decode step (one token) with each layer's non-expert work replayed as one
-CUDA graph, so that a layer costs one launch instead of ~60 kernel launches from Python.
+CUDA graph, so that a layer costs one launch instead of ~60 kernel launches from Python. This is
+the machinery; a family gives the body of one layer (its `decode.py`).
 
-Per layer one graph, cut where the step must leave the GPU for the routed experts (for Qwen3-MoE
-here; the hybrid family's layers are in hybrid_decode_graphs.py):
-- the previous MoE layer's output (its device part plus the copy of its CPU part) joins x;
-- input norm, q/k/v, q/k norms, RoPE; k and v written into the KV cache at the step's position (a
-  device tensor); attention over the cache's whole capacity with the positions after this token
-  masked off (so the graph's shapes never change while the storage stays put);
-- o_proj and residual, post-attention norm, then the router and the staging of the experts' input
-  for the host (`OffloadedExperts.stage`), or a dense MLP;
+Per layer one graph, cut where the step must leave the GPU for the routed experts:
+- the previous MoE layer's output (its device part plus the copy of its CPU part, plus a shared
+  expert's where the family has one) joins x;
+- the family's token mixing (attention writes k and v into the KV cache at the step's position, a
+  device tensor, and attends over the cache's whole capacity with the positions after this token
+  masked off, so the graph's shapes never change while the storage stays put);
+- the router and the staging of the experts' input for the host (`OffloadedExperts.stage`), or a
+  dense MLP;
 then, outside the graph, the host round trip of the experts (`launch_staged`, `finish_staged`),
 whose own device part is one more graph. One graph for the final norm and lm_head ends the step.
 Graphs are captured in the second step on a KV storage (the first runs the same code eagerly,
 which warms up every kernel), and again whenever the storage moves (a new sequence, or growth by
 doubling).
-The model's functions are fused by torch.compile first, at load (FTC_TORCH_COMPILE=0 turns it
-off; a compiler failure falls back to the same functions uncompiled): on the device it took
-qwen3-30b-a3b decode from 24.8 to 35.2 tok/s (docs/performance.md), for about 6 s at load.
+The family's functions are fused by torch.compile first, at load (FTC_TORCH_COMPILE=0 turns it
+off; a compiler failure falls back to the same functions uncompiled); docs/performance.md has
+what it gains.
 """
 
 from __future__ import annotations
@@ -28,15 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from ftc_runtime.cache.kv import INITIAL_CAPACITY, KVCache
-from ftc_runtime.models.qwen3_moe.model import (
-    Qwen3MoeModel,
-    attention_in,
-    attention_out,
-    decode_attention,
-    dense_mlp,
-    route,
-)
+from ftc_runtime.cache.base import SequenceState
+from ftc_runtime.cache.kv import KVCache
 
 
 class DecodeGraphs(ABC):
@@ -95,11 +89,11 @@ class DecodeGraphs(ABC):
         of the first layer of each kind; the outputs are discarded."""
 
     @abstractmethod
-    def _layer(self, i: int, cache) -> None:
+    def _layer(self, i: int, cache: SequenceState) -> None:
         """Layer i's non-expert work on x: joins the previous MLP output, mixes tokens, and either
         stages the routed experts' input for the host or writes a dense MLP's output to `mlp`."""
 
-    def step(self, ids: torch.Tensor, cache) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, cache: SequenceState) -> torch.Tensor:
         """Logits [1, vocab] fp32 of the token `ids` (one) after the cache's tokens."""
         m, position = self.model, cache.length
         cache.reserve(position + 1)
@@ -169,50 +163,12 @@ class DecodeGraphs(ABC):
         return keys, values, torch.arange(keys.shape[0], device=keys.device) <= self.position
 
 
-class AttentionDecodeGraphs(DecodeGraphs):
-    """Qwen3-MoE's layers: attention over the KV cache, then the router or a dense MLP."""
-
-    def functions(self) -> dict[str, Callable]:
-        return {f.__name__: f for f in (attention_in, attention_out, decode_attention, route, dense_mlp)}
-
-    def _warm_up(self) -> None:
-        m, eps = self.model, self.model.spec.norm.eps
-        q, k, _ = self.fns["attention_in"](self.x, *m.attention_in_weights(0), self.cos, self.sin, eps, m.heads)
-        keys = k.new_zeros(INITIAL_CAPACITY, *k.shape[1:])
-        valid = torch.arange(INITIAL_CAPACITY, device=keys.device) <= self.position
-        attn = self.fns["decode_attention"](q, keys, keys, valid, m.heads)
-        _, h = self.fns["attention_out"](self.x, attn, *m.attention_out_weights(0), eps)
-        kinds = {m.is_moe(i): i for i in reversed(range(m.spec.num_layers))}
-        if True in kinds:
-            self.fns["route"](h, *m.router_args(kinds[True]))
-        if False in kinds:
-            self.fns["dense_mlp"](h, *m.dense_mlp_weights(kinds[False]))
-
-    def _layer(self, i: int, cache: KVCache) -> None:
-        m, f, eps = self.model, self.fns, self.model.spec.norm.eps
-        self._join_previous(i)
-        q, k, v = f["attention_in"](self.x, *m.attention_in_weights(i), self.cos, self.sin, eps, m.heads)
-        attn = f["decode_attention"](q, *self.store_kv(cache, i, k, v), m.heads)
-        x, h = f["attention_out"](self.x, attn, *m.attention_out_weights(i), eps)
-        self.x.copy_(x)
-        if m.is_moe(i):
-            ids, weights = f["route"](h, *m.router_args(i))
-            m.experts.stage(h.float(), ids, weights)
-        else:
-            self.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
-
-
-def decode_graphs_for(model, enabled: bool, compile_fns: bool) -> DecodeGraphs | None:
-    """The model family's DecodeGraphs on a CUDA device with an expert backend that stages its
-    input (`stage`, `launch_staged`, `finish_staged`, `token_outputs`) when enabled; None
-    elsewhere (eager)."""
-    if not enabled or model.device.type != "cuda" or not hasattr(model.experts, "launch_staged"):
-        return None
-    from ftc_runtime.models.qwen3_next.decode import HybridDecodeGraphs  # a subclass of this module's
-    from ftc_runtime.models.qwen3_next.model import Qwen3NextModel
-
-    kind = {Qwen3MoeModel: AttentionDecodeGraphs, Qwen3NextModel: HybridDecodeGraphs}.get(type(model))
-    if kind is None:
+def decode_graphs_for(model, kind: type[DecodeGraphs] | None, enabled: bool,
+                      compile_fns: bool) -> DecodeGraphs | None:
+    """The family's DecodeGraphs (`kind`, None: the family has none) on a CUDA device with an
+    expert backend that stages its input (`stage`, `launch_staged`, `finish_staged`,
+    `token_outputs`) when enabled; None elsewhere (eager)."""
+    if kind is None or not enabled or model.device.type != "cuda" or not hasattr(model.experts, "launch_staged"):
         return None
     try:
         return kind(model, compile_fns)

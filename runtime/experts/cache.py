@@ -105,12 +105,6 @@ class ExpertCache:
         self.last_used.fill(-1)
         self.cpu_step.fill(NEVER)
 
-    def evict(self, slots: np.ndarray) -> None:
-        """Empties `slots` (their experts are no longer resident)."""
-        old = self.id_of[slots]
-        self.slot_of[old[old >= 0]] = -1
-        self.id_of[slots] = -1
-
     def pin(self, ids: np.ndarray) -> np.ndarray:
         """Static policy: places `ids` (at most n_slots) once; returns the slots to fill."""
         if self.policy != "static":

@@ -1,41 +1,49 @@
-"""Model families the runtime can run, registered by the spec's `family` name."""
+"""The model families, by the spec's `family` name: each entry names the package that builds its
+`Family` record, imported on first use, so that an engine never imports the code (Triton,
+flash-linear-attention) of a family it does not run. Adding a family is one package and one entry
+here (and one entry in tests/families.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from ftc_runtime.models.qwen3_moe.model import Qwen3MoeModel
-from ftc_runtime.models.qwen3_moe.model import dense_tensor_shapes as qwen3_moe_dense_shapes
-from ftc_runtime.models.qwen3_next.model import Qwen3NextModel
-from ftc_runtime.models.qwen3_next.model import dense_tensor_shapes as qwen3_next_dense_shapes
-from ftc_runtime.spec import ModelSpec
+if TYPE_CHECKING:
+    from ftc_runtime.models.base import Family
+    from ftc_runtime.spec import ModelSpec
 
 
 @dataclass(frozen=True)
-class Family:
-    name: str
-    model: type
-    dense_tensor_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]]
-    chat_template: str  # in chat_templates/: for engines whose checkpoint brings none
-    tool_parser: str  # name in tool_parsers.TOOL_PARSERS: how the family writes tool calls
-
-    @property
-    def chat_template_path(self) -> Path:
-        return Path(__file__).parent / "chat_templates" / self.chat_template
+class Entry:
+    package: str  # under ftc_runtime.models
+    hf_model_types: tuple[str, ...]  # the HF config.json `model_type`s this family reads
 
 
-FAMILIES: dict[str, Family] = {
-    "qwen3_moe": Family("qwen3_moe", Qwen3MoeModel, qwen3_moe_dense_shapes, "chatml_tools.jinja", "qwen"),
-    # The hybrid families: until their own tool-call format is parsed, the Qwen3 one.
-    "qwen3_5_moe": Family("qwen3_5_moe", Qwen3NextModel, qwen3_next_dense_shapes, "chatml_tools.jinja", "qwen"),
-    "qwen3_next": Family("qwen3_next", Qwen3NextModel, qwen3_next_dense_shapes, "chatml_tools.jinja", "qwen"),
+FAMILIES: dict[str, Entry] = {
+    "qwen3_moe": Entry("qwen3_moe", ("qwen3_moe",)),
+    "qwen3_next": Entry("qwen3_next", ("qwen3_next",)),
+    "qwen3_5_moe": Entry("qwen3_next", ("qwen3_5_moe", "qwen3_5_moe_text")),
 }
 
 
 def family(name: str) -> Family:
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise ValueError(f"model family {name!r} has no runtime model; known: {', '.join(FAMILIES)}") from None
+    """The family `name`'s record (its package imported now)."""
+    if name not in FAMILIES:
+        raise ValueError(f"model family {name!r} has no runtime model; known: {', '.join(FAMILIES)}")
+    return import_module(f"ftc_runtime.models.{FAMILIES[name].package}").FAMILIES[name]
+
+
+def family_of_hf(model_type: Any) -> str | None:
+    """The family that reads HF checkpoints of `model_type`, if any."""
+    return next((name for name, e in FAMILIES.items() if model_type in e.hf_model_types), None)
+
+
+def checked_spec(data: Any, source: str = "spec") -> ModelSpec:
+    """`ModelSpec.from_dict`, then the family's own rules; every error names the field and value."""
+    from ftc_runtime.spec import ModelSpec, checker
+
+    spec, need = ModelSpec.from_dict(data, source), checker(source)
+    need(spec.family in FAMILIES, "family", spec.family, "one of " + ", ".join(FAMILIES))
+    family(spec.family).check_spec(spec, need)
+    return spec

@@ -16,18 +16,16 @@ from pydantic import Field, field_validator, model_validator
 
 from ftc_runtime.chat.tool_parsers import parse_output, tool_parser
 from ftc_runtime.sampling import SEED_RANGE, SamplingParams
-from ftc_runtime.serve.app import (
+from ftc_runtime.serve.api_types import (
     MAX_TOKENS,
     ApiBody,
     ApiError,
-    Server,
     StrictJsonRoute,
     ToolName,
     namespace_of,
-    raise_if_failed,
-    server_of,
     unique_tool_names,
 )
+from ftc_runtime.serve.server import Server, raise_if_failed, server_of
 from ftc_runtime.serve.token_stream import MAX_STOP_CHARS, TokenStream, message_parts, with_keepalive
 
 router = APIRouter(route_class=StrictJsonRoute)

@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ftc_runtime.cache.kv import KVCache
+from ftc_runtime.cache.base import SequenceState
 from ftc_runtime.cache.prefix import Resume
-from ftc_runtime.cache.sequence import HybridCache
 from ftc_runtime.engine import Engine
 from ftc_runtime.experts.vram_plan import VramError
 from ftc_runtime.sampling import Sampler, SamplingParams
@@ -49,7 +48,7 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     # Engine-thread state: the sequence's KV cache and sampler while it runs.
-    cache: KVCache | HybridCache | None = None
+    cache: SequenceState | None = None
     sampler: Sampler | None = None
     produced: int = 0
     next_token: int | None = None

@@ -1,0 +1,1 @@
+"""Layers shared by the model families: norms, RoPE, attention, MLPs, routers, Gated DeltaNet."""

@@ -79,6 +79,13 @@ class DeltaNetState:
     def clone(self) -> DeltaNetState:
         return DeltaNetState(self.conv.clone(), self.recurrent.clone())
 
+    def to(self, device: torch.device | str) -> DeltaNetState:
+        return DeltaNetState(self.conv.to(device), self.recurrent.to(device))
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * self.recurrent.element_size()
+
     def assign(self, other: DeltaNetState) -> None:
         """Copies `other` (any device) into this state's storage, which stays put: the CUDA graphs
         of decode hold its addresses."""

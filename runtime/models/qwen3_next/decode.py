@@ -1,5 +1,5 @@
-"""`HybridDecodeGraphs`: the CUDA graphs of one decode step (decode_graphs.py) for the hybrid
-family (`Qwen3NextModel`). Per layer one graph:
+"""`HybridDecodeGraphs`: the CUDA graphs of one decode step (`ftc_runtime.decode.graphs`) for the
+hybrid family (`Qwen3NextModel`). Per layer one graph:
 - the previous MoE layer's output (device part, the copy of its CPU part, the shared expert) joins x;
 - input norm, then either the Gated DeltaNet step (projections and the convolution, the recurrence
   on flash-linear-attention's fused kernel where it is installed, the gated norm and the output
@@ -18,11 +18,14 @@ from collections.abc import Callable
 import torch
 
 from ftc_runtime.cache.kv import INITIAL_CAPACITY
-from ftc_runtime.cache.sequence import HybridCache
+from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.decode.graphs import DecodeGraphs
+from ftc_runtime.models.layers.attention import decode_attention
+from ftc_runtime.models.layers.gated_attention import gated_attention_in, gated_attention_out, residual_norm
 from ftc_runtime.models.layers.gated_deltanet import DeltaNetState, delta_rule, finish, project
-from ftc_runtime.models.qwen3_moe.model import decode_attention, dense_mlp, rms_norm, route
-from ftc_runtime.models.qwen3_next.model import gated_attention_in, gated_attention_out, residual_norm, shared_expert
+from ftc_runtime.models.layers.mlp import dense_mlp, shared_expert
+from ftc_runtime.models.layers.norm import rms_norm
+from ftc_runtime.models.layers.router import route
 
 
 class HybridDecodeGraphs(DecodeGraphs):
@@ -58,7 +61,7 @@ class HybridDecodeGraphs(DecodeGraphs):
         for i in [i for i in range(m.spec.num_layers) if not m.is_moe(i)][:1]:
             f["dense_mlp"](h, *m.dense_mlp_weights(i))
 
-    def _layer(self, i: int, cache: HybridCache) -> None:
+    def _layer(self, i: int, cache: SequenceCache) -> None:
         m, f, eps = self.model, self.fns, self.model.spec.norm.eps
         p = f"model.layers.{i}."
         self._join_previous(i)
@@ -74,7 +77,7 @@ class HybridDecodeGraphs(DecodeGraphs):
         else:
             self.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
 
-    def _linear(self, i: int, h: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+    def _linear(self, i: int, h: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
         m, f = self.model, self.fns
         w, shape, state = m.delta_weights[i], m.delta_shape, cache.linear[m.linear_index[i]]
         q, k, v, g, beta, _, conv = f["project"](h, *w.projections(), state.conv, shape.heads)
@@ -82,7 +85,7 @@ class HybridDecodeGraphs(DecodeGraphs):
         state.assign(DeltaNetState(conv, recurrent))
         return f["finish"](out, h, *w.outputs(), shape.eps)
 
-    def _attention(self, i: int, h: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+    def _attention(self, i: int, h: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
         m, f = self.model, self.fns
         q, k, v, gate = f["gated_attention_in"](h, *m.attention_in_weights(i), self.cos, self.sin,
                                                 m.spec.norm.eps, m.heads, m.spec.attention.output_gate)

@@ -16,9 +16,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ftc_runtime.cache.base import RecurrentCheckpoint
 from ftc_runtime.cache.kv import KVCache
-from ftc_runtime.cache.sequence import HybridCache, RecurrentCheckpoint
+from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.experts.base import ExpertBackend
+from ftc_runtime.models.layers.attention import cached_attention
+from ftc_runtime.models.layers.gated_attention import gated_attention_in, gated_attention_out
 from ftc_runtime.models.layers.gated_deltanet import (
     DeltaNetShape,
     DeltaNetState,
@@ -26,93 +29,15 @@ from ftc_runtime.models.layers.gated_deltanet import (
     decode_step,
     gated_deltanet,
 )
-from ftc_runtime.models.qwen3_moe.model import (
-    apply_rope,
-    cached_attention,
-    dense_mlp,
-    end_tensor_shapes,
-    mlp_tensor_shapes,
-    rms_norm,
-    rope_cos_sin,
-    rope_inv_freq,
-    route,
-)
+from ftc_runtime.models.layers.mlp import dense_mlp, shared_expert
+from ftc_runtime.models.layers.norm import rms_norm
+from ftc_runtime.models.layers.rope import rope_cos_sin, rope_inv_freq
+from ftc_runtime.models.layers.router import route
 from ftc_runtime.spec import ModelSpec
 
 # (1 + w) norms: the stored weight is the offset from 1 (the linear layers' gated norm is plain w).
 _ONE_PLUS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
              "self_attn.k_norm.weight")
-
-
-def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every non-expert tensor of the model, by canonical checkpoint name, with its shape."""
-    a, m, h = spec.attention, spec.moe, spec.hidden_size
-    shapes = end_tensor_shapes(spec)
-    moe_layers = set(spec.moe_layers)
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        if spec.layer_kind(i) == "linear_attention":
-            la = spec.linear_attention
-            kd, vd = la.num_k_heads * la.k_head_dim, la.num_v_heads * la.v_head_dim
-            q = p + "linear_attn."
-            shapes |= {q + "in_proj_qkv.weight": (2 * kd + vd, h), q + "in_proj_z.weight": (vd, h),
-                       q + "in_proj_b.weight": (la.num_v_heads, h), q + "in_proj_a.weight": (la.num_v_heads, h),
-                       q + "conv1d.weight": (2 * kd + vd, 1, la.conv_kernel), q + "dt_bias": (la.num_v_heads,),
-                       q + "A_log": (la.num_v_heads,), q + "norm.weight": (la.v_head_dim,),
-                       q + "out_proj.weight": (h, vd)}
-        else:
-            qd, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-            q = p + "self_attn."
-            shapes |= {q + "q_proj.weight": ((2 if a.output_gate else 1) * qd, h), q + "k_proj.weight": (kv, h),
-                       q + "v_proj.weight": (kv, h), q + "o_proj.weight": (h, qd),
-                       q + "q_norm.weight": (a.head_dim,), q + "k_norm.weight": (a.head_dim,)}
-        if i in moe_layers:
-            shapes[p + "mlp.gate.weight"] = (m.num_experts, h)
-            if m.num_shared_experts:
-                shapes |= mlp_tensor_shapes(p + "mlp.shared_expert.", m.shared_expert_intermediate_size, h)
-                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
-        else:
-            shapes |= mlp_tensor_shapes(p + "mlp.", m.dense_intermediate_size, h)
-    return shapes
-
-
-# The layer's pieces as functions of tensors only, shared by the eager path and the CUDA graphs of
-# decode (`HybridDecodeGraphs`), so that torch.compile sees one function for all layers.
-
-def gated_attention_in(h: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor,
-                       q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       eps: float, heads: tuple[int, int, int], output_gate: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Projections, q/k norms and partial RoPE of the normalized input h [T, hidden]: q [T, heads,
-    d], k and v [T, kv heads, d], and the output gate's logits [T, heads · d] (or None)."""
-    n_q, n_kv, d = heads
-    t = h.shape[0]
-    q = F.linear(h, q_w)
-    gate = None
-    if output_gate:  # per head: d query channels, then d gate channels
-        q, gate = q.view(t, n_q, 2 * d).chunk(2, dim=-1)
-        gate = gate.reshape(t, n_q * d)
-    q = apply_rope(rms_norm(q.reshape(t, n_q, d), q_norm_w, eps), cos, sin)
-    k = apply_rope(rms_norm(F.linear(h, k_w).view(t, n_kv, d), k_norm_w, eps), cos, sin)
-    return q, k, F.linear(h, v_w).view(t, n_kv, d), gate
-
-
-def gated_attention_out(attn: torch.Tensor, gate: torch.Tensor | None, o_w: torch.Tensor) -> torch.Tensor:
-    return F.linear(attn if gate is None else attn * torch.sigmoid(gate), o_w)
-
-
-def residual_norm(x: torch.Tensor, out: torch.Tensor, norm_w: torch.Tensor, eps: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x + out, and its post-attention norm."""
-    x = x + out
-    return x, rms_norm(x, norm_w, eps)
-
-
-def shared_expert(h: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
-                  router_w: torch.Tensor) -> torch.Tensor:
-    """The shared expert behind its sigmoid gate."""
-    return torch.sigmoid(F.linear(h, router_w)) * dense_mlp(h, gate_w, up_w, down_w)
 
 
 class Qwen3NextModel:
@@ -151,14 +76,14 @@ class Qwen3NextModel:
             "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
             "dt_bias", "A_log", "norm.weight", "out_proj.weight")))
 
-    def new_cache(self) -> HybridCache:
+    def new_cache(self) -> SequenceCache:
         a = self.spec.attention
         kv = KVCache(len(self.kv_index), a.num_kv_heads, a.head_dim, self.dtype, self.device)
-        return HybridCache(kv, [DeltaNetState.zeros(self.delta_shape, self.dtype, self.device)
+        return SequenceCache(kv, [DeltaNetState.zeros(self.delta_shape, self.dtype, self.device)
                                 for _ in self.linear_index])
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: HybridCache, all_logits: bool = False,
+    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
                 checkpoint_at: tuple[int, ...] = (), between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32.
         `checkpoint_at`: indices into ids (ascending) after which the linear layers' state goes
@@ -192,7 +117,7 @@ class Qwen3NextModel:
         return self.head(x if all_logits else x[-1:])
 
     @torch.inference_mode()
-    def decode_batch(self, tokens: list[int], caches: list[HybridCache]) -> torch.Tensor:
+    def decode_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
         """One new token for each of several sequences, each after its own tokens: logits [B, vocab]
         fp32. Projections, router, experts and head run once over the batch; attention and the
         linear layers' recurrence run per sequence on its own state."""
@@ -212,7 +137,7 @@ class Qwen3NextModel:
         return self.head(x)
 
     def mix_batch(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  caches: list[HybridCache]) -> torch.Tensor:
+                  caches: list[SequenceCache]) -> torch.Tensor:
         """Layer i's token mixer over one token of each of T sequences (h [T, hidden], T caches)."""
         if i not in self.linear_index:
             return self.full_attention(i, h, cos, sin, caches)
@@ -221,7 +146,7 @@ class Qwen3NextModel:
                           for row, cache in zip(h.split(1), caches, strict=True)])
 
     def full_attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       caches: list[HybridCache]) -> torch.Tensor:
+                       caches: list[SequenceCache]) -> torch.Tensor:
         q, k, v, gate = gated_attention_in(h, *self.attention_in_weights(i), cos, sin, self.spec.norm.eps,
                                            self.heads, self.spec.attention.output_gate)
         layer = self.kv_index[i]

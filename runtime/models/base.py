@@ -1,0 +1,72 @@
+"""What a model family gives the runtime and the compiler: one `Family` record per family name,
+built by the family's package (`<family>/__init__.py`) and found through the registry
+(`ftc_runtime.models.family`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ftc_runtime.decode.graphs import DecodeGraphs
+from ftc_runtime.models.hf_config import HfConfig
+from ftc_runtime.spec import ModelSpec, Need
+
+CHAT_TEMPLATES = Path(__file__).resolve().parents[1] / "chat" / "templates"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is incomplete or has a tensor of the wrong name, shape or dtype, or non-finite values."""
+
+
+class CheckpointReader(Protocol):
+    """Tensors of a checkpoint by their stored names (the compiler's safetensors reader)."""
+
+    directory: Path
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+class CheckpointLayout:
+    """The canonical tensor names of a model (`Family.dense_tensor_shapes`) in one checkpoint: here
+    as they are, under `model.`; a family whose checkpoints store some tensors otherwise subclasses."""
+
+    def __init__(self, ckpt: CheckpointReader, spec: ModelSpec):
+        self.ckpt, self.spec = ckpt, spec
+
+    def name(self, canonical: str) -> str:
+        """Where the canonical tensor sits in this checkpoint."""
+        return canonical
+
+    def __contains__(self, canonical: str) -> bool:
+        return self.name(canonical) in self.ckpt
+
+    def shape(self, canonical: str) -> tuple[int, ...]:
+        return self.ckpt.shape(self.name(canonical))
+
+    def get(self, canonical: str) -> torch.Tensor:
+        return self.ckpt.get(self.name(canonical))
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model: type  # built as model(spec, dense weights, expert backend, device)
+    check_spec: Callable[[ModelSpec, Need], None]  # the family's own rules on a spec
+    dense_tensor_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]]  # every non-expert tensor
+    spec_from_hf: Callable[[HfConfig], dict[str, Any]]  # spec fields from an HF config.json
+    checkpoint_layout: type[CheckpointLayout]
+    decode_graphs: type[DecodeGraphs] | None  # one decode step as CUDA graphs (None: eager)
+    chat_template: str  # in chat/templates/: for engines whose checkpoint brings none
+    tool_parser: str  # name in chat.tool_parsers.TOOL_PARSERS: how the family writes tool calls
+
+    @property
+    def chat_template_path(self) -> Path:
+        return CHAT_TEMPLATES / self.chat_template

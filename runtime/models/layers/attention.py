@@ -1,0 +1,75 @@
+"""Grouped-query attention: the input half of a layer (norm, fused q/k/v, q/k norms, RoPE), the
+one-token attention over a fixed-size KV storage that decode graphs replay, causal attention of a
+prompt chunk over a KV cache, and the output half (o_proj, residual, post-attention norm).
+
+The halves are functions of tensors only (no layer index), so that the eager path and the CUDA
+graphs of decode run the same code, and torch.compile sees one function for all layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from ftc_runtime.cache.kv import KVCache
+from ftc_runtime.models.layers.norm import rms_norm
+from ftc_runtime.models.layers.rope import apply_rope
+
+
+def attention_in(x: torch.Tensor, norm_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
+                 q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 eps: float, heads: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input norm, fused q/k/v projection, q/k norms and RoPE: q [T, heads, d], k and v [T, kv, d]."""
+    n_q, n_kv, d = heads
+    t = x.shape[0]
+    qkv = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
+    q, k, v = qkv.split((n_q * d, n_kv * d, n_kv * d), dim=-1)
+    q, k, v = q.view(t, n_q, d), k.view(t, n_kv, d), v.view(t, n_kv, d)
+    if q_norm_w is not None:
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_out(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                  norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output projection and residual, then the post-attention norm: (x, normalized x)."""
+    x = x + F.linear(attn, o_w, o_b)
+    return x, rms_norm(x, norm_w, eps)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+                     heads: tuple[int, int, int]) -> torch.Tensor:
+    """One query q [1, heads, d] over keys/values [C, kv, d] (`valid` bool [C] marks the keys it
+    may see; None: all): [1, heads · d]. Decode passes the cache's whole storage with the tail
+    masked off, so that the shapes stay fixed for CUDA graphs. The query heads of one KV head form its rows, so two
+    batched matmuls do it: SDPA's backend choice costs more than the work here (its cuDNN backend
+    built a graph per new key length, 1.6 ms of host time per layer and token on the device)."""
+    n_q, n_kv, d = heads
+    scores = torch.matmul(q.view(n_kv, n_q // n_kv, d), keys.permute(1, 2, 0)) * d ** -0.5
+    if valid is not None:
+        scores = scores.masked_fill(~valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values.transpose(0, 1)).reshape(1, n_q * d)
+
+
+def cached_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     heads: tuple[int, int, int]) -> torch.Tensor:
+    """Appends k/v [T, kv, d] to the cache's `layer` and attends q [T, heads, d] causally over all
+    its tokens: [T, heads · d]."""
+    n_q, n_kv, d = heads
+    t = q.shape[0]
+    keys, values = cache.append(layer, k, v)
+    if t == 1:  # over the whole storage, tail masked: the very kernels that decode graphs replay
+        stored_k, stored_v = cache.storage(layer)
+        valid = torch.arange(stored_k.shape[0], device=q.device) < keys.shape[0]
+        return decode_attention(q, stored_k, stored_v, valid, heads)
+    q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    # Queries after cached tokens need the lower-right causal mask (is_causal means top-left); the
+    # library bias keeps the flash kernel on CUDA, where a boolean mask would fall back to the
+    # math kernel and materialize [heads, T, S] scores.
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(t, keys.shape[2]),
+                                         enable_gqa=n_q != n_kv)
+    return out[0].transpose(0, 1).reshape(t, -1)
+
+
