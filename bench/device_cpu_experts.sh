@@ -15,9 +15,9 @@ tail -3 "$out/pytest.txt"
 engine=/tmp/ftc-q30-4l
 ftc compile model_specs/qwen3-30b-a3b.yaml --random-weights --override num_layers=4 -o $engine 2>&1 | tail -1
 for run in 1 2; do
-  ftc bench $engine experts --tokens 1 --seconds 3 -o "$out/bench_experts_t1_run$run.json" > /dev/null
+  ftc bench experts $engine --tokens 1 --seconds 3 -o "$out/bench_experts_t1_run$run.json" > /dev/null
 done
-ftc bench $engine experts --tokens 8 --seconds 3 -o "$out/bench_experts_t8.json" > /dev/null
+ftc bench experts $engine --tokens 8 --seconds 3 -o "$out/bench_experts_t8.json" > /dev/null
 python3 - "$out" <<'PY'
 import json, pathlib, sys
 for p in sorted(pathlib.Path(sys.argv[1]).glob("bench_experts_*.json")):

@@ -29,10 +29,10 @@ if stage decode; then
     --routings sampled,uniform --new-tokens "$new" -o "$out" 2>&1 | grep -v "━"
 fi
 if stage prefill; then
-  ftc bench "$spec" prefill --random-weights --target h200 --device cuda --vram-budget 32GiB --lengths 8192 \
+  ftc bench prefill "$spec" --random-weights --target h200 --device cuda --vram-budget 32GiB --lengths 8192 \
     --compare -o "$out/prefill_hybrid.json" 2>&1 | grep -v "━" | tail -n 3
 fi
 if stage agent; then
-  ftc bench "$spec" agent --random-weights --target h200 --device cuda --vram-budget 32GiB \
+  ftc bench agent "$spec" --random-weights --target h200 --device cuda --vram-budget 32GiB \
     --session-tokens "$session" --compare --plot "$out/agent.png" -o "$out/agent.json" 2>&1 | grep -v "━" | tail -n 3
 fi

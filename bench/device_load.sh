@@ -11,5 +11,5 @@ mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 [[ -f $engine/engine.json ]] ||
   ftc compile model_specs/qwen3-30b-a3b.yaml --random-weights --target h200 -o "$engine" 2>&1 | grep -v "━" | tail -n 2
-ftc bench "$engine" load --device cuda -o "$out/load.json" 2>&1 | grep -v "━" | tail -n 20
+ftc bench load "$engine" --device cuda -o "$out/load.json" 2>&1 | grep -v "━" | tail -n 20
 pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k elastic 2>&1 | tail -n 5 | tee "$out/pytest_elastic.txt"

@@ -8,5 +8,5 @@ out=${1:?output directory}
 lengths=${2:-1024,2048,4096,8192,16384}
 mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-ftc bench model_specs/qwen3-30b-a3b.yaml prefill --random-weights --target h200 --vram-budget 32GiB \
+ftc bench prefill model_specs/qwen3-30b-a3b.yaml --random-weights --target h200 --vram-budget 32GiB \
   --lengths "$lengths" --compare -o "$out/prefill.json" 2>&1 | grep -v "━" | tail -n 40

@@ -3,7 +3,7 @@
     python bench/tune_cpu_kernel.py ENGINE [--threads 8,12,16] [--prefetch 0,2,4] [--chunk 8,16,32]
 
 Each variant is rendered and built like `ftc compile` does (cached by source hash) and measured
-like `ftc bench ENGINE experts`; prints one JSON line per variant.
+like `ftc bench experts ENGINE`; prints one JSON line per variant.
 """
 
 from __future__ import annotations

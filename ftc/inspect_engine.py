@@ -10,45 +10,69 @@ from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest, check_engine
 from ftc_runtime.experts.vram_plan import dense_bytes, gib, plan_vram
 from ftc_runtime.io.ftw import read_header
 from ftc_runtime.models import family
+from ftc_runtime.spec import ModelSpec
 
 
 def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None = None,
                    max_context: int = 4096) -> list:
-    # --verify: every check that `ftc run` makes at load, and the expert file's sha256 and row checksums.
+    """The tables `ftc inspect` prints. --verify: every check that `ftc run` makes at load, and the
+    expert file's sha256 and row checksums."""
     m = check_engine(engine, hash_experts=True).manifest if verify else EngineManifest.read(engine)
-    spec, plan = m.spec, m.plan
-    dense = dense_bytes(family(spec.family).dense_tensor_shapes(spec))
-    pool = len(spec.moe_layers) * spec.moe.num_experts * spec.expert_bytes
-    per_token = len(spec.moe_layers) * spec.moe.top_k * spec.expert_bytes
-    model = Table(title=f"{spec.name} ({spec.family})", show_header=False)
-    moe = spec.moe
-    shared = (f", {moe.num_shared_experts} shared ({moe.shared_expert_intermediate_size})"
-              if moe.num_shared_experts else "")
+    files = Table("file", "bytes", "sha256", title="files" + (" (verified)" if verify else ""))
+    for rel, meta in m.files.items():
+        files.add_row(rel, f"{meta['bytes']:,}", meta["sha256"][:16] + "…")
+    tables = [_model_table(m.spec, m.weights_source), _memory_table(m.spec), _plan_table(m), files]
+    if vram_budget is not None:
+        tables.insert(2, _vram_table(m, vram_budget, max_context))
+    return tables
+
+
+def _rows(title: str, rows: tuple[tuple[str, str], ...]) -> Table:
+    table = Table(title=title, show_header=False)
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+def _token_mixers(spec: ModelSpec) -> str:
     la = spec.linear_attention
     mixers = f"{len(spec.full_attention_layers)} full attention" + (" (gated)" if spec.attention.output_gate else "")
     if spec.linear_attention_layers:
         mixers = (f"{len(spec.linear_attention_layers)} Gated DeltaNet ({la.num_k_heads} k / {la.num_v_heads} v "
                   f"heads of {la.k_head_dim} / {la.v_head_dim}), " + mixers)
-    for k, v in (
+    return mixers
+
+
+def _model_table(spec: ModelSpec, weights_source: str) -> Table:
+    moe = spec.moe
+    shared = (f", {moe.num_shared_experts} shared ({moe.shared_expert_intermediate_size})"
+              if moe.num_shared_experts else "")
+    return _rows(f"{spec.name} ({spec.family})", (
         ("layers", f"{spec.num_layers} ({len(spec.moe_layers)} with experts)"),
-        ("token mixers", mixers),
+        ("token mixers", _token_mixers(spec)),
         ("hidden / heads / kv heads / head dim", f"{spec.hidden_size} / {spec.attention.num_heads} / "
          f"{spec.attention.num_kv_heads} / {spec.attention.head_dim}"),
-        ("experts", f"{moe.num_experts} routed, top-{moe.top_k}, intermediate "
+        ("experts", f"{moe.num_experts} routed ({spec.expert_format}), top-{moe.top_k}, intermediate "
          f"{moe.expert_intermediate_size}, {moe.router}{shared}"),
         ("vocabulary", str(spec.vocab_size)),
-        ("weights", m.weights_source),
-    ):
-        model.add_row(k, v)
-    memory = Table(title="memory", show_header=False)
-    for k, v in (
+        ("weights", weights_source),
+    ))
+
+
+def _memory_table(spec: ModelSpec) -> Table:
+    dense = dense_bytes(family(spec.family).dense_tensor_shapes(spec))
+    pool = len(spec.moe_layers) * spec.moe.num_experts * spec.expert_bytes
+    per_token = len(spec.moe_layers) * spec.moe.top_k * spec.expert_bytes
+    return _rows("memory", (
         ("non-expert weights", f"{gib(dense)} bf16 ({dense / 2e9:.3f} B params)"),
         ("routed-expert pool (host)", f"{gib(pool)} ({spec.expert_bytes / 2**20:.2f} MiB per expert)"),
         ("expert bytes read per token", gib(per_token)),
-    ):
-        memory.add_row(k, v)
-    run = Table(title="plan", show_header=False)
-    for k, v in (
+    ))
+
+
+def _plan_table(m: EngineManifest) -> Table:
+    plan = m.plan
+    return _rows("plan", (
         ("target", f"{m.target['name']} ({plan.isa})"),
         ("CPU expert workers", str(plan.cpu_threads or "all physical cores")),
         ("kernel token buckets", ", ".join(map(str, plan.batch_buckets))),
@@ -57,15 +81,7 @@ def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None =
         ("kernel check (rel. error)", ", ".join(c["not_run"] if "not_run" in c else
                                                 f"{c['tokens']} tok: {c['rel_error']:.1e}"
                                                 for c in m.raw.get("kernel_check", []))),
-    ):
-        run.add_row(k, v)
-    files = Table("file", "bytes", "sha256", title="files" + (" (verified)" if verify else ""))
-    for rel, meta in m.files.items():
-        files.add_row(rel, f"{meta['bytes']:,}", meta["sha256"][:16] + "…")
-    tables = [model, memory, run, files]
-    if vram_budget is not None:
-        tables.insert(2, _vram_table(m, vram_budget, max_context))
-    return tables
+    ))
 
 
 def _vram_table(m: EngineManifest, budget: int, max_context: int) -> Table:

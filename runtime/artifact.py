@@ -26,7 +26,7 @@ from ftc_runtime.chat.template import ChatTemplate, ChatTemplateError
 from ftc_runtime.chat.tokenizer import Tokenizer
 from ftc_runtime.cpu_info import ISA_FLAGS
 from ftc_runtime.io import ftw
-from ftc_runtime.models import family
+from ftc_runtime.models import checked_spec, family
 from ftc_runtime.spec import ModelSpec, SpecError, from_plain, short_repr
 
 FORMAT = "ftc-engine"
@@ -112,7 +112,7 @@ class EngineManifest:
         path = root / MANIFEST
         raw = _read_manifest(root)
         try:
-            spec = ModelSpec.from_dict(_field(raw, "spec", path), source=f"{path}: spec")
+            spec = checked_spec(_field(raw, "spec", path), source=f"{path}: spec")
             plan = Plan.from_dict(_field(raw, "plan", path), source=f"{path}: plan")
         except SpecError as e:
             raise ArtifactError(str(e)) from None
@@ -325,8 +325,8 @@ def _check_experts(m: EngineManifest, hash_experts: bool) -> ftw.FtwHeader:
     path = m.path(EXPERTS_FILE)
     header, checksums = ftw.read_header(path)
     spec = m.spec
-    needed = ftw.FtwHeader.create(len(spec.moe_layers), spec.moe.num_experts,
-                                  ftw.bf16_expert_banks(spec.hidden_size, spec.moe.expert_intermediate_size))
+    needed = ftw.FtwHeader.create(spec.expert_format, len(spec.moe_layers), spec.moe.num_experts, spec.hidden_size,
+                                  spec.moe.expert_intermediate_size)
     if header != needed:
         raise ftw.FtwError(f"{path}: holds {header.num_moe_layers} MoE layers × {header.num_experts} experts of "
                            f"{_banks(header)}, the spec needs {needed.num_moe_layers} × {needed.num_experts} of "

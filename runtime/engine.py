@@ -32,7 +32,7 @@ from ftc_runtime.chat.template import ChatTemplate
 from ftc_runtime.chat.tokenizer import Tokenizer
 from ftc_runtime.cpu_info import gpu_engine_worker_cpus, pin_this_thread, worker_cpus
 from ftc_runtime.decode.graphs import decode_graphs_for
-from ftc_runtime.experts.base import CpuExperts
+from ftc_runtime.experts.cpu import CpuExperts
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.experts.elastic_vram import ElasticVram, cuda_memory_info
 from ftc_runtime.experts.miss_planner import MissPlanner
@@ -120,15 +120,7 @@ class Engine:
         spec, plan = manifest.spec, manifest.plan
         cpus, background = _worker_cpus(plan, offload)
         kernel = _cpu_kernel(manifest, cpus, background)
-        if manifest.experts_in_memory and pool is None:
-            raise ArtifactError(f"{root}: compiled with its experts in memory (a benchmark engine); "
-                                "it has no experts.ftw to load")
-        if pool is None:
-            pool = _load_pool(manifest, show_progress)
-        if (pool.header.num_moe_layers, pool.header.num_experts) != (len(spec.moe_layers), spec.moe.num_experts):
-            raise ftw.FtwError(f"{root / EXPERTS_FILE}: holds {pool.header.num_moe_layers} MoE layers × "
-                               f"{pool.header.num_experts} experts, the spec needs {len(spec.moe_layers)} × "
-                               f"{spec.moe.num_experts}")
+        pool = _expert_pool(manifest, pool, show_progress)
         dense = _load_dense(manifest.path(DENSE_FILE))
         fam, expected, tokenizer = family(spec.family), checked.dense_shapes, checked.tokenizer
         if offload is None:
@@ -139,13 +131,7 @@ class Engine:
             print("ftc: --cpu-experts: every routed expert runs on the CPU; only activations cross PCIe",
                   file=sys.stderr)
             vram = dataclasses.replace(vram, n_slots=0)
-        b_p, b_h = offload.b_p or manifest.target.get("b_p"), offload.b_h or manifest.target.get("b_h")
-        if b_p is None or b_h is None:  # not measured (a CPU-only target): every miss is filled
-            b_p = b_h = 1.0
-        measured = offload.b_p is None and offload.b_h is None  # explicit rates replace the whole profile
-        planner = MissPlanner(offload.miss_policy, b_p, b_h,
-                              manifest.target.get("b_p_concurrent") if measured else None,
-                              manifest.target.get("b_h_concurrent") if measured else None)
+        planner = _miss_planner(manifest, offload)
         device_kernel, grouped_kernel = _gpu_expert_kernels(manifest, offload.device)
         stream_min = offload.stream_min_tokens or plan.prefill_stream_min_tokens
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
@@ -249,23 +235,48 @@ class Engine:
         return Generation(tokens(), stats)
 
 
+def _expert_pool(manifest: EngineManifest, pool: ftw.ExpertPool | None, show_progress: bool) -> ftw.ExpertPool:
+    """The engine's expert pool: `pool` where given (an engine compiled with its experts in
+    memory has no file to load), else experts.ftw read into host memory; its shape checked."""
+    if manifest.experts_in_memory and pool is None:
+        raise ArtifactError(f"{manifest.root}: compiled with its experts in memory (a benchmark engine); "
+                            "it has no experts.ftw to load")
+    if pool is None:
+        pool = _load_pool(manifest, show_progress)
+    spec, h = manifest.spec, pool.header
+    if (h.num_moe_layers, h.num_experts) != (len(spec.moe_layers), spec.moe.num_experts):
+        raise ftw.FtwError(f"{manifest.root / EXPERTS_FILE}: holds {h.num_moe_layers} MoE layers × "
+                           f"{h.num_experts} experts, the spec needs {len(spec.moe_layers)} × {spec.moe.num_experts}")
+    return pool
+
+
+def _miss_planner(manifest: EngineManifest, offload: OffloadConfig) -> MissPlanner:
+    """The miss split at the measured rates (explicit rates replace the whole profile); a CPU-only
+    target has none, and every miss is filled."""
+    b_p, b_h = offload.b_p or manifest.target.get("b_p"), offload.b_h or manifest.target.get("b_h")
+    if b_p is None or b_h is None:
+        b_p = b_h = 1.0
+    measured = offload.b_p is None and offload.b_h is None
+    return MissPlanner(offload.miss_policy, b_p, b_h, manifest.target.get("b_p_concurrent") if measured else None,
+                       manifest.target.get("b_h_concurrent") if measured else None)
+
+
 def _worker_cpus(plan: Plan, offload: OffloadConfig | None) -> tuple[list[int], bool]:
     """The CPU expert workers' cores, and whether they run in the background (a GPU engine)."""
     cpus = worker_cpus(settings().num_threads or plan.cpu_threads)
     background = offload is not None and torch.device(offload.device).type == "cuda" and len(cpus) > 1
     if background:
         # The thread that drives the GPU needs a core of its own: a worker sharing it waits a
-        # scheduler time slice at every barrier (seen on the device: 8-16× slower CPU experts).
-        # On a machine of 8 cores or more a second one stays free for everything else that
-        # runs (the CUDA driver's threads, the OS): with only one free, adaptive decode was
-        # 14-22% slower on the device. The rest run the CPU experts in the background.
-        # Left to the scheduler, the thread finds a free core: pinning it there made decode
-        # 1.4-2× slower on the device (not yet understood; threads started later inherit the pin).
+        # scheduler time slice at every barrier. On a machine of 8 cores or more a second one
+        # stays free for everything else that runs (the CUDA driver's threads, the OS). The rest
+        # run the CPU experts in the background. The thread itself is left to the scheduler,
+        # which finds it a free core: pinning it there was slower (docs/performance.md,
+        # "Measured reasons"), and threads started later would inherit the pin.
         if settings().pin_gpu_thread:
             pin_this_thread(cpus[0])
         cpus = gpu_engine_worker_cpus(cpus)
         # That thread's own torch CPU ops (staging, small copies) stay on its core: spread over
-        # torch's threads they waited a time slice for each of the busy cores (9 ms per op).
+        # torch's threads they would wait a time slice for each of the busy cores.
         torch.set_num_threads(1)
     return cpus, background
 

@@ -15,14 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin
 
-from ftc_runtime.formats import FORMATS
+from ftc_runtime.formats import FORMATS, expert_format
 
-# Families whose runtime model exists. Later families (deepseek_v4, ...) add their name here and
-# their model class to `ftc_runtime.models`.
-FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next")
-HYBRID_FAMILIES = ("qwen3_5_moe", "qwen3_next")  # Gated DeltaNet and full attention, a shared expert
-ROUTERS = ("softmax_topk",)
-ATTENTION_KINDS = ("gqa",)
 LAYER_KINDS = ("full_attention", "linear_attention")
 
 # Upper bounds of the size fields: an engine.json or spec that is damaged or hostile must not make the
@@ -81,7 +75,6 @@ class LinearAttentionSpec:
 class RopeSpec:
     theta: float = 1_000_000.0
     partial_rotary_factor: float = 1.0
-    scaling: Literal["none"] = "none"
 
 
 @dataclass(frozen=True)
@@ -112,7 +105,7 @@ class TokenSpec:
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    family: str
+    family: str  # a key of ftc_runtime.models.FAMILIES, whose rules `models.checked_spec` applies
     num_layers: int
     hidden_size: int
     vocab_size: int
@@ -151,8 +144,8 @@ class ModelSpec:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one bf16 routed expert (gate, up and down)."""
-        return 3 * self.hidden_size * self.moe.expert_intermediate_size * 2
+        """Bytes of one routed expert (gate, up and down, and scales where its format has them)."""
+        return expert_format(self.expert_format).expert_bytes(self.hidden_size, self.moe.expert_intermediate_size)
 
     def token_id(self, text: str) -> int:
         return self.tokens.special[text]
@@ -261,25 +254,28 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
     raise TypeError(f"spec field {path} has unsupported type {tp}")
 
 
-def _check(s: ModelSpec, source: str) -> None:
-    """Cross-field rules; each names the field that breaks it."""
+def checker(source: str) -> Need:
+    """The `need(ok, field, value, expected)` of the rules on a spec from `source`."""
 
     def need(ok: bool, path: str, value: Any, expected: str) -> None:
         if not ok:
             raise _fail(source, path, value, expected)
 
+    return need
+
+
+def _check(s: ModelSpec, source: str) -> None:
+    """Cross-field rules that hold in every family; each names the field that breaks it."""
+    need = checker(source)
     a, m = s.attention, s.moe
-    need(s.family in FAMILIES, "family", s.family, "one of " + ", ".join(FAMILIES))
     need(s.expert_format in FORMATS, "expert_format", s.expert_format, "one of " + ", ".join(FORMATS))
     # The default engine directory is build/<name>: a name that is not one plain file name would put it elsewhere.
     plain = 0 < len(s.name) <= MAX_NAME and s.name not in (".", "..") and not any(c in s.name for c in "/\\\0")
     need(plain, "name", s.name, f"a plain file name of at most {MAX_NAME} characters (no '/', '\\', '.' or '..')")
     _check_sizes(s, need)
-    need(a.kind in ATTENTION_KINDS, "attention.kind", a.kind, "one of " + ", ".join(ATTENTION_KINDS))
     need(a.num_heads % a.num_kv_heads == 0, "attention.num_kv_heads", a.num_kv_heads,
          f"a divisor of attention.num_heads ({a.num_heads})")
     need(a.head_dim % 2 == 0, "attention.head_dim", a.head_dim, "an even number (RoPE pairs)")
-    need(m.router in ROUTERS, "moe.router", m.router, "one of " + ", ".join(ROUTERS))
     need(m.top_k <= m.num_experts, "moe.top_k", m.top_k, f"at most moe.num_experts ({m.num_experts})")
     need(0 < s.norm.eps < 1, "norm.eps", s.norm.eps, "a number in (0, 1)")
     need(0 < s.rope.theta < math.inf, "rope.theta", s.rope.theta, "a positive finite number")
@@ -296,17 +292,6 @@ def _check(s: ModelSpec, source: str) -> None:
              f"one entry per layer ({s.num_layers})")
         for i, k in enumerate(s.layer_kinds):
             need(k in LAYER_KINDS, f"layer_kinds[{i}]", k, "one of " + ", ".join(LAYER_KINDS))
-    hybrid = s.family in HYBRID_FAMILIES
-    need(m.num_shared_experts in ((0, 1) if hybrid else (0,)), "moe.num_shared_experts", m.num_shared_experts,
-         f"0 or 1 for family {s.family}" if hybrid else f"0 for family {s.family} (it has no shared expert)")
-    if m.num_shared_experts:
-        need(m.shared_expert_intermediate_size > 0, "moe.shared_expert_intermediate_size",
-             m.shared_expert_intermediate_size, "a positive integer when moe.num_shared_experts is 1")
-    if not hybrid:
-        need(s.norm.kind == "rms", "norm.kind", s.norm.kind, f"'rms' for family {s.family}")
-        need(not a.output_gate, "attention.output_gate", a.output_gate, f"false for family {s.family}")
-        need(not s.linear_attention_layers, "layer_kinds", list(s.layer_kinds),
-             f"only full_attention layers for family {s.family}")
     _check_linear_attention(s, need)
     need(len(s.full_attention_layers) > 0, "layer_kinds", list(s.layer_kinds), "at least one full_attention layer")
     _check_tokens(s, need)
@@ -351,6 +336,7 @@ def _check_sizes(s: ModelSpec, need: Need) -> None:
         ("attention.num_kv_heads", a.num_kv_heads, 1, MAX_HEADS), ("attention.head_dim", a.head_dim, 1, MAX_HEAD_DIM),
         ("moe.num_experts", m.num_experts, 1, MAX_EXPERTS), ("moe.top_k", m.top_k, 1, MAX_TOP_K),
         ("moe.expert_intermediate_size", m.expert_intermediate_size, 1, MAX_INTERMEDIATE),
+        ("moe.num_shared_experts", m.num_shared_experts, 0, MAX_EXPERTS),
         ("moe.shared_expert_intermediate_size", m.shared_expert_intermediate_size, 0, MAX_INTERMEDIATE),
         ("moe.dense_intermediate_size", m.dense_intermediate_size, 0, MAX_INTERMEDIATE),
         ("max_position_embeddings", s.max_position_embeddings, 1, MAX_POSITIONS),

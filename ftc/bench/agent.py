@@ -1,4 +1,4 @@
-"""`ftc bench ENGINE agent`: a scripted coding-agent session replayed through the engine, turn by
+"""`ftc bench agent ENGINE`: a scripted coding-agent session replayed through the engine, turn by
 turn, as an agent resends its whole context: a system prompt, user turns, reasoning, tool calls and
 tool outputs of thousands of tokens, then an edit that replaces an old tool output with a short
 placeholder and goes on. Per turn: time to first token, prompt tokens restored from the prefix

@@ -1,4 +1,4 @@
-"""`ftc bench ENGINE decode`: decode speed with the experts split between a slot cache on the
+"""`ftc bench decode ENGINE`: decode speed with the experts split between a slot cache on the
 device and the CPU, the split's statistics, and the bandwidth bound of the steps that ran.
 
 The bound (DESIGN.md's performance model) per token: Σ over MoE layers of the miss time at the
@@ -46,16 +46,7 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
     warmup = 2 if engine.model.decode_graphs is not None else 0
     if new_tokens < warmup + 2:
         raise ValueError(f"new_tokens = {new_tokens}: decode benchmarks need at least {warmup + 2}")
-    gen = engine.generate(prompt, new_tokens, sampling, stop_at_eos=False)
-    t0 = warm_t0 = 0.0
-    for n, _ in enumerate(gen):
-        if n == 0:  # the prompt's token: prefill done
-            warm_t0 = time.perf_counter()
-        if n == warmup:  # decode statistics only, after the warm-up steps
-            experts.stats = OffloadStats(experts.device)
-            t0 = time.perf_counter()
-    decode_s = time.perf_counter() - t0
-    warmup_s = t0 - warm_t0
+    decode_s, warmup_s = _timed_decode(engine, prompt, new_tokens, sampling, warmup)
     s = experts.stats
     steps = new_tokens - 1 - warmup
     planner = experts.planner
@@ -77,6 +68,21 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
         "experts": s.to_dict(),
         "decode_graphs": engine.model.decode_graphs is not None,
     }
+
+
+def _timed_decode(engine: Engine, prompt: list[int], new_tokens: int, sampling: SamplingParams,
+                  warmup: int) -> tuple[float, float]:
+    """Seconds of the decode steps after `warmup` steps (whose statistics are dropped), and of those."""
+    experts = engine.model.experts
+    gen = engine.generate(prompt, new_tokens, sampling, stop_at_eos=False)
+    t0 = warm_t0 = 0.0
+    for n, _ in enumerate(gen):
+        if n == 0:  # the prompt's token: prefill done
+            warm_t0 = time.perf_counter()
+        if n == warmup:  # decode statistics only, after the warm-up steps
+            experts.stats = OffloadStats(experts.device)
+            t0 = time.perf_counter()
+    return time.perf_counter() - t0, t0 - warm_t0
 
 
 def _profile(engine: Engine, prompt: list[int], out: Path, sampling: SamplingParams) -> None:

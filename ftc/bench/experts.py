@@ -1,4 +1,4 @@
-"""`ftc bench ENGINE experts`: the CPU expert kernel's throughput in GB/s of expert weights, next
+"""`ftc bench experts ENGINE`: the CPU expert kernel's throughput in GB/s of expert weights, next
 to torch's bf16 matmul on the same experts and the machine's plain memory read bandwidth."""
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ from ftc_runtime.spec import ModelSpec
 
 
 def torch_bf16_gbps(spec: ModelSpec, pool: ftw.ExpertPool, tokens: int, seconds: float, seed: int = 0) -> dict:
-    """The same routed calls through torch's bf16 matmul, reading the pool's rows in place."""
+    """The same routed calls through torch's bf16 matmul. bf16 experts are read in place (the
+    format's reference is a view of the pool's rows); other formats' are dequantized per call."""
     row_bytes = sum(b.row_bytes for b in pool.header.banks)
 
     def call(layer: int, ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> int:
         xb = x.to(torch.bfloat16)
         experts = ids.unique().tolist()
         for expert in experts:
-            row = layer * spec.moe.num_experts + expert
-            gate, up = F.linear(xb, pool.expert_tensor("gate_up", row)).chunk(2, dim=-1)
-            F.linear(F.silu(gate) * up, pool.expert_tensor("down", row))
+            gate_up, down = (t.to(torch.bfloat16) for t in
+                             pool.header.dequantize(pool.experts[layer * spec.moe.num_experts + expert]))
+            gate, up = F.linear(xb, gate_up).chunk(2, dim=-1)
+            F.linear(F.silu(gate) * up, down)
         return len(experts) * row_bytes
 
     return routed_gbps(spec, tokens, seconds, call, seed)

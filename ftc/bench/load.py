@@ -1,4 +1,4 @@
-"""`ftc bench ENGINE load`: how fast an engine comes up, against the disk. The expert file's data
+"""`ftc bench load ENGINE`: how fast an engine comes up, against the disk. The expert file's data
 region is first read by one thread, sequentially, with O_DIRECT (the disk's own rate, nothing
 cached), then loaded by the engine's loader (parallel direct reads into the final buffer, every
 row's checksum checked), then the rest of the engine (dense weights, kernels, pinning) loads

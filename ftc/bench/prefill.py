@@ -1,4 +1,4 @@
-"""`ftc bench ENGINE prefill`: prompt throughput by length, with MoE layers streamed through two
+"""`ftc bench prefill ENGINE`: prompt throughput by length, with MoE layers streamed through two
 layer buffers (copies of layer l + 1 beside the compute of layer l) or through one (`--no-overlap`:
 load, then compute), against the PCIe ceiling: the bytes that crossed PCIe at the planner's B_P.
 """

@@ -1,67 +1,51 @@
-"""`ftc compile | inspect | run | bench | profile | trace`. Only argument parsing and printing live here."""
+"""`ftc compile | inspect | run | bench | profile | trace` (the benchmarks in ftc/cli/bench.py). Only
+argument parsing and printing live here."""
 
 from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from ftc.cli.bench import bench_app
+from ftc.cli.errors import fail, user_errors
 from ftc.cli.options import (
     MAX_SEED,
+    AllowedHostsArg,
+    ApiKeyArg,
+    ApiKeysFileArg,
     CachePolicyArg,
     CpuExpertsArg,
+    HostArg,
+    MaxBatchArg,
+    MaxBodyBytesArg,
+    MaxPromptTokensArg,
+    MaxTokensArg,
     MissPolicyArg,
+    PortArg,
     PrefillChunkArg,
+    PrefixCacheArg,
     SlotsArg,
     VramBudgetArg,
-    cache_size,
     check_device,
     check_run_mode,
-    engine_in_memory,
     err,
     number_in,
     offload_config,
     output_file,
-    parse_ids,
-    positive_size,
     prompt_ids_for,
     reprofile_engine,
-    routing_for,
     server_config,
     size,
 )
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="ftc, the FreeToken compiler: MoE models compiled into engines for one machine.")
-
-
-def _fail(e: Exception) -> None:
-    # Plain text: messages carry paths and user input, which must be neither wrapped nor read as markup.
-    typer.echo(f"error: {e}", err=True)
-    raise typer.Exit(1)
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from ftc.codegen.build import BuildError
-    from ftc.codegen.kernel_check import KernelCheckError
-    from ftc.codegen.render import CodegenError
-    from ftc.compile.checkpoint import CheckpointError
-    from ftc.compile.targets import TargetError
-    from ftc_runtime.artifact import ArtifactError
-    from ftc_runtime.experts.cpu_kernel import KernelError
-    from ftc_runtime.io.ftw import FtwError
-    from ftc_runtime.settings import SettingsError
-    from ftc_runtime.spec import SpecError
-
-    return (ArtifactError, FtwError, KernelError, SettingsError, SpecError, BuildError, CheckpointError,
-            CodegenError, KernelCheckError, TargetError, ValueError, OSError, RuntimeError)
 
 
 @app.command()
@@ -79,12 +63,12 @@ def compile(
     from ftc.compile.pipeline import CompileOptions, compile_engine
 
     if random_weights and checkpoint:
-        _fail(ValueError("give either --checkpoint or --random-weights, not both"))
+        fail(ValueError("give either --checkpoint or --random-weights, not both"))
     try:
         compile_engine(CompileOptions(source, target, output, checkpoint, random_weights, seed,
                                       tuple(override or ()), force=force), err)
-    except _user_errors() as e:
-        _fail(e)
+    except user_errors() as e:
+        fail(e)
 
 
 @app.command()
@@ -100,14 +84,15 @@ def inspect(
 
     try:
         tables = inspect_engine(engine, verify, vram_budget, max_context)
-    except _user_errors() as e:
-        _fail(e)
+    except user_errors() as e:
+        fail(e)
     out = Console()
     for t in tables:
         out.print(t)
 
 
 @app.command()
+# Longer than 50 lines only by its signature: the 30 options are typer's parameters, one per line.
 def run(
     ctx: typer.Context,
     engine: Annotated[Path, typer.Argument(help="Engine directory.")],
@@ -132,31 +117,20 @@ def run(
     prefill_chunk: PrefillChunkArg = None,
     serve: Annotated[bool, typer.Option("--serve", help="Serve the OpenAI and Anthropic APIs over HTTP "
                                         "instead.")] = False,
-    host: Annotated[str, typer.Option(help="--serve: address to bind (loopback unless told).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="--serve: TCP port.")] = 8000,
-    api_key: Annotated[str | None, typer.Option(envvar="FTC_API_KEY", help="--serve: require this key "
-                                                "(Authorization: Bearer KEY or x-api-key); never empty.")] = None,
-    api_keys_file: Annotated[Path | None, typer.Option(help="--serve: a file of keys, one per line (# comments); "
-                                                       "each user's own prefix-cache namespace.")] = None,
-    allowed_hosts: Annotated[str | None, typer.Option(help="--serve: Host header names answered, comma-separated; "
-                                                      "* for any (default: the loopback names when bound to "
-                                                      "loopback, else any).")] = None,
-    max_body_bytes: Annotated[int | None, typer.Option(parser=positive_size, metavar="SIZE", help="--serve: largest "
-                                                       "request body accepted, e.g. 16MiB (default: 8MiB).")] = None,
-    max_batch: Annotated[int, typer.Option(min=1, help="--serve: requests decoded together at most.")] = 16,
-    max_prompt_tokens: Annotated[int, typer.Option(min=1, help="--serve: longest prompt accepted.")] = 32768,
-    max_tokens: Annotated[int, typer.Option(min=1, help="--serve: most tokens one answer may have.")] = 8192,
-    prefix_cache: Annotated[int | None, typer.Option(parser=cache_size, metavar="SIZE|auto", help="--serve: memory "
-                                                     "for past sequences' KV that later prompts resume from: auto "
-                                                     "(an eighth of the VRAM budget on a device, else a quarter of "
-                                                     "the free host memory, at most 8GiB), a size such as 4GiB, or "
-                                                     "0 (off); as much again for the hybrid models' recurrent-state "
-                                                     "checkpoints.")] = "auto",
+    host: HostArg = "127.0.0.1",
+    port: PortArg = 8000,
+    api_key: ApiKeyArg = None,
+    api_keys_file: ApiKeysFileArg = None,
+    allowed_hosts: AllowedHostsArg = None,
+    max_body_bytes: MaxBodyBytesArg = None,
+    max_batch: MaxBatchArg = 16,
+    max_prompt_tokens: MaxPromptTokensArg = 32768,
+    max_tokens: MaxTokensArg = 8192,
+    prefix_cache: PrefixCacheArg = "auto",
 ) -> None:
     """Generate from a prompt, streaming the text (or one JSON object with --json); or, with
     --serve, answer the OpenAI and Anthropic APIs over HTTP."""
-    from ftc_runtime import Engine, SamplingParams
-    from ftc_runtime.chat.tokenizer import StreamDecoder
+    from ftc_runtime import SamplingParams
 
     try:
         check_run_mode(ctx, serve)
@@ -167,11 +141,21 @@ def run(
         elif (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
         given_ids = prompt_ids_for(prompt_ids, engine) if prompt_ids is not None else None
-    except _user_errors() as e:
-        _fail(e)
+    except user_errors() as e:
+        fail(e)
     if serve:
         _serve(engine, offload, prefill_chunk, host, port, config, prefix_cache)
         return
+    _generate(engine, offload, prefill_chunk, reprofile, given_ids, prompt, max_new_tokens,
+              SamplingParams(temperature, top_p, seed), not ignore_eos, as_json)
+
+
+def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, given_ids: list[int] | None,
+              prompt: str | None, max_new_tokens: int, sampling, stop_at_eos: bool, as_json: bool) -> None:
+    """Loads the engine and generates, streaming the text (or printing one JSON object at the end)."""
+    from ftc_runtime import Engine
+    from ftc_runtime.chat.tokenizer import StreamDecoder
+
     try:
         t0 = time.perf_counter()
         eng = Engine.load(engine, show_progress=not as_json, offload=offload, prefill_chunk=prefill_chunk)
@@ -179,7 +163,7 @@ def run(
         if reprofile:
             reprofile_engine(engine, eng, offload)
         ids = given_ids if given_ids is not None else eng.tokenizer.encode(prompt)
-        gen = eng.generate(ids, max_new_tokens, SamplingParams(temperature, top_p, seed), not ignore_eos)
+        gen = eng.generate(ids, max_new_tokens, sampling, stop_at_eos)
         decoder = StreamDecoder(eng.tokenizer)
         tokens = []
         for token in gen:
@@ -188,8 +172,8 @@ def run(
             if not as_json:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
-    except _user_errors() as e:
-        _fail(e)
+    except user_errors() as e:
+        fail(e)
     s = gen.stats
     timings = {"load_s": round(load_s, 4), "prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4),
                "prefill_tok_s": round(s.prefill_tok_s, 2), "decode_tok_s": round(s.decode_tok_s, 2)}
@@ -219,8 +203,8 @@ def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: in
         if kv_bytes:
             eng.enable_prefix_cache(kv_bytes, kv_bytes)
         app = create_app(eng, ServerConfig(model_name=eng.spec.name, **config))
-    except _user_errors() as e:
-        _fail(e)
+    except user_errors() as e:
+        fail(e)
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"  # an IPv6 address goes in brackets
     cache = f"prefix cache {gib(kv_bytes)}" if kv_bytes else "no prefix cache"
     # Plain text, as in _fail: the address must be neither wrapped nor read as markup.
@@ -229,110 +213,7 @@ def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: in
     run_server(app, host, port)
 
 
-class BenchKind(str, Enum):
-    experts = "experts"
-    decode = "decode"
-    prefill = "prefill"
-    agent = "agent"
-    load = "load"
-
-
-@app.command()
-def bench(
-    engine: Annotated[Path, typer.Argument(help="Engine directory, or a spec YAML with --random-weights.")],
-    kind: Annotated[BenchKind, typer.Argument(help="What to measure.")],
-    tokens: Annotated[int, typer.Option(min=1, help="Tokens per call (experts).")] = 1,
-    threads: Annotated[int | None, typer.Option(min=1, help="CPU workers (default: the plan's).")] = None,
-    seconds: Annotated[float, typer.Option(parser=number_in(0, low_open=True), help="Seconds per "
-                                           "measurement.")] = 3.0,
-    output: Annotated[Path | None, typer.Option("-o", "--output", parser=output_file, help="Also write the JSON "
-                                                "here.")] = None,
-    device: Annotated[str, typer.Option(help="decode: torch device of the model and slot cache.")] = "cuda",
-    vram_budget: VramBudgetArg = None,
-    slots: SlotsArg = None,
-    miss_policy: MissPolicyArg = "adaptive",
-    cache_policy: CachePolicyArg = "lru",
-    cpu_experts: CpuExpertsArg = False,
-    routing_trace: Annotated[Path | None, typer.Option(help="decode: replay this trace (.npz).")] = None,
-    synthetic_locality: Annotated[float | None, typer.Option(parser=number_in(0, 1), help="decode: replay a "
-                                                             "synthetic trace of this locality, in [0, 1].")] = None,
-    prompt_tokens: Annotated[int, typer.Option(min=1, help="decode: prompt length.")] = 128,
-    new_tokens: Annotated[int, typer.Option(min=2, help="decode: tokens to generate.")] = 64,
-    random_weights: Annotated[bool, typer.Option("--random-weights", help="SPEC: random weights, generated "
-                                                 "straight into memory (no weight file).")] = False,
-    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="SPEC: seed for --random-weights.")] = 0,
-    target: Annotated[str, typer.Option(help="SPEC: hardware target.")] = "auto",
-    override: Annotated[list[str] | None, typer.Option(help="SPEC: edit a spec field, FIELD=VALUE.")] = None,
-    lengths: Annotated[str, typer.Option(help="prefill: prompt lengths, comma-separated.")] = "1024,2048,4096,8192",
-    no_overlap: Annotated[bool, typer.Option("--no-overlap", help="prefill: one layer buffer, load then "
-                                             "compute (the baseline).")] = False,
-    compare: Annotated[bool, typer.Option("--compare", help="prefill: both modes, two buffers and one; agent: "
-                                          "with the cache, without checkpoints, without any cache.")] = False,
-    prefill_chunk: PrefillChunkArg = None,
-    stream_min_tokens: Annotated[int | None, typer.Option(min=1, help="Prompt chunks of at least this many tokens "
-                                                          "stream whole MoE layers (default: the plan's); shorter "
-                                                          "ones split their misses as decode does.")] = None,
-    plot: Annotated[Path | None, typer.Option(parser=output_file, help="prefill: tok/s against length; agent: "
-                                              "time to first token per turn (PNG).")] = None,
-    session_tokens: Annotated[int, typer.Option(min=1, help="agent: the session grows to about this many "
-                                                "tokens.")] = 20000,
-    tool_output_tokens: Annotated[int, typer.Option(min=1, help="agent: tokens of each tool output.")] = 2000,
-    prefix_cache: Annotated[int, typer.Option(parser=size, metavar="SIZE", help="agent: KV memory of the prefix "
-                                              "cache.")] = "8GiB",
-    checkpoint_cache: Annotated[int, typer.Option(parser=size, metavar="SIZE", help="agent: memory for "
-                                                  "recurrent-state checkpoints.")] = "4GiB",
-    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="agent: no cache at all.")] = False,
-    no_checkpoints: Annotated[bool, typer.Option("--no-checkpoints", help="agent: the KV cache only (a hybrid "
-                                                 "model then cannot resume).")] = False,
-) -> None:
-    """Measure an engine, or a spec built in memory with random weights; prints JSON."""
-    from ftc.bench.agent import bench_agent, plot_agent
-    from ftc.bench.decode import bench_decode
-    from ftc.bench.experts import bench_experts
-    from ftc.bench.load import bench_load
-    from ftc.bench.prefill import bench_prefill, plot_prefill
-    from ftc_runtime.artifact import EngineManifest
-
-    try:
-        # Options checked before a spec's engine is built in memory. The experts benchmark uses no
-        # device: its default, cuda, need not exist.
-        offload = None if kind == BenchKind.experts else offload_config(
-            device, vram_budget, slots, miss_policy, cache_policy, cpu_experts, stream_min_tokens)
-        prompt_lengths = parse_ids(lengths, "--lengths", low=1)
-        with tempfile.TemporaryDirectory(prefix="ftc-bench-") as tmp:
-            pool = None
-            if engine.is_file():
-                engine, pool = engine_in_memory(engine, random_weights, seed, target, override, Path(tmp))
-            if kind == BenchKind.experts:
-                result = bench_experts(engine, tokens, threads, seconds, pool=pool)
-            elif kind == BenchKind.prefill:
-                modes = [True, False] if compare else [not no_overlap]
-                result = bench_prefill(engine, offload, prompt_lengths, modes, prefill_chunk, seed, pool)
-                if plot:
-                    plot_prefill(result, plot)
-            elif kind == BenchKind.load:
-                if pool is not None:
-                    raise ValueError("bench load: give a compiled engine directory (a random-weight spec has no "
-                                     "file to load)")
-                result = bench_load(engine, offload)
-            elif kind == BenchKind.agent:
-                modes = (["cache", "no-checkpoints", "no-prefix-cache"] if compare else
-                         ["no-prefix-cache" if no_prefix_cache else "no-checkpoints" if no_checkpoints else "cache"])
-                result = bench_agent(engine, offload, modes, session_tokens, tool_output_tokens,
-                                     prefix_cache, checkpoint_cache, seed=seed, pool=pool,
-                                     prefill_chunk=prefill_chunk)
-                if plot:
-                    plot_agent(result, plot)
-            else:
-                spec = EngineManifest.read(engine).spec
-                trace, routing = routing_for(routing_trace, synthetic_locality, spec, 0)
-                result = bench_decode(engine, offload, trace, routing, prompt_tokens, new_tokens, pool=pool)
-            text = json.dumps(result, indent=1)
-            if output:
-                output.write_text(text + "\n")
-    except _user_errors() as e:
-        _fail(e)
-    print(text)
+app.add_typer(bench_app, name="bench")
 
 
 @app.command()
@@ -362,8 +243,8 @@ def profile(
             prof.to_yaml(output)
         if store:
             store_profile(engine, dataclasses.asdict(prof))
-    except _user_errors() as e:
-        _fail(e)
+    except user_errors() as e:
+        fail(e)
     print(json.dumps(dataclasses.asdict(prof), indent=1))
 
 
@@ -381,7 +262,7 @@ def trace(
     from ftc_runtime.experts.routing_trace import TraceRecorder
 
     if (prompt is None) == (prompt_ids is None):
-        _fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
+        fail(ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3"))
     try:
         given = prompt_ids_for(prompt_ids, engine) if prompt_ids is not None else None
         eng = Engine.load(engine)
@@ -391,8 +272,8 @@ def trace(
         for _ in eng.generate(ids, max_new_tokens, SamplingParams(0.0), stop_at_eos=False):
             pass
         recorder.trace(len(ids)).save(output)
-    except _user_errors() as e:
-        _fail(e)
+    except user_errors() as e:
+        fail(e)
     err.print(f"recorded {len(ids) + max_new_tokens - 1} tokens × {len(eng.spec.moe_layers)} MoE layers → {output}")
 
 

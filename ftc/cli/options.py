@@ -79,6 +79,28 @@ CpuExpertsArg = Annotated[bool, typer.Option("--cpu-experts", help="With --devic
                                              "the rest of the model on the device.")]
 PrefillChunkArg = Annotated[int | None, typer.Option(min=1, help="Prompt chunk in tokens (default: the plan's).")]
 
+# --serve's options.
+HostArg = Annotated[str, typer.Option(help="--serve: address to bind (loopback unless told).")]
+PortArg = Annotated[int, typer.Option(min=1, max=65535, help="--serve: TCP port.")]
+ApiKeyArg = Annotated[str | None, typer.Option(envvar="FTC_API_KEY", help="--serve: require this key "
+                                               "(Authorization: Bearer KEY or x-api-key); never empty.")]
+ApiKeysFileArg = Annotated[Path | None, typer.Option(help="--serve: a file of keys, one per line (# comments); "
+                                                     "each user's own prefix-cache namespace.")]
+AllowedHostsArg = Annotated[str | None, typer.Option(help="--serve: Host header names answered, comma-separated; "
+                                                     "* for any (default: the loopback names when bound to "
+                                                     "loopback, else any).")]
+MaxBodyBytesArg = Annotated[int | None, typer.Option(parser=positive_size, metavar="SIZE", help="--serve: largest "
+                                                     "request body accepted, e.g. 16MiB (default: 8MiB).")]
+MaxBatchArg = Annotated[int, typer.Option(min=1, help="--serve: requests decoded together at most.")]
+MaxPromptTokensArg = Annotated[int, typer.Option(min=1, help="--serve: longest prompt accepted.")]
+MaxTokensArg = Annotated[int, typer.Option(min=1, help="--serve: most tokens one answer may have.")]
+PrefixCacheArg = Annotated[int | None, typer.Option(parser=cache_size, metavar="SIZE|auto", help="--serve: memory "
+                                                    "for past sequences' KV that later prompts resume from: auto "
+                                                    "(an eighth of the VRAM budget on a device, else a quarter of "
+                                                    "the free host memory, at most 8GiB), a size such as 4GiB, or "
+                                                    "0 (off); as much again for the hybrid models' recurrent-state "
+                                                    "checkpoints.")]
+
 
 def check_device(device: str) -> str:
     """`device` if this machine has it: 'cpu', or 'cuda[:N]' with that GPU present. (Without the
@@ -98,8 +120,8 @@ def check_device(device: str) -> str:
     return device
 
 
-def offload_config(device: str | None, vram_budget: int | None, slots: int | None, miss_policy: str,
-                   cache_policy: str, cpu_experts: bool = False, stream_min_tokens: int | None = None):
+def offload_config(device: str | None, vram_budget: int | None, slots: int | None, miss_policy: str = "adaptive",
+                   cache_policy: str = "lru", cpu_experts: bool = False, stream_min_tokens: int | None = None):
     """The OffloadConfig for --device and its options (None: every expert on the CPU)."""
     from ftc_runtime.engine import OffloadConfig
 

@@ -10,22 +10,22 @@ from typing import Any
 import jinja2
 
 from ftc_runtime.artifact import TRITON_EXPERT_FILE, Plan
-from ftc_runtime.io.ftw import FtwHeader, bf16_expert_banks
+from ftc_runtime.formats import expert_format
+from ftc_runtime.io.ftw import FtwHeader
 from ftc_runtime.spec import ModelSpec
 
 TEMPLATE_DIR = Path(str(files("ftc_templates")))
 CSRC_DIR = Path(str(files("ftc_runtime") / "csrc"))
 RUNTIME_SOURCES = ("worker_pool.h", "worker_pool.cpp", "token_plan.cpp")
-
-CPU_KERNELS = {
-    "avx512_bf16": ("cpu/expert_ffn_avx512.cpp.j2", 32,
-                    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]),
-    "avx2": ("cpu/expert_ffn_avx2.cpp.j2", 8, ["-mavx2", "-mfma"]),
+# The compiler flags of each ISA; which template a kernel comes from is its expert format's choice.
+ISA_COMPILE_FLAGS = {
+    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
+    "avx2": ["-mavx2", "-mfma"],
 }
 
 
 class CodegenError(ValueError):
-    """The spec's shapes do not fit the chosen kernel; the message names the field."""
+    """The spec's shapes or format do not fit the chosen kernel; the message names the field."""
 
 
 def _env() -> jinja2.Environment:
@@ -34,42 +34,52 @@ def _env() -> jinja2.Environment:
 
 
 def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[dict[str, Any]]:
-    """Writes the expert kernel, the runtime's fixed C++ core and a CMakeLists.txt into
-    `kernels_dir`; returns the kernel table for engine.json."""
-    template, step, flags = CPU_KERNELS[plan.isa]
+    """Writes the expert kernel of the spec's expert format for the plan's ISA, the runtime's fixed
+    C++ core and a CMakeLists.txt into `kernels_dir`; returns the kernel table for engine.json."""
+    fmt = expert_format(spec.expert_format)
+    if plan.isa not in fmt.cpu_templates:
+        raise CodegenError(f"spec field 'expert_format' = {fmt.name!r}: no CPU kernel for {plan.isa} (it has "
+                           f"{', '.join(fmt.cpu_templates) or 'none'})")
+    kernel = fmt.cpu_templates[plan.isa]
     h, i = spec.hidden_size, spec.moe.expert_intermediate_size
     for field, value in (("hidden_size", h), ("moe.expert_intermediate_size", i)):
-        if value % step:
-            raise CodegenError(f"spec field '{field}' = {value}: the {plan.isa} kernel needs a multiple of {step}")
+        if value % kernel.step:
+            raise CodegenError(f"spec field '{field}' = {value}: the {fmt.name} {plan.isa} kernel needs a multiple "
+                               f"of {kernel.step}")
     kernels_dir.mkdir(parents=True, exist_ok=True)
     env = _env()
     source = f"expert_ffn_{plan.isa}.cpp"
-    (kernels_dir / source).write_text(env.get_template(template).render(
-        template=Path(template).name, isa=plan.isa, hidden=h, intermediate=i,
-        buckets=list(plan.batch_buckets), gate_up_chunk=plan.gate_up_chunk, down_chunk=plan.down_chunk,
-        prefetch_rows=plan.prefetch_rows))
+    (kernels_dir / source).write_text(env.get_template(kernel.path).render(
+        template=kernel.path, expert_format=fmt.name, row_ctype=fmt.row_ctype, isa=plan.isa, hidden=h,
+        intermediate=i, buckets=list(plan.batch_buckets), gate_up_chunk=plan.gate_up_chunk,
+        down_chunk=plan.down_chunk, prefetch_rows=plan.prefetch_rows))
     for name in RUNTIME_SOURCES:
         shutil.copyfile(CSRC_DIR / name, kernels_dir / name)
     (kernels_dir / "CMakeLists.txt").write_text(env.get_template("CMakeLists.txt.j2").render(
-        isa=plan.isa, sources=[source, "worker_pool.cpp", "token_plan.cpp"], isa_flags=flags))
+        isa=plan.isa, sources=[source, "worker_pool.cpp", "token_plan.cpp"], isa_flags=ISA_COMPILE_FLAGS[plan.isa]))
     return [{"name": "expert_ffn", "symbol": "ftc_expert_ffn", "source": f"kernels/{source}",
-             "isa": plan.isa, "shapes": {"hidden": h, "intermediate": i},
+             "isa": plan.isa, "expert_format": fmt.name, "shapes": {"hidden": h, "intermediate": i},
              "batch_buckets": list(plan.batch_buckets)}]
 
 
 def render_triton_kernels(spec: ModelSpec, kernels_dir: Path) -> list[dict[str, Any]]:
-    """The GPU expert kernels over cache slots, for the slots' FTW row layout: one for decode (a
-    few tokens per expert), one grouped GEMM for prompt chunks (many tokens per expert).
-    Rendered on every machine; the runtime imports it only where a GPU runs the engine."""
+    """The GPU expert kernels of the spec's expert format over cache slots, for the slots' FTW row
+    layout: one for decode (a few tokens per expert), one grouped GEMM for prompt chunks (many
+    tokens per expert). Rendered on every machine; the runtime imports it only where a GPU runs
+    the engine."""
     h, i = spec.hidden_size, spec.moe.expert_intermediate_size
-    header = FtwHeader.create(1, 1, bf16_expert_banks(h, i))
+    fmt = expert_format(spec.expert_format)
+    header = FtwHeader.create(fmt.name, 1, 1, h, i)
+    unit = fmt.slot_dtype.itemsize  # offsets and strides in the elements the kernels view the slots as
     kernels_dir.mkdir(parents=True, exist_ok=True)
     path = kernels_dir / Path(TRITON_EXPERT_FILE).name
-    path.write_text(_env().get_template("triton/expert_ffn.py.j2").render(
-        hidden=h, intermediate=i, slot_stride=header.expert_stride // 2,
-        gate_up_offset=header.bank("gate_up").offset // 2, down_offset=header.bank("down").offset // 2,
+    path.write_text(_env().get_template(fmt.triton_template).render(
+        template=fmt.triton_template, expert_format=fmt.name, slot_dtype=str(fmt.slot_dtype), hidden=h,
+        intermediate=i, slot_stride=header.expert_stride // unit, gate_up_offset=header.bank("gate_up").offset // unit,
+        down_offset=header.bank("down").offset // unit,
         block_i=16, block_h=256, block_out=32, block_in=128, group_block_m=64, group_block_n=64, group_block_k=64))
+    shapes = {"hidden": h, "intermediate": i}
     return [{"name": "expert_ffn_gpu", "symbol": "expert_ffn", "source": TRITON_EXPERT_FILE, "isa": "triton",
-             "shapes": {"hidden": h, "intermediate": i}},
+             "expert_format": fmt.name, "shapes": shapes},
             {"name": "grouped_expert_ffn_gpu", "symbol": "grouped_expert_ffn", "source": TRITON_EXPERT_FILE,
-             "isa": "triton", "shapes": {"hidden": h, "intermediate": i}}]
+             "isa": "triton", "expert_format": fmt.name, "shapes": shapes}]

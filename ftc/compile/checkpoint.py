@@ -8,11 +8,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ftc_runtime.models.base import CheckpointError
+
 ACCEPTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class CheckpointError(ValueError):
-    """The checkpoint is incomplete or has a tensor of the wrong name, shape or dtype, or non-finite values."""
 
 
 def nonfinite_count(t: torch.Tensor) -> int:

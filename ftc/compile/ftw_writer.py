@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from ftc.compile.checkpoint import nonfinite_count
+from ftc_runtime.formats.base import EXPERT_TENSORS, expert_shapes
 from ftc_runtime.io.ftw import FtwHeader, encode_trailer, round_up, row_checksum
 
 
 class FtwWriter:
-    """Append experts in id order (`l·E + e`), each as {bank name: bf16 tensor of the row shape}."""
+    """Append experts in id order (`l·E + e`), each as its float tensors {"gate_up": [2I, H] (gate
+    rows first), "down": [H, I]} (any float dtype); the header's expert format encodes them."""
 
     def __init__(self, path: Path, header: FtwHeader):
         self.path, self.header = path, header
+        self.format = header.format
         self._f = open(path, "wb")
         self._sha = hashlib.sha256()
         self._checksums: dict[str, list[int]] = {b.name: [] for b in header.banks}
@@ -25,22 +29,29 @@ class FtwWriter:
         self._f.write(data)
         self._sha.update(data)
 
-    def append(self, rows: dict[str, torch.Tensor]) -> None:
-        n = len(self._checksums[self.header.banks[0].name])
-        if n >= self.header.num_rows:
-            raise ValueError(f"{self.path.name}: more than {self.header.num_rows} experts appended")
-        for bank in self.header.banks:
-            t = rows[bank.name]
-            if tuple(t.shape) != bank.row_shape or t.dtype != torch.bfloat16:
-                raise ValueError(f"expert {n}, bank '{bank.name}': got {t.dtype} {tuple(t.shape)}, "
-                                 f"expected bfloat16 {bank.row_shape}")
+    def append(self, expert: Mapping[str, torch.Tensor]) -> None:
+        h = self.header
+        n = len(self._checksums[h.banks[0].name])
+        if n >= h.num_rows:
+            raise ValueError(f"{self.path.name}: more than {h.num_rows} experts appended")
+        where = f"expert {n} (MoE layer {n // h.num_experts}, expert {n % h.num_experts})"
+        for name, shape in expert_shapes(h.hidden, h.intermediate).items():
+            t = expert[name]
+            if tuple(t.shape) != shape or not t.is_floating_point():
+                raise ValueError(f"{where}, bank '{name}': got {t.dtype} {tuple(t.shape)}, expected a float tensor "
+                                 f"of shape {shape}")
+        rows = self.format.encode(*(expert[name] for name in EXPERT_TENSORS))
+        # What the engine will hold, decoded: NaN or Inf in the input, or beyond the format's range.
+        for name, t in zip(EXPERT_TENSORS, self.format.dequantize(rows, h.hidden, h.intermediate), strict=True):
             bad = nonfinite_count(t)
             if bad:
-                layer, expert = divmod(n, self.header.num_experts)
-                raise ValueError(f"{self.path}: expert {n} (MoE layer {layer}, expert {expert}), bank "
-                                 f"'{bank.name}': {bad} NaN or Inf values of {t.numel()}; an engine holds "
-                                 "finite weights only")
-            raw = t.contiguous().view(torch.uint8).reshape(-1)
+                raise ValueError(f"{self.path}: {where}, bank '{name}': {bad} NaN or Inf values of {t.numel()} "
+                                 f"({self.format.name}); an engine holds finite weights only")
+        for bank in h.banks:
+            raw = rows[bank.name]
+            if raw.dtype != torch.uint8 or raw.shape != (bank.row_bytes,):
+                raise ValueError(f"{where}: the {self.format.name} encoder gave bank '{bank.name}' a row of "
+                                 f"{raw.dtype} {tuple(raw.shape)}, expected {bank.row_bytes} bytes")
             self._checksums[bank.name].append(row_checksum(raw))
             self._write(memoryview(raw.numpy()))
             self._write(bytes(round_up(bank.row_bytes) - bank.row_bytes))

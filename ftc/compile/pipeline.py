@@ -56,7 +56,7 @@ from ftc_runtime.artifact import (
 from ftc_runtime.chat.template import ChatTemplate, ChatTemplateError
 from ftc_runtime.cpu_info import missing_flags, worker_cpus
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
-from ftc_runtime.io.ftw import ExpertPool, FtwHeader, bf16_expert_banks, read_header
+from ftc_runtime.io.ftw import ExpertPool, FtwHeader, read_header
 from ftc_runtime.models import family
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec, SpecError
@@ -185,32 +185,36 @@ def _write_dense(weights: WeightSource, staging: Path, progress: Progress, spec:
     save_file(tensors, str(staging / DENSE_FILE), metadata={"format": "pt"})
 
 
+def _ftw_header(spec: ModelSpec) -> FtwHeader:
+    """The FTW header of the spec's routed experts, in its expert format."""
+    return FtwHeader.create(spec.expert_format, len(spec.moe_layers), spec.moe.num_experts, spec.hidden_size,
+                            spec.moe.expert_intermediate_size)
+
+
 def _write_experts(weights: WeightSource, spec: ModelSpec, staging: Path, progress: Progress) -> str:
-    h, i, e = spec.hidden_size, spec.moe.expert_intermediate_size, spec.moe.num_experts
-    header = FtwHeader.create(len(spec.moe_layers), e, bf16_expert_banks(h, i))
+    header = _ftw_header(spec)
     task = progress.add_task("experts → FTW", total=header.num_rows)
     writer = FtwWriter(staging / EXPERTS_FILE, header)
     for layer in spec.moe_layers:
-        for expert in range(e):
+        for expert in range(spec.moe.num_experts):
             writer.append(weights.expert(layer, expert))
             progress.advance(task)
     return writer.close()
 
 
 def _experts_in_memory(weights: WeightSource, spec: ModelSpec, progress: Progress) -> ExpertPool:
-    """The FTW data region built in host memory, experts generated on all cores (torch releases
-    the GIL while it draws), so a 60 GB model needs no 60 GB file."""
-    header = FtwHeader.create(len(spec.moe_layers), spec.moe.num_experts,
-                              bf16_expert_banks(spec.hidden_size, spec.moe.expert_intermediate_size))
+    """The FTW data region built in host memory, experts generated and encoded on all cores (torch
+    releases the GIL while it draws), so a 60 GB model needs no 60 GB file."""
+    header = _ftw_header(spec)
     pool = ExpertPool(header, torch.empty(header.data_bytes, dtype=torch.uint8))
-    rows = pool.buffer.view(header.num_rows, header.expert_stride)
     task = progress.add_task("experts → memory", total=header.num_rows)
 
     def fill(row: int) -> None:
         layer, expert = divmod(row, header.num_experts)
         tensors = weights.expert(spec.moe_layers[layer], expert)
-        for b in header.banks:
-            rows[row, b.offset:b.offset + b.row_bytes] = tensors[b.name].contiguous().view(torch.uint8).reshape(-1)
+        encoded = header.format.encode(tensors["gate_up"], tensors["down"])
+        for name, dst in header.rows(pool.experts[row]).items():
+            dst.copy_(encoded[name])
         progress.advance(task)
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:

@@ -25,7 +25,8 @@ class WeightSource(Protocol):
         """Every non-expert tensor, bf16, by checkpoint name."""
 
     def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """Expert `expert` of decoder layer `layer` as FTW bank rows: gate_up [2I, H], down [H, I]."""
+        """Expert `expert` of decoder layer `layer` as float tensors gate_up [2I, H] (gate rows first) and
+        down [H, I], which the expert format encodes into its FTW banks."""
 
 
 class CheckpointWeights:

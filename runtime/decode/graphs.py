@@ -55,15 +55,14 @@ class DecodeGraphs(ABC):
         self.shared: torch.Tensor | None = None  # a shared expert's output, where the family has one
         self.fns = self.functions()
         if compile_fns:
-            # Compiled in this process, without a pool of compile workers: with one, the CPU experts
-            # of the run right after compiling were 5× slower on the device (probably those
-            # workers, still busy, on the cores of the expert workers).
+            # Compiled in this process, without a pool of compile workers: those workers, still
+            # busy after compiling, would sit on the cores of the CPU expert workers.
             import torch._inductor.config as inductor_config
 
             inductor_config.compile_threads = 1
             # decode_attention stays eager: its key length changes with every doubling of the KV
             # storage, and each new length would compile it again until dynamo's recompile limit
-            # fails the step (an agent session at 20K tokens did); it is two matmuls and a softmax.
+            # fails the step (in a long agent session); it is two matmuls and a softmax.
             eager, self.fns = self.fns, {name: f if name == "decode_attention" else
                                          torch.compile(f, dynamic=False, fullgraph=True)
                                          for name, f in self.fns.items()}

@@ -9,9 +9,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
-from ftc_runtime.io.ftw import ExpertPool
-
 
 class RoutingHook(Protocol):
     """Sees, and may replace, the router's choice on the host: benchmarks replay a trace
@@ -100,19 +97,3 @@ def group_by_expert(base_id: int, ids: torch.Tensor, weights: torch.Tensor) -> t
     return Routing.build(base_id, ids.cpu().numpy(), weights.float().cpu().numpy()).tensors()
 
 
-class CpuExperts(ExpertBackend):
-    """Every routed expert in place in the host pool, through the engine's generated kernel."""
-
-    def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel):
-        self.pool, self.kernel = pool, kernel
-        self.num_experts = pool.header.num_experts
-        self.gate_up, self.down = pool.bank("gate_up"), pool.bank("down")
-
-    def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                first_position: int = 0) -> torch.Tensor:
-        x = x.contiguous()
-        out = torch.zeros_like(x)
-        ids, w = self.routed(moe_layer, first_position, ids.numpy().astype(np.int64), weights.float().numpy())
-        routing = Routing.build(moe_layer * self.num_experts, ids, w)
-        self.kernel.run(self.gate_up, self.down, x, out, *routing.tensors())
-        return out

@@ -22,12 +22,11 @@ from ftc_runtime.experts.vram_plan import VramError, VramPlan, gib
 
 # (total bytes of the device, bytes that other processes hold on it)
 MemoryInfo = Callable[[], tuple[int, int]]
-# A rebuild copies every kept expert back from host memory (about 19 GB, 0.4 s, in qwen3.6's split
-# of 32 GiB), so rebuilds must be rare: a shrink goes this share of the count below the fit, so
-# that a KV cache (or a prefix cache) growing turn by turn does not rebuild at every safe point
-# (on the device an agent session did, and paid 0.4-0.6 s of each turn's time to first token),
-# and growing waits until the fit is twice that share above the count, so that a shrink is not
-# undone at the next safe point.
+# A rebuild copies every kept expert back from host memory (tens of GB at real shapes), so rebuilds
+# must be rare: a shrink goes this share of the count below the fit, so that a KV cache (or a
+# prefix cache) growing turn by turn does not rebuild at every safe point (each would cost a turn's
+# time to first token), and growing waits until the fit is twice that share above the count, so
+# that a shrink is not undone at the next safe point.
 HEADROOM = 0.05
 
 

@@ -15,29 +15,32 @@ buffering is measured against.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from ftc_runtime.experts.offload import OffloadedExperts
+from ftc_runtime.experts.slots import SlotStore
+from ftc_runtime.experts.stats import OffloadStats
+
+
+def stream_slots(num_experts: int, overlap: bool) -> int:
+    """Slots that streaming a prompt chunk's layers borrows: one or two full layers."""
+    return num_experts * (2 if overlap else 1)
 
 
 class LayerStream:
-    def __init__(self, experts: OffloadedExperts, overlap: bool):
-        self.experts, self.overlap = experts, overlap
-        if experts.cache.n_slots < experts.stream_slots:
-            raise ValueError(f"streaming layers needs {experts.stream_slots} slots, the cache has "
-                             f"{experts.cache.n_slots}")
-        self.on_gpu = experts.on_gpu
-        self.copy_stream = torch.cuda.Stream(experts.device) if self.on_gpu else None
+    def __init__(self, store: SlotStore, stats: OffloadStats, overlap: bool):
+        self.store, self.stats, self.overlap = store, stats, overlap
+        need = stream_slots(store.num_experts, overlap)
+        if store.cache.n_slots < need:
+            raise ValueError(f"streaming layers needs {need} slots, the cache has {store.cache.n_slots}")
+        self.on_gpu = store.on_gpu
+        self.copy_stream = torch.cuda.Stream(store.device) if self.on_gpu else None
         if self.copy_stream is not None:  # kernels queued before this chunk may still read any slot
-            self.copy_stream.wait_stream(torch.cuda.current_stream(experts.device))
+            self.copy_stream.wait_stream(torch.cuda.current_stream(store.device))
         self.ready: dict[int, torch.cuda.Event] = {}  # MoE layer → its copies have landed
         self.last_done: torch.cuda.Event | None = None  # the device is done with the last layer computed
         self.loaded: dict[int, int] = {}  # MoE layer → experts it copied (0: all were cached)
-        self.num_layers = experts.pool.header.num_moe_layers
+        self.num_layers = store.header.num_moe_layers
         self.load(0, np.empty(0, dtype=np.int64), 0)
 
     def load(self, j: int, held: np.ndarray, now: int) -> bool:
@@ -45,7 +48,7 @@ class LayerStream:
         scan's victims, never a slot in `held` (the layers from `now` to j), after the device is
         done with every layer computed so far (any of them may have read those slots). False,
         loading nothing, when the cache has too few other slots."""
-        cache, e = self.experts.cache, self.experts.num_experts
+        cache, e = self.store.cache, self.store.num_experts
         ids = j * e + np.arange(e, dtype=np.int64)
         slots = cache.slot_of[ids]
         missing = ids[slots < 0]
@@ -56,14 +59,14 @@ class LayerStream:
         self.loaded[j] = missing.size
         cache.install(dst, missing)
         cache.touch(dst)
-        self.experts.stats.streamed += missing.size
+        self.stats.streamed += missing.size
         if self.copy_stream is None:
-            self.experts.copy_rows_now(dst, missing)
+            self.store.copy_rows_now(dst, missing)
             return True
         with torch.cuda.stream(self.copy_stream):
             if self.last_done is not None:
                 self.copy_stream.wait_event(self.last_done)
-            self.experts.copy_rows_now(dst, missing)
+            self.store.copy_rows_now(dst, missing)
             self.ready[j] = torch.cuda.Event()
             self.ready[j].record(self.copy_stream)
         return True
@@ -82,22 +85,19 @@ class LayerStream:
         """The chunk ended before its last MoE layer: later work on the device waits for the copies
         queued so far, since the cache already lists their slots as filled."""
         if self.copy_stream is not None:
-            torch.cuda.current_stream(self.experts.device).wait_stream(self.copy_stream)
+            torch.cuda.current_stream(self.store.device).wait_stream(self.copy_stream)
 
     def _slots_of(self, layers: range) -> np.ndarray:
-        e = self.experts.num_experts
-        slots = self.experts.cache.slot_of[layers.start * e:layers.stop * e]
+        e = self.store.num_experts
+        slots = self.store.cache.slot_of[layers.start * e:layers.stop * e]
         return slots[slots >= 0]
 
     def forward(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                first_position: int) -> torch.Tensor:
-        """MoE layer j for the chunk's T tokens: x [T, hidden] fp32, ids/weights [T, k]."""
-        experts, cache, e = self.experts, self.experts.cache, self.experts.num_experts
+                host_ids: np.ndarray) -> torch.Tensor:
+        """MoE layer j for the chunk's T tokens: x [T, hidden] fp32, ids/weights [T, k] on the
+        device, host_ids the same ids (int64) on the host."""
+        cache, e = self.store.cache, self.store.num_experts
         t, k = ids.shape
-        host_ids = ids.cpu().numpy().astype(np.int64)
-        if experts.routing is not None:
-            host_ids, host_w = experts.routed(j, first_position, host_ids, weights.float().cpu().numpy())
-            ids, weights = torch.from_numpy(host_ids).to(x.device), torch.from_numpy(host_w).to(x.device)
         if j not in self.loaded:
             self.load(j, np.empty(0, dtype=np.int64), j)
         # The slots this layer reads count as used now: decode's LRU after the chunk sees them.
@@ -112,11 +112,10 @@ class LayerStream:
         out = torch.zeros_like(x)
         if self.on_gpu and j in self.ready:
             torch.cuda.current_stream(x.device).wait_event(self.ready.pop(j))
-        with experts.stats.compute.measure():
-            experts.grouped_on_device(x.contiguous(), pairs, out)
+        with self.stats.compute.measure():
+            self.store.grouped_on_device(x.contiguous(), pairs, out)
         if self.on_gpu:
             self.last_done = torch.cuda.Event()
             self.last_done.record(torch.cuda.current_stream(x.device))
-        s = experts.stats
-        s.stream_layers += 1
+        self.stats.stream_layers += 1
         return out

@@ -1,5 +1,6 @@
-"""`OffloadedExperts`: routed experts served from a device-side slot cache, with the misses of each
-layer split between fills (host→device copies into LRU victims) and in-place CPU computation.
+"""`OffloadedExperts`: routed experts served from a device-side slot cache (`SlotStore`), with the
+misses of each layer split between fills (host→device copies into LRU victims) and in-place CPU
+computation.
 
 The device is any `torch.device`. On a machine without a GPU it is the CPU, and every part of the
 path (cache, split, fills as plain copies, merge) runs and is tested; only speed needs a GPU.
@@ -9,22 +10,20 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ftc_runtime.experts.base import ExpertBackend, Routing
-from ftc_runtime.experts.cache import ExpertCache
+from ftc_runtime.experts.cache import CachePolicy, ExpertCache
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
-from ftc_runtime.experts.layer_stream import LayerStream
+from ftc_runtime.experts.layer_stream import LayerStream, stream_slots
 from ftc_runtime.experts.miss_planner import MissPlanner
+from ftc_runtime.experts.slots import DeviceKernel, SlotStore
 from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.experts.token_plan import TokenPlanner
 from ftc_runtime.io.ftw import ExpertPool
-from ftc_runtime.io.host_memory import pin_in_place
 
 
 @dataclass(frozen=True)
@@ -51,31 +50,17 @@ class OffloadedExperts(ExpertBackend):
     after every copy of this one."""
 
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
-                 planner: MissPlanner, cache_policy: str = "lru", device_kernel: Callable | None = None,
+                 planner: MissPlanner, cache_policy: CachePolicy = "lru", device_kernel: DeviceKernel | None = None,
                  stream_min_tokens: int | None = None, stream_overlap: bool = True,
-                 grouped_kernel: Callable | None = None):
+                 grouped_kernel: DeviceKernel | None = None):
         h = pool.header
-        self.pool, self.kernel, self.device, self.planner = pool, kernel, torch.device(device), planner
-        self.num_experts = h.num_experts
-        self.on_gpu = self.device.type == "cuda"
-        self.pinned = self.on_gpu and pin_in_place(pool.buffer)
-        if self.on_gpu and not self.pinned and n_slots:
-            # Copies from pageable memory would run at a fraction of PCIe speed, synchronously.
-            print("ftc: the expert pool could not be pinned (page-locked) for DMA: every routed expert runs "
-                  "on the CPU; only activations cross PCIe", file=sys.stderr)
-            n_slots = 0
-        self.cache = ExpertCache(h.num_rows, n_slots, cache_policy)
-        self.host_rows = pool.buffer.view(h.num_rows, h.expert_stride)
+        self.pool, self.kernel, self.planner = pool, kernel, planner
+        # The slots, their cache and the engine's generated device kernels (None: torch).
+        self.store = SlotStore(pool, device, n_slots, cache_policy, device_kernel, grouped_kernel)
+        self.device, self.on_gpu, self.num_experts = self.store.device, self.store.on_gpu, h.num_experts
         self.gate_up, self.down = pool.bank("gate_up"), pool.bank("down")
-        # The slots keep FTW's expert-major row layout, so a fill is one contiguous copy.
-        self.slots = torch.empty(n_slots, h.expert_stride, dtype=torch.uint8, device=self.device)
-        self.banks = {b.name: (b.offset, b.row_bytes, b.row_shape) for b in h.banks}
-        self.hidden = self.banks["gate_up"][2][1]  # gate_up rows are [2I, hidden]
+        self.hidden = h.hidden
         self.stats = OffloadStats(self.device)
-        # The engine's generated GPU kernels (x, slots, pair_slot, pair_tok, pair_w, out): for a few
-        # tokens per expert (pairs with a negative slot skipped), and the grouped GEMM for many
-        # (pairs sorted by slot); None: torch.
-        self.device_kernel, self.grouped_kernel = device_kernel, grouped_kernel
         self.prompt_counts = np.zeros(h.num_rows, dtype=np.int64)  # static policy: routed ids of the prompt
         self._token: _TokenPath | None = None  # built at the first one-token call
         self.native_token_plan = True  # False: one-token calls take the general path (tests compare both)
@@ -90,28 +75,16 @@ class OffloadedExperts(ExpertBackend):
         self._said_no_stream = False
         self._plan_s = self._fills_s = 0.0  # host time of the current call's planning and fills
 
+    @property
+    def cache(self) -> ExpertCache:
+        """Which expert each slot holds (`resize` replaces it)."""
+        return self.store.cache
+
     def resize(self, n_slots: int) -> None:
-        """Rebuilds the slot cache with n_slots slots, at a safe point (no CPU job, copy or kernel
-        in flight): the most recently used experts that fit are copied back from the host pool
-        (never from disk), the rest dropped; misses refill it as usual. The old slots are freed
-        before the new ones are allocated, so the two never need memory together."""
-        if self.on_gpu:
-            torch.cuda.synchronize(self.device)
-        old = self.cache
-        held = np.flatnonzero(old.id_of >= 0)
-        keep = held[np.argsort(-old.last_used[held], kind="stable")][:n_slots]
-        keep = keep[np.argsort(old.last_used[keep], kind="stable")]  # oldest first: LRU order survives
-        ids = old.id_of[keep]
-        self.slots = None
-        if self.on_gpu:
-            torch.cuda.empty_cache()
-        self.slots = torch.empty(n_slots, self.host_rows.shape[1], dtype=torch.uint8, device=self.device)
-        self.cache = ExpertCache(old.slot_of.size, n_slots, old.policy)
-        self.cache.step, self.cache.frozen, self.cache.cpu_step[:] = old.step, old.frozen, old.cpu_step
-        slots = np.arange(ids.size, dtype=np.int64)
-        self.cache.install(slots, ids)
-        self.cache.last_used[slots] = old.last_used[keep]
-        self.copy_rows_now(slots, ids)
+        """Rebuilds the slot cache with n_slots slots at a safe point (no CPU job, copy or kernel
+        in flight), keeping the most recently used experts that fit (`SlotStore.resize`); misses
+        refill it as usual."""
+        self.store.resize(n_slots)
         # The token planner and its graph hold the old arrays' and slots' addresses.
         self._token, self._token_graph, self._token_device_calls, self._stream = None, None, 0, None
 
@@ -126,7 +99,7 @@ class OffloadedExperts(ExpertBackend):
     @property
     def stream_slots(self) -> int:
         """Slots that streaming a prompt chunk's layers borrows: one or two full layers."""
-        return self.num_experts * (2 if self.stream_overlap else 1)
+        return stream_slots(self.num_experts, self.stream_overlap)
 
     def begin_pass(self, n_tokens: int, prompt: bool = True) -> None:
         """A prompt chunk of n_tokens is streamed layer by layer when it is long enough and the
@@ -147,12 +120,17 @@ class OffloadedExperts(ExpertBackend):
                       file=sys.stderr)
                 self._said_no_stream = True
             return
-        self._stream = LayerStream(self, self.stream_overlap)
+        self._stream = LayerStream(self.store, self.stats, self.stream_overlap)
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 first_position: int = 0) -> torch.Tensor:
         if self._stream is not None and ids.shape[0] > 1:
-            out = self._stream.forward(moe_layer, x, ids, weights, first_position)
+            # The stream needs the ids on the host (the cache's bookkeeping), so the hook sees them here.
+            host_ids = ids.cpu().numpy().astype(np.int64)
+            if self.routing is not None:
+                host_ids, host_w = self.routed(moe_layer, first_position, host_ids, weights.float().cpu().numpy())
+                ids, weights = torch.from_numpy(host_ids).to(x.device), torch.from_numpy(host_w).to(x.device)
+            out = self._stream.forward(moe_layer, x, ids, weights, host_ids)
             if moe_layer == self.pool.header.num_moe_layers - 1:
                 self._stream = None  # the chunk's last MoE layer
             return out
@@ -247,10 +225,10 @@ class OffloadedExperts(ExpertBackend):
         """One token's hits and fills from the slots into `device_out`: on a GPU with the engine's
         kernel, one CUDA graph over all k pair entries (unused ones skipped), captured at the
         second call (the first compiles the kernel); elsewhere torch over the n_pairs used."""
-        if not self.on_gpu or self.device_kernel is None:
+        if not self.on_gpu or self.store.device_kernel is None:
             tok.device_out.zero_()
             if n_pairs:
-                self._experts_on_device(tok.x, tok.planner.pairs[:, :n_pairs].to(self.device), tok.device_out)
+                self.store.experts_on_device(tok.x, tok.planner.pairs[:, :n_pairs].to(self.device), tok.device_out)
             return
         if self._token_graph is not None:
             self._token_graph.replay()
@@ -259,8 +237,7 @@ class OffloadedExperts(ExpertBackend):
         def work() -> None:
             tok.pairs.copy_(tok.planner.pairs, non_blocking=True)
             tok.device_out.zero_()
-            self.device_kernel(tok.x, self.slots, tok.pairs[0], tok.pairs[1], tok.pairs[2].view(torch.float32),
-                               tok.device_out)
+            self.store.experts_on_device(tok.x, tok.pairs, tok.device_out)
 
         self._token_device_calls += 1
         if self._token_device_calls == 1:
@@ -308,7 +285,7 @@ class OffloadedExperts(ExpertBackend):
         if on_device.size:
             pairs = self._pairs(r, on_device, device_slots)
             # Many tokens per expert (a prompt): GEMM tiles; a few (decode batches): one pass per pair.
-            run = self.grouped_on_device if pairs.shape[1] >= 4 * on_device.size else self._experts_on_device
+            run = self.store.grouped_on_device if pairs.shape[1] >= 4 * on_device.size else self.store.experts_on_device
             with self.stats.compute.measure():
                 run(packed[:, :hidden].contiguous(), pairs, out)
 
@@ -337,7 +314,7 @@ class OffloadedExperts(ExpertBackend):
         s.hits += hits
         s.fills += fills
         s.cpu += cpu
-        s.miss_bound_s += self.planner.bound_s(fills + cpu, fills, self.host_rows.shape[1])
+        s.miss_bound_s += self.planner.bound_s(fills + cpu, fills, self.pool.header.expert_stride)
 
     def _copy_rows(self, slots: np.ndarray, ids: np.ndarray) -> None:
         """Copies FTW rows `ids` into `slots` on the current stream, which is idle here (every call
@@ -347,19 +324,9 @@ class OffloadedExperts(ExpertBackend):
             return
         t0 = time.perf_counter()
         with self.stats.copy.measure():
-            self.copy_rows_now(slots, ids)
+            self.store.copy_rows_now(slots, ids)
         self._fills_s = time.perf_counter() - t0
         self.stats.host_s["fills"] += self._fills_s
-
-    def copy_rows_now(self, slots: np.ndarray, ids: np.ndarray) -> None:
-        """Queues the copies of FTW rows `ids` into `slots` on the current stream."""
-        if not slots.size:
-            return
-        if not self.on_gpu:
-            self.slots[torch.from_numpy(slots)] = self.host_rows[torch.from_numpy(ids)]
-            return
-        for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
-            self.slots[s].copy_(self.host_rows[i], non_blocking=True)
 
     def _pairs(self, r: Routing, which: np.ndarray, slots: np.ndarray) -> torch.Tensor:
         """int32 [3, pairs] on the device: slot, token row, router weight (its bits)."""
@@ -370,33 +337,3 @@ class OffloadedExperts(ExpertBackend):
         arr[1] = tok_idx
         arr[2] = tok_w.view(np.int32)
         return host.to(self.device, non_blocking=True)
-
-    def _experts_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
-        """out += the pairs' experts with the decode kernel (a few tokens per expert), else torch."""
-        if self.device_kernel is None:
-            self._torch_experts(x, pairs, out)
-            return
-        self.device_kernel(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), out)
-
-    def grouped_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
-        """out += the pairs' experts with the grouped GEMM kernel (many tokens per expert), else torch."""
-        if self.grouped_kernel is None:
-            self._torch_experts(x, pairs, out)
-            return
-        self.grouped_kernel(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), out)
-
-    def _torch_experts(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
-        """out += the pairs' experts ([3, P] int32: slot, token, weight bits; the pairs of a slot
-        adjacent) with torch, one expert at a time over all its tokens, fp32 arithmetic."""
-        pair_slot, pair_tok, pair_w = pairs[0], pairs[1], pairs[2].view(torch.float32)
-        slots = pair_slot.tolist()
-        starts = [0] + [j for j in range(1, len(slots)) if slots[j] != slots[j - 1]] + [len(slots)]
-        for a, b in zip(starts[:-1], starts[1:], strict=True):
-            t = pair_tok[a:b].long()
-            gate, up = F.linear(x[t], self._weight(slots[a], "gate_up").float()).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self._weight(slots[a], "down").float())
-            out.index_add_(0, t, y * pair_w[a:b, None])
-
-    def _weight(self, slot: int, bank: str) -> torch.Tensor:
-        offset, nbytes, shape = self.banks[bank]
-        return self.slots[slot, offset:offset + nbytes].view(torch.bfloat16).view(shape)

@@ -1,16 +1,18 @@
 """FTW, the routed-expert weight file, and the host pool it is loaded into.
 
-Layout (version 1):
+Layout (version 2):
 
     b"FTW1" | u64 LE header length | JSON header | pad to 4096 | experts | checksum trailer (JSON)
 
-An expert is several tensors; each tensor kind is a *bank* (`gate_up` [2I, H] with the gate rows
-first, `down` [H, I]). Row `id = l·E + e` of every bank is expert `e` of MoE layer `l`. The rows
-of one expert lie together (expert-major): expert `id` starts at `data_offset + id·expert_stride`,
-each of its rows padded to 4096 bytes. So the file is written in one sequential pass (its sha256
-is computed on the way), a GPU fill of one expert is one contiguous copy, and O_DIRECT can read the
-data region straight into the final host buffer. The trailer holds a CRC-32 for every row, so
-corruption is reported as the exact bank, layer and expert.
+The header names the experts' format (`ftc_runtime.formats`) and shapes; the format gives the
+banks. An expert is several tensors; each tensor kind is a *bank* (bf16: `gate_up` [2I, H] with
+the gate rows first, `down` [H, I]; block-scaled formats add banks of scales). Row `id = l·E + e`
+of every bank is expert `e` of MoE layer `l`. The rows of one expert lie together (expert-major):
+expert `id` starts at `data_offset + id·expert_stride`, each of its rows padded to 4096 bytes. So
+the file is written in one sequential pass (its sha256 is computed on the way), a GPU fill of one
+expert is one contiguous copy, and O_DIRECT can read the data region straight into the final host
+buffer. The trailer holds a CRC-32 for every row, so corruption is reported as the exact bank,
+layer and expert.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ from typing import BinaryIO
 
 import torch
 
+from ftc_runtime import formats
+from ftc_runtime.formats.base import BankLayout, ExpertFormat
 from ftc_runtime.io.direct_read import ReadResult, aligned_empty, read_into
 
 MAGIC = b"FTW1"
-VERSION = 1
+VERSION = 2
 ALIGN = 4096
 PREFIX = struct.Struct("<4sQ")
 HEADER_ROOM = 4096  # magic, length and JSON header; the first expert starts here
-_DTYPE_BYTES = {"bf16": 2}
 
 
 class FtwError(ValueError):
@@ -51,43 +54,37 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 
 @dataclass(frozen=True)
-class Bank:
-    name: str
-    dtype: str
-    row_shape: tuple[int, ...]
-    offset: int  # offset of row 0 from the start of the data region
-
-    @property
-    def row_bytes(self) -> int:
-        n = _DTYPE_BYTES[self.dtype]
-        for d in self.row_shape:
-            n *= d
-        return n
+class Bank(BankLayout):
+    offset: int  # offset of the bank's row from the start of its expert's stretch
 
 
 @dataclass(frozen=True)
 class FtwHeader:
+    expert_format: str  # a name of `ftc_runtime.formats`
     num_moe_layers: int
     num_experts: int
+    hidden: int
+    intermediate: int
     banks: tuple[Bank, ...]
 
     @classmethod
-    def create(cls, num_moe_layers: int, num_experts: int,
-               banks: list[tuple[str, str, tuple[int, ...]]]) -> FtwHeader:
+    def create(cls, expert_format: str, num_moe_layers: int, num_experts: int, hidden: int,
+               intermediate: int) -> FtwHeader:
+        """The header of num_moe_layers × num_experts experts of these shapes in `expert_format`."""
         # A damaged header read back must not yield negative offsets or sizes (seeks, allocations).
-        for what, n in (("num_moe_layers", num_moe_layers), ("num_experts", num_experts)):
+        for what, n in (("num_moe_layers", num_moe_layers), ("num_experts", num_experts), ("hidden", hidden),
+                        ("intermediate", intermediate)):
             if not _positive_int(n):
                 raise ValueError(f"FTW {what} = {n!r}: expected a positive integer")
         out, offset = [], 0
-        for name, dtype, shape in banks:
-            if dtype not in _DTYPE_BYTES:
-                raise ValueError(f"FTW bank {name!r}: dtype {dtype!r} is not one of {list(_DTYPE_BYTES)}")
-            if not isinstance(name, str) or not shape or not all(_positive_int(d) for d in shape):
-                raise ValueError(f"FTW bank {name!r}: row shape {shape!r}: expected positive integers")
-            bank = Bank(name, dtype, tuple(shape), offset)
-            out.append(bank)
-            offset += round_up(bank.row_bytes)
-        return cls(num_moe_layers, num_experts, tuple(out))
+        for layout in formats.expert_format(expert_format).banks(hidden, intermediate):
+            out.append(Bank(layout.name, layout.dtype, layout.bits, layout.row_shape, layout.block, offset))
+            offset += round_up(layout.row_bytes)
+        return cls(expert_format, num_moe_layers, num_experts, hidden, intermediate, tuple(out))
+
+    @property
+    def format(self) -> ExpertFormat:
+        return formats.expert_format(self.expert_format)
 
     @property
     def num_rows(self) -> int:
@@ -115,23 +112,29 @@ class FtwHeader:
                 return b
         raise KeyError(name)
 
+    def rows(self, expert: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The bank rows of one expert from its stretch (uint8 [expert_stride]: a host row, a
+        device slot): {bank name: uint8 [row_bytes]}, views."""
+        return {b.name: expert[b.offset:b.offset + b.row_bytes] for b in self.banks}
+
+    def dequantize(self, expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's (gate_up [2I, H], down [H, I]) from its stretch, through its format's reference."""
+        return self.format.dequantize(self.rows(expert), self.hidden, self.intermediate)
+
     def encode(self) -> bytes:
         body = json.dumps({
-            "version": VERSION, "num_moe_layers": self.num_moe_layers, "num_experts": self.num_experts,
+            "version": VERSION, "expert_format": self.expert_format, "num_moe_layers": self.num_moe_layers,
+            "num_experts": self.num_experts, "hidden": self.hidden, "intermediate": self.intermediate,
             "expert_stride": self.expert_stride, "data_offset": self.data_offset,
-            "banks": [{"name": b.name, "dtype": b.dtype, "row_shape": list(b.row_shape),
-                       "row_bytes": b.row_bytes, "offset": b.offset} for b in self.banks],
+            "banks": [{"name": b.name, "dtype": b.dtype, "bits": b.bits, "block": b.block,
+                       "row_shape": list(b.row_shape), "row_bytes": b.row_bytes, "offset": b.offset}
+                      for b in self.banks],
             "checksums": {"algo": "crc32", "offset": self.trailer_offset},
         }, separators=(",", ":")).encode()
         room = HEADER_ROOM - PREFIX.size
         if len(body) > room:
             raise ValueError(f"FTW header needs {len(body)} bytes, only {room} fit")
         return PREFIX.pack(MAGIC, room) + body + b" " * (room - len(body))
-
-
-def bf16_expert_banks(hidden: int, intermediate: int) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The banks of a bf16 SwiGLU expert: gate_up [2I, H] (gate rows first), down [H, I]."""
-    return [("gate_up", "bf16", (2 * intermediate, hidden)), ("down", "bf16", (hidden, intermediate))]
 
 
 def encode_trailer(checksums: dict[str, list[int]]) -> bytes:
@@ -187,8 +190,11 @@ def _parse_header(f: BinaryIO, size: int, path: Path) -> FtwHeader:
         raise FtwError(f"{path}: corrupted header (no 'version' field)")
     if h["version"] != VERSION:
         raise FtwError(f"{path}: FTW version {h['version']} is not supported (this runtime reads version {VERSION})")
-    header = FtwHeader.create(h["num_moe_layers"], h["num_experts"],
-                              [(b["name"], b["dtype"], tuple(b["row_shape"])) for b in h["banks"]])
+    name = h.get("expert_format")
+    if not isinstance(name, str) or name not in formats.FORMATS:
+        raise FtwError(f"{path}: experts of format {name!r}, which this runtime does not know "
+                       f"(it knows {', '.join(formats.FORMATS)})")
+    header = FtwHeader.create(name, h["num_moe_layers"], h["num_experts"], h["hidden"], h["intermediate"])
     if header.encode()[PREFIX.size:].rstrip() != raw.rstrip():
         raise FtwError(f"{path}: corrupted header (its fields disagree with each other)")
     return header
@@ -241,6 +247,9 @@ class ExpertPool:
 
     `bank(name)` is a `[num_rows, row_bytes]` uint8 view whose row stride is the expert stride;
     row `id` is expert `id % E` of MoE layer `id // E`. The CPU kernels read these rows in place.
+    `experts` is `[num_rows, expert_stride]`: row `id` is that expert's whole stretch (every bank's
+    row with its padding), what a device slot holds; `header.dequantize(pool.experts[id])` gives
+    its weights through the format's reference.
     """
 
     def __init__(self, header: FtwHeader, buffer: torch.Tensor):
@@ -248,6 +257,7 @@ class ExpertPool:
             raise ValueError(f"expert pool buffer has {buffer.numel()} bytes, expected {header.data_bytes}")
         self.header = header
         self.buffer = buffer
+        self.experts = buffer.view(header.num_rows, header.expert_stride)
         self._banks = {b.name: buffer.as_strided((header.num_rows, b.row_bytes), (header.expert_stride, 1),
                                                  buffer.storage_offset() + b.offset)
                        for b in header.banks}
@@ -258,11 +268,6 @@ class ExpertPool:
 
     def bank(self, name: str) -> torch.Tensor:
         return self._banks[name]
-
-    def expert_tensor(self, name: str, row: int) -> torch.Tensor:
-        """Row `row` of bank `name` as a bf16 tensor of the bank's row shape (a view, no copy)."""
-        b = self.header.bank(name)
-        return self._banks[name][row].view(torch.bfloat16).view(b.row_shape)
 
 
 def load(path: Path, on_bytes: Callable[[int], None] | None = None, direct: bool = True,

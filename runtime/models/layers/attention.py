@@ -42,9 +42,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                      heads: tuple[int, int, int]) -> torch.Tensor:
     """One query q [1, heads, d] over keys/values [C, kv, d] (`valid` bool [C] marks the keys it
     may see; None: all): [1, heads · d]. Decode passes the cache's whole storage with the tail
-    masked off, so that the shapes stay fixed for CUDA graphs. The query heads of one KV head form its rows, so two
-    batched matmuls do it: SDPA's backend choice costs more than the work here (its cuDNN backend
-    built a graph per new key length, 1.6 ms of host time per layer and token on the device)."""
+    masked off, so that the shapes stay fixed for CUDA graphs. The query heads of one KV head form
+    its rows, so two batched matmuls do it: SDPA's backend choice costs more than the work here (its
+    cuDNN backend builds a graph per new key length)."""
     n_q, n_kv, d = heads
     scores = torch.matmul(q.view(n_kv, n_q // n_kv, d), keys.permute(1, 2, 0)) * d ** -0.5
     if valid is not None:

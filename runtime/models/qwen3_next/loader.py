@@ -108,7 +108,8 @@ def check_spec(s: ModelSpec, need: Need) -> None:
     """GQA attention, a softmax top-k router, at most one shared expert."""
     check_attention_and_router(s, need)
     m = s.moe
-    need(m.num_shared_experts in (0, 1), "moe.num_shared_experts", m.num_shared_experts, f"0 or 1 for family {s.family}")
+    need(m.num_shared_experts in (0, 1), "moe.num_shared_experts", m.num_shared_experts,
+         f"0 or 1 for family {s.family}")
     if m.num_shared_experts:
         need(m.shared_expert_intermediate_size > 0, "moe.shared_expert_intermediate_size",
              m.shared_expert_intermediate_size, "a positive integer when moe.num_shared_experts is 1")

@@ -1,0 +1,264 @@
+"""`ftc bench experts | decode | prefill | agent | load`: one command per benchmark, each with the
+options it reads. Every one prints one JSON object (and writes it with -o)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ftc.cli.errors import failing_on_user_errors
+from ftc.cli.options import (
+    MAX_SEED,
+    CachePolicyArg,
+    CpuExpertsArg,
+    MissPolicyArg,
+    PrefillChunkArg,
+    SlotsArg,
+    VramBudgetArg,
+    engine_in_memory,
+    number_in,
+    offload_config,
+    output_file,
+    parse_ids,
+    routing_for,
+    size,
+)
+
+if TYPE_CHECKING:
+    from ftc_runtime.io.ftw import ExpertPool
+
+bench_app = typer.Typer(no_args_is_help=True, help="Measure an engine, or a spec built in memory with random weights; "
+                        "each benchmark prints one JSON object.")
+
+# Options that several benchmarks share.
+EngineArg = Annotated[Path, typer.Argument(metavar="ENGINE", help="Engine directory, or a spec YAML with "
+                                           "--random-weights.")]
+OutputArg = Annotated[Path | None, typer.Option("-o", "--output", parser=output_file, help="Also write the JSON "
+                                                "here.")]
+PlotArg = Annotated[Path | None, typer.Option(parser=output_file, help="Also draw the result as a PNG here (needs "
+                                              "matplotlib).")]
+# Where the model runs: every benchmark but `experts` measures the engine on a device.
+DeviceArg = Annotated[str, typer.Option(help="Torch device of the model and the expert slot cache: cuda, cuda:N, or "
+                                        "cpu (to emulate a GPU).")]
+StreamMinTokensArg = Annotated[int | None, typer.Option(min=1, help="Prompt chunks of at least this many tokens "
+                                                        "stream whole MoE layers (default: the plan's); shorter "
+                                                        "ones split their misses as decode does.")]
+PromptSeedArg = Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the random prompts (and of "
+                                            "--random-weights).")]
+# ENGINE a spec: compiled into a temporary engine for the run, its experts generated into memory.
+SPEC = "With a spec YAML as ENGINE"
+RandomWeightsArg = Annotated[bool, typer.Option("--random-weights", rich_help_panel=SPEC, help="Random weights, "
+                                                "generated straight into memory (no weight file).")]
+SeedArg = Annotated[int, typer.Option(min=0, max=MAX_SEED, rich_help_panel=SPEC, help="Seed for "
+                                      "--random-weights.")]
+TargetArg = Annotated[str, typer.Option(rich_help_panel=SPEC, help="Hardware target: 'auto' (this machine) or a "
+                                        "preset name.")]
+OverrideArg = Annotated[list[str] | None, typer.Option(rich_help_panel=SPEC, help="Edit a spec field: FIELD=VALUE, "
+                                                       "repeatable.")]
+
+
+@contextmanager
+def _engine(engine: Path, random_weights: bool, seed: int, target: str,
+            override: list[str] | None) -> Iterator[tuple[Path, ExpertPool | None]]:
+    """The engine directory to measure and its expert pool: a directory as given (the pool None:
+    the engine loads its file), or a spec compiled for the run, its pool in memory. Commands check
+    their other options first: a large spec takes minutes to build."""
+    if not engine.is_file():
+        yield engine, None
+        return
+    with tempfile.TemporaryDirectory(prefix="ftc-bench-") as tmp:
+        yield engine_in_memory(engine, random_weights, seed, target, override, Path(tmp))
+
+
+def _report(result: dict, output: Path | None) -> str:
+    """The result's JSON, also written to `output`."""
+    text = json.dumps(result, indent=1)
+    if output:
+        output.write_text(text + "\n")
+    return text
+
+
+@bench_app.command()
+def experts(
+    engine: EngineArg,
+    tokens: Annotated[int, typer.Option(min=1, help="Tokens per call (the batch each expert sees).")] = 1,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU workers (default: the plan's).")] = None,
+    seconds: Annotated[float, typer.Option(parser=number_in(0, low_open=True), help="Seconds per "
+                                           "measurement.")] = 3.0,
+    output: OutputArg = None,
+    random_weights: RandomWeightsArg = False,
+    seed: SeedArg = 0,
+    target: TargetArg = "auto",
+    override: OverrideArg = None,
+) -> None:
+    """The CPU expert kernel's throughput, against torch bf16 and a plain memory read.
+
+    GB/s of the expert weights that routed calls must read, on the CPU only; next to it torch's
+    bf16 matmul on the same experts and the machine's plain read bandwidth."""
+    from ftc.bench.experts import bench_experts
+
+    with failing_on_user_errors(), _engine(engine, random_weights, seed, target, override) as (path, pool):
+        text = _report(bench_experts(path, tokens, threads, seconds, pool=pool), output)
+    print(text)
+
+
+@bench_app.command()
+def decode(
+    engine: EngineArg,
+    routing_trace: Annotated[Path | None, typer.Option(help="Replay the router choices of this trace (.npz, from "
+                                                       "`ftc trace`).")] = None,
+    synthetic_locality: Annotated[float | None, typer.Option(parser=number_in(0, 1), help="Replay a synthetic trace "
+                                                             "of this locality, in [0, 1].")] = None,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length (random tokens).")] = 128,
+    new_tokens: Annotated[int, typer.Option(min=2, help="Tokens to generate.")] = 64,
+    device: DeviceArg = "cuda",
+    vram_budget: VramBudgetArg = None,
+    slots: SlotsArg = None,
+    miss_policy: MissPolicyArg = "adaptive",
+    cache_policy: CachePolicyArg = "lru",
+    cpu_experts: CpuExpertsArg = False,
+    stream_min_tokens: StreamMinTokensArg = None,
+    output: OutputArg = None,
+    random_weights: RandomWeightsArg = False,
+    seed: SeedArg = 0,
+    target: TargetArg = "auto",
+    override: OverrideArg = None,
+) -> None:
+    """Decode speed with the experts split between a device slot cache and the CPU.
+
+    Tok/s, the split's statistics (hits, fills, CPU misses) and the bandwidth bound of the steps
+    that ran; the router's own choices, or a replayed trace."""
+    from ftc.bench.decode import bench_decode
+    from ftc_runtime.artifact import EngineManifest
+
+    with failing_on_user_errors():
+        offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
+                                 stream_min_tokens)
+        with _engine(engine, random_weights, seed, target, override) as (path, pool):
+            trace, routing = routing_for(routing_trace, synthetic_locality, EngineManifest.read(path).spec, 0)
+            text = _report(bench_decode(path, offload, trace, routing, prompt_tokens, new_tokens, pool=pool), output)
+    print(text)
+
+
+@bench_app.command()
+def prefill(
+    engine: EngineArg,
+    lengths: Annotated[str, typer.Option(help="Prompt lengths in tokens, comma-separated.")] = "1024,2048,4096,8192",
+    no_overlap: Annotated[bool, typer.Option("--no-overlap", help="One layer buffer: load, then compute (the "
+                                             "baseline).")] = False,
+    compare: Annotated[bool, typer.Option("--compare", help="Both modes: two layer buffers, then one.")] = False,
+    prefill_chunk: PrefillChunkArg = None,
+    device: DeviceArg = "cuda",
+    vram_budget: VramBudgetArg = None,
+    slots: SlotsArg = None,
+    miss_policy: MissPolicyArg = "adaptive",
+    cache_policy: CachePolicyArg = "lru",
+    cpu_experts: CpuExpertsArg = False,
+    stream_min_tokens: StreamMinTokensArg = None,
+    plot: PlotArg = None,
+    output: OutputArg = None,
+    random_weights: RandomWeightsArg = False,
+    seed: PromptSeedArg = 0,
+    target: TargetArg = "auto",
+    override: OverrideArg = None,
+) -> None:
+    """Prefill speed by prompt length, against the PCIe ceiling.
+
+    The MoE layers stream through two layer buffers (the next layer's copies beside this one's
+    compute) or, with --no-overlap, one. --plot: tok/s against length."""
+    from ftc.bench.prefill import bench_prefill, plot_prefill
+
+    with failing_on_user_errors():
+        offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
+                                 stream_min_tokens)
+        prompt_lengths = parse_ids(lengths, "--lengths", low=1)
+        modes = [True, False] if compare else [not no_overlap]
+        with _engine(engine, random_weights, seed, target, override) as (path, pool):
+            result = bench_prefill(path, offload, prompt_lengths, modes, prefill_chunk, seed, pool)
+        if plot:
+            plot_prefill(result, plot)
+        text = _report(result, output)
+    print(text)
+
+
+@bench_app.command()
+def agent(
+    engine: EngineArg,
+    session_tokens: Annotated[int, typer.Option(min=1, help="The session grows to about this many "
+                                                "tokens.")] = 20000,
+    tool_output_tokens: Annotated[int, typer.Option(min=1, help="Tokens of each tool output.")] = 2000,
+    prefix_cache: Annotated[int, typer.Option(parser=size, metavar="SIZE", help="KV memory of the prefix "
+                                              "cache.")] = "8GiB",
+    checkpoint_cache: Annotated[int, typer.Option(parser=size, metavar="SIZE", help="Memory for recurrent-state "
+                                                  "checkpoints.")] = "4GiB",
+    no_prefix_cache: Annotated[bool, typer.Option("--no-prefix-cache", help="No cache at all.")] = False,
+    no_checkpoints: Annotated[bool, typer.Option("--no-checkpoints", help="The KV cache only (a hybrid model then "
+                                                 "cannot resume).")] = False,
+    compare: Annotated[bool, typer.Option("--compare", help="All three: with the cache, without checkpoints, "
+                                          "without any cache.")] = False,
+    prefill_chunk: PrefillChunkArg = None,
+    device: DeviceArg = "cuda",
+    vram_budget: VramBudgetArg = None,
+    slots: SlotsArg = None,
+    miss_policy: MissPolicyArg = "adaptive",
+    cache_policy: CachePolicyArg = "lru",
+    cpu_experts: CpuExpertsArg = False,
+    stream_min_tokens: StreamMinTokensArg = None,
+    plot: PlotArg = None,
+    output: OutputArg = None,
+    random_weights: RandomWeightsArg = False,
+    seed: PromptSeedArg = 0,
+    target: TargetArg = "auto",
+    override: OverrideArg = None,
+) -> None:
+    """A coding-agent session replayed turn by turn, with and without the prefix cache.
+
+    A scripted session (long tool outputs, then an edit that cuts one) resent whole each turn,
+    as an agent does: per turn the time to first token, and the tokens restored from the prefix
+    cache and prefilled. --plot: time to first token per turn."""
+    from ftc.bench.agent import bench_agent, plot_agent
+
+    with failing_on_user_errors():
+        offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
+                                 stream_min_tokens)
+        modes = (["cache", "no-checkpoints", "no-prefix-cache"] if compare else
+                 ["no-prefix-cache" if no_prefix_cache else "no-checkpoints" if no_checkpoints else "cache"])
+        with _engine(engine, random_weights, seed, target, override) as (path, pool):
+            result = bench_agent(path, offload, modes, session_tokens, tool_output_tokens, prefix_cache,
+                                 checkpoint_cache, seed=seed, pool=pool, prefill_chunk=prefill_chunk)
+        if plot:
+            plot_agent(result, plot)
+        text = _report(result, output)
+    print(text)
+
+
+@bench_app.command()
+def load(
+    engine: Annotated[Path, typer.Argument(metavar="ENGINE", help="Compiled engine directory (a spec has no expert "
+                                           "file to read).")],
+    device: DeviceArg = "cuda",
+    vram_budget: VramBudgetArg = None,
+    slots: SlotsArg = None,
+    cpu_experts: CpuExpertsArg = False,
+    output: OutputArg = None,
+) -> None:
+    """How fast an engine loads, against the disk's own read rate.
+
+    The loader's read of the expert file (parallel direct reads, every row's checksum checked)
+    against one sequential direct read of the same bytes, then the rest of the engine."""
+    from ftc.bench.load import bench_load
+
+    with failing_on_user_errors():
+        if engine.is_file():
+            raise ValueError(f"bench load {engine}: give a compiled engine directory (a spec has no expert file "
+                             "to load)")
+        # The miss and cache policies are left at their defaults: they change no byte that loads.
+        offload = offload_config(device, vram_budget, slots, cpu_experts=cpu_experts)
+        text = _report(bench_load(engine, offload), output)
+    print(text)
