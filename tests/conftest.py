@@ -9,7 +9,6 @@ import torch
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
 
-
 # One base seed per run, from FTC_TEST_SEED or fresh; each test's seed is derived from it and the
 # test's id, so a failure is reproduced by running it again with FTC_TEST_SEED set to the base.
 BASE_SEED = int(os.environ.get("FTC_TEST_SEED", random.randrange(2**31)))

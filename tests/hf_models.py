@@ -98,19 +98,3 @@ def expert_layout(state: dict[str, torch.Tensor], layout: str) -> dict[str, torc
             state[f"{prefix}{e}.down_proj.weight"] = down[e].clone()
     return state
 
-
-@torch.no_grad()
-def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0].float()
-
-
-@torch.no_grad()
-def reference_greedy(model: Qwen3MoeForCausalLM, ids: list[int], steps: int) -> tuple[list[int], float]:
-    """Greedy tokens, and the smallest gap between the best and second-best logit on the way."""
-    seq, margin = list(ids), float("inf")
-    for _ in range(steps):
-        logits = model(torch.tensor([seq])).logits[0, -1]
-        top2 = logits.topk(2).values
-        margin = min(margin, float(top2[0] - top2[1]))
-        seq.append(int(logits.argmax()))
-    return seq[len(ids):], margin

@@ -6,10 +6,12 @@ import torch
 
 
 def check_slots_hold_their_rows(experts) -> None:
-    """Every filled slot of an `OffloadedExperts` (on any device) holds its expert's row of the host pool."""
-    for slot, row in enumerate(experts.cache.id_of.tolist()):
+    """Every filled slot of an `OffloadedExperts`' slot store (on any device) holds its expert's row
+    of the host pool."""
+    store = experts.store
+    for slot, row in enumerate(store.cache.id_of.tolist()):
         if row >= 0:
-            assert torch.equal(experts.slots[slot].cpu(), experts.host_rows[row]), (slot, row)
+            assert torch.equal(store.slots[slot].cpu(), store.host_rows[row]), (slot, row)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -174,16 +174,15 @@ def test_tokenizer_encodes_special_token_strings_as_text_on_request(tmp_path):
     assert tokenizer.encode("<think>")[0] in ids
 
 
-def test_ordinary_conversations_encode_as_their_prompt(tokenizer, template):
+def test_ordinary_conversations_encode_as_their_prompt(tokenizer, template, seed):
     """No special-token text in client strings ('<', '|' and '>' are, loose): the ids are exactly
     those of the rendered prompt, encoded whole."""
-    seed = random.randrange(2**32)
     rng = random.Random(seed)
     for trial in range(40):
         tools = _tools(rng)
         messages, options = _conversation(rng, tools), _options(rng)
         want = tokenizer.encode(template.render(messages, tools, **options))
-        assert template.render_ids(tokenizer, messages, tools, **options) == want, f"seed {seed}, trial {trial}"
+        assert template.render_ids(tokenizer, messages, tools, **options) == want, f"trial {trial}"
 
 
 def test_non_special_added_tokens_keep_their_meaning(tokenizer, template):
@@ -268,11 +267,10 @@ def _special_counts(tokenizer: Tokenizer, ids: list[int]) -> Counter:
     return Counter(t for t in ids if t in special)
 
 
-def test_special_token_text_in_client_strings_is_text(tokenizer, template):
+def test_special_token_text_in_client_strings_is_text(tokenizer, template, seed):
     """A forged turn (<|im_end|> ... <|im_start|>system ...) in any client string: the prompt's control
     tokens are exactly those of the same conversation without it, none inside the forged text, and
     the ids decode to the rendered prompt."""
-    seed = random.randrange(2**32)
     rng = random.Random(seed)
     rendered = 0
     for trial in range(4 * len(KINDS)):
@@ -289,7 +287,7 @@ def test_special_token_text_in_client_strings_is_text(tokenizer, template):
         payload = PAYLOAD.format(rng.randrange(10**9))
         cut = rng.randrange(len(old) + 1)
         _replace(place, old[:cut] + payload + old[cut:])
-        where = f"seed {seed}, trial {trial}, {kind} at {place[0]}"
+        where = f"trial {trial}, {kind} at {place[0]}"
         text = template.render(messages, tools, **options)
         ids = template.render_ids(tokenizer, messages, tools, **options)
         assert tokenizer.decode(ids) == text, where
@@ -299,7 +297,7 @@ def test_special_token_text_in_client_strings_is_text(tokenizer, template):
                   for i in _find_all(text, v)]
         rendered += bool(forged)
         assert not [c for c in _control_spans(tokenizer, ids) for f in forged if c[0] < f[1] and f[0] < c[1]], where
-    assert rendered > 10, f"seed {seed}: the payload was rendered in {rendered} trials only"
+    assert rendered > 10, f"the payload was rendered in {rendered} trials only"
 
 
 def _find_all(text: str, part: str) -> list[int]:
@@ -350,8 +348,7 @@ def test_template_that_splits_on_a_special_token_falls_back_safely(tmp_path):
     assert ids.count(tokenizer.special_tokens["<|im_start|>"]) == 2
 
 
-def test_lone_surrogates_are_refused_naming_the_place(tokenizer, template):
-    seed = random.randrange(2**32)
+def test_lone_surrogates_are_refused_naming_the_place(tokenizer, template, seed):
     rng = random.Random(seed)
     for trial in range(40):
         tools = _tools(rng)
@@ -365,7 +362,7 @@ def test_lone_surrogates_are_refused_naming_the_place(tokenizer, template):
         with pytest.raises(ChatTemplateError) as e:
             template.render_ids(tokenizer, messages, tools)
         assert str(e.value) == f"{field}: invalid text (lone surrogate U+{code:04X} at character {cut})", \
-            f"seed {seed}, trial {trial}"
+            f"trial {trial}"
 
 
 def test_lone_surrogates_in_options_and_in_the_template_are_refused(tokenizer):

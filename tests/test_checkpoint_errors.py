@@ -20,7 +20,8 @@ from ftc.compile.ftw_writer import FtwWriter
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc.compile.spec_loader import load_spec
 from ftc_runtime import Engine
-from ftc_runtime.io.ftw import FtwHeader, bf16_expert_banks
+from ftc_runtime.formats.base import expert_shapes
+from ftc_runtime.io.ftw import FtwHeader
 from ftc_runtime.models import family
 
 from hf_models import TinyShape, build_model, save_checkpoint
@@ -31,9 +32,9 @@ SHAPE = TinyShape(hidden=64, intermediate=96, layers=2, experts=6, top_k=2)
 Tensors = dict[str, torch.Tensor]
 
 
-def _checkpoint(root: Path, layout: str = "fused", shards: int = 1) -> Path:
+def _checkpoint(root: Path, rng: random.Random, layout: str = "fused", shards: int = 1) -> Path:
     """Always a directory named 'ckpt' (the model name), so that every engine shares one kernel build."""
-    return save_checkpoint(build_model(SHAPE, seed=random.randrange(10**6)), root / "ckpt", layout, shards)
+    return save_checkpoint(build_model(SHAPE, seed=rng.randrange(2**31)), root / "ckpt", layout, shards)
 
 
 def _compile(ckpt: Path, out: Path, force: bool = False) -> Path:
@@ -58,6 +59,12 @@ def _dense_names(ckpt: Path) -> list[str]:
     return list(family(spec.family).dense_tensor_shapes(spec))
 
 
+def _expert_tensor(rng: random.Random) -> str:
+    """One expert's tensor in the per-expert layout."""
+    return (f"model.layers.{rng.randrange(SHAPE.layers)}.mlp.experts.{rng.randrange(SHAPE.experts)}."
+            f"{rng.choice(['gate_proj', 'up_proj', 'down_proj'])}.weight")
+
+
 def _compile_error(ckpt: Path, out: Path) -> str:
     with pytest.raises(CheckpointError) as info:
         _compile(ckpt, out)
@@ -65,26 +72,29 @@ def _compile_error(ckpt: Path, out: Path) -> str:
     return str(info.value)
 
 
-def test_missing_shard_is_named(tmp_path):
-    ckpt = _checkpoint(tmp_path, shards=3)
-    shard = random.choice(sorted(ckpt.glob("model-*.safetensors")))
+def test_missing_shard_is_named(tmp_path, seed):
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng, shards=3)
+    shard = rng.choice(sorted(ckpt.glob("model-*.safetensors")))
     shard.unlink()
     msg = _compile_error(ckpt, tmp_path / "engine")
     assert shard.name in msg and "missing" in msg
 
 
 @pytest.mark.parametrize("shards", [1, 2])
-def test_missing_dense_tensor_is_named(tmp_path, shards):
-    ckpt = _checkpoint(tmp_path, shards=shards)
-    name = random.choice(_dense_names(ckpt))
+def test_missing_dense_tensor_is_named(tmp_path, shards, seed):
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng, shards=shards)
+    name = rng.choice(_dense_names(ckpt))
     _rewrite(_shard_of(ckpt, name), lambda t: t.pop(name))
     msg = _compile_error(ckpt, tmp_path / "engine")
     assert f"tensor {name} " in msg
 
 
-def test_dense_tensor_of_wrong_shape_is_named_with_both_shapes(tmp_path):
-    ckpt = _checkpoint(tmp_path)
-    name = random.choice([n for n in _dense_names(ckpt) if n.endswith("proj.weight")])
+def test_dense_tensor_of_wrong_shape_is_named_with_both_shapes(tmp_path, seed):
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng)
+    name = rng.choice([n for n in _dense_names(ckpt) if n.endswith("proj.weight")])
     shapes = {}
 
     def truncate(t: Tensors) -> None:
@@ -99,9 +109,10 @@ def test_dense_tensor_of_wrong_shape_is_named_with_both_shapes(tmp_path):
 
 
 @pytest.mark.parametrize("which", ["gate_up_proj", "down_proj"])
-def test_fused_expert_tensor_of_wrong_shape_is_named_with_both_shapes(tmp_path, which):
-    ckpt = _checkpoint(tmp_path)
-    name = f"model.layers.{random.randrange(SHAPE.layers)}.mlp.experts.{which}"
+def test_fused_expert_tensor_of_wrong_shape_is_named_with_both_shapes(tmp_path, which, seed):
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng)
+    name = f"model.layers.{rng.randrange(SHAPE.layers)}.mlp.experts.{which}"
     shapes = {}
 
     def truncate(t: Tensors) -> None:
@@ -116,26 +127,27 @@ def test_fused_expert_tensor_of_wrong_shape_is_named_with_both_shapes(tmp_path, 
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8])
-def test_dense_tensor_with_integer_dtype_is_named(tmp_path, dtype):
-    ckpt = _checkpoint(tmp_path)
-    name = random.choice(_dense_names(ckpt))
+def test_dense_tensor_with_integer_dtype_is_named(tmp_path, dtype, seed):
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng)
+    name = rng.choice(_dense_names(ckpt))
     _rewrite(_shard_of(ckpt, name), lambda t: t.update({name: t[name].to(dtype)}))
     msg = _compile_error(ckpt, tmp_path / "engine")
     assert f"tensor {name} " in msg and str(dtype) in msg
 
 
-def test_expert_tensor_with_integer_dtype_is_named(tmp_path):
-    ckpt = _checkpoint(tmp_path, layout="per_expert")
-    name = (f"model.layers.{random.randrange(SHAPE.layers)}.mlp.experts.{random.randrange(SHAPE.experts)}."
-            f"{random.choice(['gate_proj', 'up_proj', 'down_proj'])}.weight")
+def test_expert_tensor_with_integer_dtype_is_named(tmp_path, seed):
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng, layout="per_expert")
+    name = _expert_tensor(rng)
     _rewrite(ckpt / "model.safetensors", lambda t: t.update({name: t[name].to(torch.int32)}))
     msg = _compile_error(ckpt, tmp_path / "engine")
     assert f"tensor {name} " in msg and "torch.int32" in msg
 
 
 @pytest.mark.parametrize("keep_index", [False, True])
-def test_directory_without_safetensors_is_refused(tmp_path, keep_index):
-    ckpt = _checkpoint(tmp_path, shards=2)
+def test_directory_without_safetensors_is_refused(tmp_path, keep_index, seed):
+    ckpt = _checkpoint(tmp_path, random.Random(seed), shards=2)
     for path in ckpt.glob("*.safetensors"):
         path.unlink()
     if not keep_index:
@@ -150,53 +162,57 @@ NONFINITE = {"nan": (torch.bfloat16, float("nan")), "inf": (torch.bfloat16, floa
              "-inf": (torch.bfloat16, -float("inf")), "fp32_beyond_bf16": (torch.float32, 3.4e38)}
 
 
-def _poison(t: Tensors, name: str, kind: str, entry: int | None = None) -> None:
+def _poison(t: Tensors, name: str, kind: str, rng: random.Random, entry: int | None = None) -> None:
     """One value of tensor `name` (of its `entry` along dim 0, if given) made non-finite in bf16."""
     dtype, value = NONFINITE[kind]
     w = t[name].to(dtype)
     part = w[entry] if entry is not None else w
-    part.view(-1)[random.randrange(part.numel())] = value
+    part.view(-1)[rng.randrange(part.numel())] = value
     t[name] = w
 
 
 @pytest.mark.parametrize("kind", sorted(NONFINITE))
-def test_non_finite_dense_tensor_is_named(tmp_path, kind):
-    ckpt = _checkpoint(tmp_path, shards=2)
-    name = random.choice(_dense_names(ckpt))
-    _rewrite(_shard_of(ckpt, name), lambda t: _poison(t, name, kind))
+def test_non_finite_dense_tensor_is_named(tmp_path, kind, seed):
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng, shards=2)
+    name = rng.choice(_dense_names(ckpt))
+    _rewrite(_shard_of(ckpt, name), lambda t: _poison(t, name, kind, rng))
     msg = _compile_error(ckpt, tmp_path / "engine")
     assert msg.startswith(f"{_shard_of(ckpt, name)}: tensor {name} has 1 NaN or Inf values of "), msg
 
 
 @pytest.mark.parametrize("which", ["gate_up_proj", "down_proj"])
-def test_non_finite_value_in_a_fused_expert_names_tensor_and_expert(tmp_path, which):
-    ckpt = _checkpoint(tmp_path)
-    name = f"model.layers.{random.randrange(SHAPE.layers)}.mlp.experts.{which}"
-    expert = random.randrange(SHAPE.experts)
-    _rewrite(ckpt / "model.safetensors", lambda t: _poison(t, name, random.choice(sorted(NONFINITE)), expert))
+def test_non_finite_value_in_a_fused_expert_names_tensor_and_expert(tmp_path, which, seed):
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng)
+    name = f"model.layers.{rng.randrange(SHAPE.layers)}.mlp.experts.{which}"
+    expert = rng.randrange(SHAPE.experts)
+    _rewrite(ckpt / "model.safetensors", lambda t: _poison(t, name, rng.choice(sorted(NONFINITE)), rng, expert))
     msg = _compile_error(ckpt, tmp_path / "engine")
     assert f"tensor {name} (entry {expert} along dim 0) has 1 NaN or Inf values" in msg, msg
 
 
-def test_non_finite_value_in_a_per_expert_tensor_is_named(tmp_path):
-    ckpt = _checkpoint(tmp_path, layout="per_expert")
-    name = (f"model.layers.{random.randrange(SHAPE.layers)}.mlp.experts.{random.randrange(SHAPE.experts)}."
-            f"{random.choice(['gate_proj', 'up_proj', 'down_proj'])}.weight")
-    _rewrite(ckpt / "model.safetensors", lambda t: _poison(t, name, random.choice(sorted(NONFINITE))))
+def test_non_finite_value_in_a_per_expert_tensor_is_named(tmp_path, seed):
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng, layout="per_expert")
+    name = _expert_tensor(rng)
+    _rewrite(ckpt / "model.safetensors", lambda t: _poison(t, name, rng.choice(sorted(NONFINITE)), rng))
     msg = _compile_error(ckpt, tmp_path / "engine")
     assert f"tensor {name} has 1 NaN or Inf values" in msg, msg
 
 
 @pytest.mark.parametrize("kind", ["nan", "inf", "-inf"])
-def test_ftw_writer_refuses_a_non_finite_row(tmp_path, kind):
+def test_ftw_writer_refuses_a_non_finite_row(tmp_path, kind, seed):
     """The expert pool's rows as they are written, from any weight source."""
-    header = FtwHeader.create(2, 3, bf16_expert_banks(64, 32))
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    header = FtwHeader.create("bf16", 2, 3, 64, 32)
+    shapes = expert_shapes(header.hidden, header.intermediate)
     writer = FtwWriter(tmp_path / "e.ftw", header)
-    row, bank = random.randrange(header.num_rows), random.choice(header.banks).name
+    row, bank = rng.randrange(header.num_rows), rng.choice(sorted(shapes))
     for _ in range(row):
-        writer.append({b.name: torch.randn(b.row_shape).bfloat16() for b in header.banks})
-    rows = {b.name: torch.randn(b.row_shape).bfloat16() for b in header.banks}
-    _poison(rows, bank, kind)
+        writer.append({name: torch.randn(shape, generator=g).bfloat16() for name, shape in shapes.items()})
+    rows = {name: torch.randn(shape, generator=g).bfloat16() for name, shape in shapes.items()}
+    _poison(rows, bank, kind, rng)
     layer, expert = divmod(row, header.num_experts)
     with pytest.raises(ValueError, match=re.escape(f"expert {row} (MoE layer {layer}, expert {expert}), bank "
                                                    f"'{bank}': 1 NaN or Inf values")):
@@ -212,8 +228,8 @@ def _transpose_experts(t: Tensors) -> None:
         t[name] = t[name].transpose(1, 2).contiguous()
 
 
-def test_transposed_fused_layout_compiles_to_the_same_experts(tmp_path):
-    ckpt = _checkpoint(tmp_path)
+def test_transposed_fused_layout_compiles_to_the_same_experts(tmp_path, seed):
+    ckpt = _checkpoint(tmp_path, random.Random(seed))
     base = _compile(ckpt, tmp_path / "base")
     _rewrite(ckpt / "model.safetensors", _transpose_experts)
     gate_up = load_file(str(ckpt / "model.safetensors"))["model.layers.0.mlp.experts.gate_up_proj"]
@@ -222,12 +238,13 @@ def test_transposed_fused_layout_compiles_to_the_same_experts(tmp_path):
     assert _experts_sha(transposed) == _experts_sha(base)
 
 
-def test_per_expert_layout_compiles_to_the_same_experts_as_fused(tmp_path):
-    model = build_model(SHAPE, seed=random.randrange(10**6))
+def test_per_expert_layout_compiles_to_the_same_experts_as_fused(tmp_path, seed):
+    rng = random.Random(seed)
+    model = build_model(SHAPE, seed=rng.randrange(2**31))
     fused = _compile(save_checkpoint(model, tmp_path / "fused" / "ckpt", "fused", 1), tmp_path / "e1")
     split = _compile(save_checkpoint(model, tmp_path / "split" / "ckpt", "per_expert", 2), tmp_path / "e2")
     assert _experts_sha(split) == _experts_sha(fused)
-    other = _compile(_checkpoint(tmp_path / "other"), tmp_path / "e3")
+    other = _compile(_checkpoint(tmp_path / "other", rng), tmp_path / "e3")
     assert _experts_sha(other) != _experts_sha(fused)
 
 
@@ -236,21 +253,22 @@ def _tree_digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _late_failure(tmp_path: Path) -> Path:
+def _late_failure(tmp_path: Path, rng: random.Random) -> Path:
     """A checkpoint that passes every up-front check and fails while its dense tensors are written."""
-    ckpt = _checkpoint(tmp_path / "broken")
-    name = random.choice(_dense_names(ckpt))
+    ckpt = _checkpoint(tmp_path / "broken", rng)
+    name = rng.choice(_dense_names(ckpt))
     _rewrite(ckpt / "model.safetensors", lambda t: t.update({name: t[name].to(torch.int32)}))
     return ckpt
 
 
 @pytest.fixture
-def good_engine_then_failed_compile(tmp_path) -> tuple[Path, dict[str, str], torch.Tensor, list[int]]:
-    out = _compile(_checkpoint(tmp_path), tmp_path / "engine")
-    ids = [random.randrange(SHAPE.vocab) for _ in range(6)]
+def good_engine_then_failed_compile(tmp_path, seed) -> tuple[Path, dict[str, str], torch.Tensor, list[int]]:
+    rng = random.Random(seed)
+    out = _compile(_checkpoint(tmp_path, rng), tmp_path / "engine")
+    ids = [rng.randrange(SHAPE.vocab) for _ in range(6)]
     before, logits = _tree_digest(out), Engine.load(out).logits(ids)
     with pytest.raises(CheckpointError):
-        _compile(_late_failure(tmp_path), out, force=True)
+        _compile(_late_failure(tmp_path, rng), out, force=True)
     return out, before, logits, ids
 
 

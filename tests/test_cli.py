@@ -181,7 +181,7 @@ def test_sampling_is_reproducible_by_seed_and_varies_across_seeds(engine, loaded
 
 
 def test_bench_experts_prints_positive_throughputs(engine):
-    r = ok("bench", engine, "experts", "--seconds", "0.2")
+    r = ok("bench", "experts", engine, "--seconds", "0.2")
     result = json.loads(r.stdout)
     assert result["engine"] == "qwen3-moe-tiny"
     for key in ("kernel_gbps", "torch_bf16_gbps", "torch_read_gbps"):
@@ -192,7 +192,7 @@ def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path):
     """The CPU standing in for the GPU: both modes stream the layers of every long enough chunk
     (16 experts per layer, 40 slots: two buffers fit); the plot is a PNG."""
     lengths = sorted(random.sample(range(12, 90), 2))
-    args = ["bench", engine, "prefill", "--device", "cpu", "--slots", "40", "--lengths", ",".join(map(str, lengths)),
+    args = ["bench", "prefill", engine, "--device", "cpu", "--slots", "40", "--lengths", ",".join(map(str, lengths)),
             "--compare", "--prefill-chunk", "32"]
     plot = tmp_path / "prefill.png"
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
@@ -205,7 +205,7 @@ def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path):
     if has_matplotlib:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # chunks shorter than --stream-min-tokens take decode's path: nothing streams
-    r = ok("bench", engine, "prefill", "--device", "cpu", "--slots", "40", "--lengths", str(lengths[0]),
+    r = ok("bench", "prefill", engine, "--device", "cpu", "--slots", "40", "--lengths", str(lengths[0]),
            "--prefill-chunk", "32", "--stream-min-tokens", "33")
     assert json.loads(r.stdout)["runs"][0]["stream_layers"] == 0
 
@@ -215,12 +215,42 @@ def test_bench_load_reports_the_loader_against_the_disk(engine):
     the engine around them; every figure positive and the byte count the file's data region."""
     from ftc_runtime.io import ftw
 
-    r = ok("bench", engine, "load", "--device", "cpu")
+    r = ok("bench", "load", engine, "--device", "cpu")
     x = json.loads(r.stdout)
     header, _ = ftw.read_header(Path(engine) / "experts.ftw")
     assert x["bytes"] == header.data_bytes
     assert min(x["disk_s"], x["read_s"], x["total_s"], x["disk_gbps"], x["read_gbps"]) > 0
     assert isinstance(x["read_direct"], bool) and x["total_s"] >= x["read_s"]
+
+
+def test_bench_agent_passes_its_options_and_writes_the_printed_json(engine, tmp_path):
+    """One mode of the agent session, its sizes and seed as given; -o holds what was printed."""
+    tool, seed = random.randint(40, 80), random.randrange(1000)
+    out = tmp_path / "agent.json"
+    r = ok("bench", "agent", engine, "--device", "cpu", "--session-tokens", 400, "--tool-output-tokens", tool,
+           "--no-checkpoints", "--seed", seed, "-o", out)
+    x = json.loads(r.stdout)
+    assert json.loads(out.read_text()) == x
+    assert list(x["runs"]) == ["no-checkpoints"] and x["device"] == "cpu"
+    turns = x["runs"]["no-checkpoints"]["turns"]
+    assert turns[-1]["kind"] == "edit" and turns[-2]["prompt_tokens"] >= 400
+    assert turns[1]["prompt_tokens"] - turns[0]["prompt_tokens"] > tool  # a tool turn carries a whole output
+
+
+def test_bench_builds_a_spec_with_random_weights_in_memory():
+    r = ok("bench", "experts", TINY, "--random-weights", "--seed", random.randrange(1000), "--seconds", "0.1")
+    assert json.loads(r.stdout)["engine"] == "qwen3-moe-tiny"
+
+
+def test_bench_has_one_command_per_benchmark_and_each_only_its_options(engine):
+    runner = CliRunner()
+    r = runner.invoke(app, ["bench", "--help"])
+    assert r.exit_code == 0 and all(k in r.output for k in ("experts", "decode", "prefill", "agent", "load"))
+    for kind, option in (("experts", "--device"), ("experts", "--plot"), ("decode", "--compare"),
+                         ("decode", "--lengths"), ("prefill", "--session-tokens"), ("agent", "--routing-trace"),
+                         ("load", "--random-weights"), ("load", "--lengths")):
+        r = runner.invoke(app, ["bench", kind, str(engine), option, "1"])
+        assert r.exit_code == 2 and "No such option" in _said(r) and option in _said(r), f"{kind} {option}: {r.output}"
 
 
 # -- errors ------------------------------------------------------------------------------------------------
@@ -248,11 +278,14 @@ def error_cases(engine: Path, tmp_path: Path) -> dict[str, tuple[list, list[str]
         "both_prompts": (["run", engine, "--prompt", "hi", "--prompt-ids", "1,2"], ["exactly one of --prompt"]),
         "bad_ids": (["run", engine, "--prompt-ids", "a,b"], ["--prompt-ids 'a,b'", "integers"]),
         "id_too_large": (["run", engine, "--prompt-ids", f"1,{big}"], [f"token id {big}", f"[0, {VOCAB})"]),
+        "bench_spec_needs_random_weights": (["bench", "decode", TINY, "--device", "cpu"], ["--random-weights"]),
+        "bench_load_of_a_spec": (["bench", "load", TINY, "--device", "cpu"], ["compiled engine directory"]),
     }
 
 
 @pytest.mark.parametrize("case", ["missing_spec", "bad_field", "bad_target", "not_an_engine", "both_prompts",
-                                  "bad_ids", "id_too_large"])
+                                  "bad_ids", "id_too_large", "bench_spec_needs_random_weights",
+                                  "bench_load_of_a_spec"])
 def test_error_paths_exit_1_with_an_error_line(case, engine, tmp_path):
     args, says = error_cases(engine, tmp_path)[case]
     r = ftc(*args)
@@ -294,9 +327,9 @@ def bad_option_cases(engine: Path, tmp: Path) -> list[tuple[str, list, str]]:
     """(case id, arguments, the option the message must name): each value is refused, by typer's own
     check (exit status 2) or with one 'error:' line (1)."""
     gen, serve = ["run", engine, "--prompt-ids", "1,2"], ["run", engine, "--serve"]
-    exp, dec, pre = ["bench", engine, "experts"], ["bench", engine, "decode", "--device", "cpu"], \
-        ["bench", engine, "prefill", "--device", "cpu", "--lengths", "8"]
-    agent, prof, trace = ["bench", engine, "agent", "--device", "cpu"], ["profile", engine], \
+    exp, dec, pre = ["bench", "experts", engine], ["bench", "decode", engine, "--device", "cpu"], \
+        ["bench", "prefill", engine, "--device", "cpu", "--lengths", "8"]
+    agent, prof, trace = ["bench", "agent", engine, "--device", "cpu"], ["profile", engine], \
         ["trace", engine, "--prompt-ids", "1", "-o", tmp / "t.npz"]
     missing = tmp / "no-such-folder" / "out"
     cases = [(f"{cmd}-{opt}-{v}", [*base, opt, v], opt) for v in SIZES
@@ -324,9 +357,9 @@ def bad_option_cases(engine: Path, tmp: Path) -> list[tuple[str, list, str]]:
         (prof, "--seconds", ["0", "nan"]), (prof, "-o", [missing]), (trace, "--max-new-tokens", ["0"]),
         (["trace", engine, "--prompt-ids", "1"], "-o", [missing])) for v in vs]
     if not torch.cuda.is_available():  # without a GPU, the default --device of `bench decode` and cuda itself
-        cases += [(f"{a[1]}-cuda", [*a, "--device", "cuda"], "--device") for a in (gen, ["bench", engine, "decode"],
+        cases += [(f"{a[1]}-cuda", [*a, "--device", "cuda"], "--device") for a in (gen, ["bench", "decode", engine],
                                                                                    prof, pre)]
-        cases += [("decode-default-device", ["bench", engine, "decode"], "--device")]
+        cases += [("decode-default-device", ["bench", "decode", engine], "--device")]
     return cases
 
 

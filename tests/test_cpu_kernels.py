@@ -1,5 +1,6 @@
-"""Every generated CPU kernel variant this machine can run, against a float64 torch reference,
-on fresh random experts and routings, for every batch bucket and for token counts between them."""
+"""Every generated CPU kernel variant (expert format × ISA) this machine can run, against a
+float64 torch reference over the format's own dequantization, on fresh random experts and
+routings, for every batch bucket and for token counts between them."""
 
 from __future__ import annotations
 
@@ -17,65 +18,75 @@ from ftc.compile.targets import Target
 from ftc_runtime.cpu_info import physical_cpus, supported_isas
 from ftc_runtime.experts.base import group_by_expert
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
+from ftc_runtime.formats import FORMATS, expert_format
 from ftc_runtime.io import ftw
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec
 
 TOLERANCE = {"avx512_bf16": 1e-2, "avx2": 1e-5}
 SHAPES = [(64, 32, 6), (256, 96, 5), (2048, 768, 3)]  # hidden, expert intermediate, experts
-VARIANTS = [pytest.param((isa, shape), id=f"{isa}-{shape[0]}x{shape[1]}",
+VARIANTS = [pytest.param((fmt, isa, shape), id=f"{fmt}-{isa}-{shape[0]}x{shape[1]}",
                          marks=pytest.mark.skipif(isa not in supported_isas(), reason=f"this CPU lacks {isa}"))
-            for isa in ("avx512_bf16", "avx2") for shape in SHAPES]
+            for fmt in FORMATS for isa in expert_format(fmt).cpu_templates for shape in SHAPES]
 
 
-def _spec(hidden: int, inter: int, experts: int) -> ModelSpec:
+def _spec(fmt: str, hidden: int, inter: int, experts: int) -> ModelSpec:
     return ModelSpec.from_dict({
         "name": f"k{hidden}x{inter}", "family": "qwen3_moe", "num_layers": 2, "hidden_size": hidden,
         "vocab_size": 300, "attention": {"num_heads": 2, "num_kv_heads": 1, "head_dim": 16},
-        "moe": {"num_experts": experts, "top_k": 2, "expert_intermediate_size": inter}})
+        "moe": {"num_experts": experts, "top_k": 2, "expert_intermediate_size": inter}, "expert_format": fmt})
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def setup(request, tmp_path_factory):
-    isa, (hidden, inter, experts) = request.param
-    spec = _spec(hidden, inter, experts)
-    tmp = tmp_path_factory.mktemp(f"kern-{isa}-{hidden}")
-    header = ftw.FtwHeader.create(2, experts, ftw.bf16_expert_banks(hidden, inter))
+    """fp32 random experts written through the format; the reference takes them as the format's
+    dequantization gives them back (the kernel computes on those, not on the fp32 originals)."""
+    fmt, isa, (hidden, inter, experts) = request.param
+    spec = _spec(fmt, hidden, inter, experts)
+    tmp = tmp_path_factory.mktemp(f"kern-{fmt}-{isa}-{hidden}")
+    header = ftw.FtwHeader.create(fmt, 2, experts, hidden, inter)
     writer = FtwWriter(tmp / "experts.ftw", header)
-    originals = []
+    g = torch.Generator().manual_seed(hidden + inter)  # fixed: the kernels and experts serve the whole module
     for _ in range(header.num_rows):
-        rows = {"gate_up": (torch.randn(2 * inter, hidden) * hidden ** -0.5).bfloat16(),
-                "down": (torch.randn(hidden, inter) * inter ** -0.5).bfloat16()}
-        writer.append(rows)
-        originals.append(rows)
+        writer.append({"gate_up": torch.randn(2 * inter, hidden, generator=g) * hidden ** -0.5,
+                       "down": torch.randn(hidden, inter, generator=g) * inter ** -0.5})
     writer.close()
     pool = ftw.load(tmp / "experts.ftw")
+    weights = [tuple(w.double() for w in header.dequantize(pool.experts[r])) for r in range(header.num_rows)]
     plan = make_plan(Target("test", isa, None))
     render_cpu_kernels(spec, plan, tmp / "kernels")
     lib, _ = build_kernels(tmp / "kernels", tmp / "lib", settings().cache_dir)
-    return isa, spec, pool, originals, plan, lib
+    return isa, spec, pool, weights, plan, lib
 
 
-def _reference(originals: list, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def _reference(weights: list, x: torch.Tensor, rows: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(rows.shape[1]):
-            w = originals[int(rows[t, j])]
-            inter = w["gate_up"].shape[0] // 2
-            h = w["gate_up"].double() @ x[t].double()
+            gate_up, down = weights[int(rows[t, j])]
+            inter = gate_up.shape[0] // 2
+            h = gate_up @ x[t].double()
             act = torch.nn.functional.silu(h[:inter]) * h[inter:]
-            out[t] += float(weights[t, j]) * (w["down"].double() @ act)
+            out[t] += float(router_w[t, j]) * (down @ act)
     return out
 
 
-def _check(setup, ids: torch.Tensor, layer: int, threads: int, background: bool = False) -> None:
-    isa, spec, pool, originals, _, lib = setup
+def _routing(rng: random.Random, e: int, n: int, same: bool = False) -> torch.Tensor:
+    """ids [n, 2] of distinct experts per token (the same two for every token with `same`)."""
+    first = rng.sample(range(e), 2)
+    return torch.tensor([first if same else rng.sample(range(e), 2) for _ in range(n)])
+
+
+def _check(setup, rng: random.Random, ids: torch.Tensor, threads: int, background: bool = False) -> None:
+    isa, spec, pool, expert_weights, _, lib = setup
     cpus = (physical_cpus() * threads)[:threads]
     kernel = CpuExpertKernel(lib, isa, spec.hidden_size, spec.moe.expert_intermediate_size, cpus, background)
     n, e = ids.shape[0], spec.moe.num_experts
-    weights = torch.rand(n, ids.shape[1])
-    x = torch.randn(n, spec.hidden_size)
-    out = torch.randn(n, spec.hidden_size)  # the kernel accumulates: start from noise, not zeros
+    layer = rng.randrange(2)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    weights = torch.rand(n, ids.shape[1], generator=g)
+    x = torch.randn(n, spec.hidden_size, generator=g)
+    out = torch.randn(n, spec.hidden_size, generator=g)  # the kernel accumulates: start from noise, not zeros
     start = out.clone()
     args = (pool.bank("gate_up"), pool.bank("down"), x, out, *group_by_expert(layer * e, ids, weights))
     if background:
@@ -83,37 +94,37 @@ def _check(setup, ids: torch.Tensor, layer: int, threads: int, background: bool 
         kernel.wait()
     else:
         kernel.run(*args)
-    ref = _reference(originals, x, ids + layer * e, weights)
+    ref = _reference(expert_weights, x, ids + layer * e, weights)
     got = out.double() - start.double()
     rel = float((got - ref).norm() / ref.norm())
     assert rel < TOLERANCE[isa], f"{isa} tokens={n} ids={ids.tolist()}: relative error {rel:.2e}"
 
 
-def test_each_bucket_alone(setup):
+def test_each_bucket_alone(setup, seed):
     """All tokens to the same experts: every expert runs exactly one tile of bucket size b."""
     _, spec, _, _, plan, _ = setup
+    rng = random.Random(seed)
     for b in plan.batch_buckets:
-        experts = torch.randperm(spec.moe.num_experts)[:2]
-        _check(setup, experts.repeat(b, 1), layer=random.randrange(2), threads=len(physical_cpus()))
+        _check(setup, rng, _routing(rng, spec.moe.num_experts, b, same=True), threads=len(physical_cpus()))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_random_routing_between_buckets(setup, threads):
+def test_random_routing_between_buckets(setup, threads, seed):
     """Token counts that are not bucket sizes split into several tiles per expert."""
     _, spec, *_ = setup
+    rng = random.Random(seed)
     for n in (1, 3, 5, 7, 11, 19):
-        ids = torch.stack([torch.randperm(spec.moe.num_experts)[:2] for _ in range(n)])
-        _check(setup, ids, layer=random.randrange(2), threads=threads)
+        _check(setup, rng, _routing(rng, spec.moe.num_experts, n), threads=threads)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_background_job_equals_the_reference(setup, threads):
+def test_background_job_equals_the_reference(setup, threads, seed):
     """start() returns before the job is done; wait() joins it; a pool without the caller's
     thread still does the whole job."""
     _, spec, *_ = setup
+    rng = random.Random(seed)
     for n in (1, 4, 9):
-        ids = torch.stack([torch.randperm(spec.moe.num_experts)[:2] for _ in range(n)])
-        _check(setup, ids, layer=random.randrange(2), threads=threads, background=True)
+        _check(setup, rng, _routing(rng, spec.moe.num_experts, n), threads=threads, background=True)
 
 
 def test_library_reports_its_isa_and_shapes(setup, tmp_path: Path):

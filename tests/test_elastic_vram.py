@@ -25,23 +25,24 @@ def _budget_for(engine_dir: Path, tokens: int, slots: int) -> int:
     return plan.dense + plan.workspace + probe.model.new_cache().bytes_for(tokens) + slots * plan.expert_stride
 
 
-def test_a_growing_context_gives_up_expert_slots_and_gets_them_back(engine_dir, cpu_engine):
+def test_a_growing_context_gives_up_expert_slots_and_gets_them_back(engine_dir, cpu_engine, seed):
     """One budget for KV and expert slots (the CPU standing in for the GPU): as a sequence's KV
     cache doubles, slots are given up at the next safe point; a short sequence afterwards gets
     them back; memory that another process takes shrinks the slots, and when even no slots leave
     room for the KV, generation stops with an error naming the split. Tokens never change, and
     no safe point ever planned past the budget."""
+    rng = random.Random(seed)
     budget = _budget_for(engine_dir, 200, 40)  # a 256-token cache and 40 slots
     cfg = OffloadConfig(device="cpu", vram_budget=budget, max_context=64, b_p=20.0, b_h=40.0)
     engine = Engine.load(engine_dir, offload=cfg)
     plan = engine.vram
     elastic = engine.elastic
-    ids = [random.randrange(256) for _ in range(random.randrange(150, 200))]  # the cache doubles to 512
+    ids = [rng.randrange(256) for _ in range(rng.randrange(150, 200))]  # the cache doubles to 512
     want = list(cpu_engine.generate(ids, 120, SamplingParams(0.0), stop_at_eos=False))
     assert list(engine.generate(ids, 120, SamplingParams(0.0), stop_at_eos=False)) == want
     shrunk = elastic.slots
     assert any(after < before for before, after in elastic.changes) and shrunk < plan.n_slots
-    short = [random.randrange(256) for _ in range(10)]
+    short = [rng.randrange(256) for _ in range(10)]
     assert list(engine.generate(short, 5, SamplingParams(0.0), stop_at_eos=False)) == \
         list(cpu_engine.generate(short, 5, SamplingParams(0.0), stop_at_eos=False))
     assert elastic.slots > shrunk  # given back
@@ -60,9 +61,10 @@ def test_a_growing_context_gives_up_expert_slots_and_gets_them_back(engine_dir, 
     check_slots_hold_their_rows(engine.model.experts)
 
 
-def test_a_request_that_cannot_fit_ends_alone(engine_dir, cpu_engine):
+def test_a_request_that_cannot_fit_ends_alone(engine_dir, cpu_engine, seed):
     """Through the serving scheduler: a prompt whose KV cannot fit even with no expert slots ends
     with an error; a request beside it decodes the all-CPU engine's tokens."""
+    rng = random.Random(seed)
     budget = _budget_for(engine_dir, 200, 2)
     engine = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", vram_budget=budget, max_context=64,
                                                            b_p=20.0, b_h=40.0))
@@ -81,10 +83,10 @@ def test_a_request_that_cannot_fit_ends_alone(engine_dir, cpu_engine):
                 threading.Thread(target=done.wait).start()
         scheduler.submit(Request(ids, 8, SamplingParams(0.0), on_token))
 
-    small = [random.randrange(256) for _ in range(20)]
+    small = [rng.randrange(256) for _ in range(20)]
     try:
         submit("small", small)
-        submit("huge", [random.randrange(256) for _ in range(900)])  # a 1024-token cache: more than the budget
+        submit("huge", [rng.randrange(256) for _ in range(900)])  # a 1024-token cache: more than the budget
         done.wait(timeout=120)
     finally:
         scheduler.close()
@@ -92,10 +94,11 @@ def test_a_request_that_cannot_fit_ends_alone(engine_dir, cpu_engine):
     assert results["small"] == (list(cpu_engine.generate(small, 8, SamplingParams(0.0), stop_at_eos=False)), "length")
 
 
-def test_a_stand_in_budget_loses_what_others_take_after_the_start(engine_dir):
+def test_a_stand_in_budget_loses_what_others_take_after_the_start(engine_dir, seed):
     """A budget smaller than the device (`--vram-budget` standing in for a smaller card): memory
     that other processes take after the start comes out of the budget, as it would on that card,
     although the device itself still has room; what they held before is not counted twice."""
+    rng = random.Random(seed)
     budget = _budget_for(engine_dir, 200, 40)
     engine = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", vram_budget=budget, max_context=64,
                                                            b_p=20.0, b_h=40.0))
@@ -104,7 +107,7 @@ def test_a_stand_in_budget_loses_what_others_take_after_the_start(engine_dir):
     assert elastic.budget() == budget
     cache = engine.model.new_cache()
     before = elastic.rebalance(cache.bytes_for(200))
-    taken = random.randrange(5, before) * stride
+    taken = rng.randrange(5, before) * stride
     held[0] += taken
     assert elastic.budget() == budget - taken
     after = elastic.rebalance(cache.bytes_for(200))

@@ -6,7 +6,7 @@ engine.json rewritten to match ("rematched"), so that the checks behind the hash
 Escapes point at bait: copies of the engine's own files beside it, which would pass every size and
 hash check, so that only the confinement of paths can refuse them.
 
-The random choices follow FTC_TEST_SEED (printed by every test, shown when one fails)."""
+The random choices come from each test's seed (conftest's `seed`: shown when the test fails)."""
 
 from __future__ import annotations
 
@@ -36,21 +36,17 @@ from ftc.compile.ftw_writer import FtwWriter
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
 from ftc_runtime.artifact import ArtifactError, file_sha256
-from ftc_runtime.io.ftw import HEADER_ROOM, PREFIX, FtwError, FtwHeader, bf16_expert_banks, read_header
+from ftc_runtime.formats.base import expert_shapes
+from ftc_runtime.io.ftw import HEADER_ROOM, PREFIX, FtwError, FtwHeader, read_header
 from ftc_runtime.spec import SpecError
 
 from field_edits import DELETE, set_field
 
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 USER_ERRORS = (ArtifactError, FtwError, SpecError)
-SEED = int(os.environ.get("FTC_TEST_SEED", random.randrange(2**32)))
 M, EXPERTS, DENSE, TOKENIZER = "engine.json", "experts.ftw", "dense.safetensors", "tokenizer.json"
 TEMPLATE, LIBRARY, TRITON = "chat_template.jinja", "lib/libftc_kernels.so", "kernels/expert_ffn_triton.py"
 BAIT = (M, TOKENIZER, DENSE, TEMPLATE, LIBRARY)  # copied beside the engine, flat, under their base names
-
-
-def _say_seed() -> None:
-    print(f"random choices from seed {SEED}: FTC_TEST_SEED={SEED} repeats them")
 
 
 @pytest.fixture(scope="module")
@@ -621,10 +617,10 @@ def experts_trailer_oversized_rematched(d: Damage) -> str:
 def experts_of_other_shapes_rematched(d: Damage) -> str:
     """A complete, self-consistent FTW file for experts of another intermediate size."""
     header, _ = read_header(d.root / EXPERTS)
-    other = FtwHeader.create(header.num_moe_layers, header.num_experts, bf16_expert_banks(256, 64))
+    other = FtwHeader.create(header.expert_format, header.num_moe_layers, header.num_experts, 256, 64)
     writer = FtwWriter(d.root / EXPERTS, other)
     for _ in range(other.num_rows):
-        writer.append({b.name: torch.zeros(b.row_shape, dtype=torch.bfloat16) for b in other.banks})
+        writer.append({name: torch.zeros(shape) for name, shape in expert_shapes(256, 64).items()})
     writer.close()
     d.rematch(EXPERTS)
     return EXPERTS
@@ -633,13 +629,13 @@ def experts_of_other_shapes_rematched(d: Damage) -> str:
 # -- the tests --------------------------------------------------------------------------------------------
 
 
-def _copy(engine: Path, tmp_path: Path, name: str) -> Damage:
+def _copy(engine: Path, tmp_path: Path, rng: random.Random) -> Damage:
     root = Path(shutil.copytree(engine, tmp_path / "engine", symlinks=True))
     outside = tmp_path / "outside"
     outside.mkdir()
     for rel in BAIT:
         shutil.copyfile(engine / rel, outside / Path(rel).name)
-    return Damage(root, outside, random.Random(f"{SEED}:{name}"))
+    return Damage(root, outside, rng)
 
 
 def _watch(d: Damage, tmp_path: Path):
@@ -657,9 +653,8 @@ def test_damage_kinds_are_many():
 
 
 @pytest.mark.parametrize("make", DAMAGES, ids=lambda f: f.__name__)
-def test_damage_is_refused_in_one_line_naming_the_file(make, engine, tmp_path):
-    _say_seed()
-    d = _copy(engine, tmp_path, make.__name__)
+def test_damage_is_refused_in_one_line_naming_the_file(make, engine, tmp_path, seed):
+    d = _copy(engine, tmp_path, random.Random(seed))
     expected = str(d.root / make(d)).rstrip("/")
     with _watch(d, tmp_path) as watch, pytest.raises(USER_ERRORS) as info:
         Engine.load(d.root)
@@ -678,8 +673,8 @@ def test_damage_is_refused_in_one_line_naming_the_file(make, engine, tmp_path):
     assert result.exit_code == 0 or result.stderr.startswith(f"error: {d.root}")
 
 
-def test_an_undamaged_copy_loads_and_verifies_touching_nothing_outside(engine, tmp_path):
-    d = _copy(engine, tmp_path, "none")
+def test_an_undamaged_copy_loads_and_verifies_touching_nothing_outside(engine, tmp_path, seed):
+    d = _copy(engine, tmp_path, random.Random(seed))
     with _watch(d, tmp_path) as watch:
         assert Engine.load(d.root).logits([1, 2, 3]).shape == (3, 512)
     assert not watch.seen, watch.seen
@@ -687,8 +682,8 @@ def test_an_undamaged_copy_loads_and_verifies_touching_nothing_outside(engine, t
     assert result.exit_code == 0 and not seen, (result.output, seen)
 
 
-def test_symlinks_that_stay_inside_are_followed(engine, tmp_path):
-    d = _copy(engine, tmp_path, "inside")
+def test_symlinks_that_stay_inside_are_followed(engine, tmp_path, seed):
+    d = _copy(engine, tmp_path, random.Random(seed))
     (d.root / TOKENIZER).rename(d.root / "kernels" / "tok.json")
     (d.root / "kernels" / "link").symlink_to("tok.json")
     (d.root / TOKENIZER).symlink_to("kernels/../kernels/link")
@@ -710,28 +705,28 @@ def _read(path: Path) -> None:
     lambda d: HFTokenizer.from_file(str(d.bait(TOKENIZER))),  # Rust: only inotify sees it
     lambda d: ctypes.CDLL(str(d.bait(LIBRARY))),
 ], ids=["read", "read_dotdot", "read_through_symlink", "stat", "is_file", "listdir", "rust_open", "dlopen"])
-def test_the_watch_sees_access_outside(access, engine, tmp_path):
+def test_the_watch_sees_access_outside(access, engine, tmp_path, seed):
     """The check above can fail: each of these touches the bait and is seen."""
-    d = _copy(engine, tmp_path, "watch")
+    d = _copy(engine, tmp_path, random.Random(seed))
     _symlink(d, TOKENIZER, f"../outside/{TOKENIZER}")
     with _watch(d, tmp_path) as watch:
         access(d)
     assert watch.seen
 
 
-def test_the_watch_ignores_what_does_not_leave(engine, tmp_path):
-    d = _copy(engine, tmp_path, "quiet")
+def test_the_watch_ignores_what_does_not_leave(engine, tmp_path, seed):
+    d = _copy(engine, tmp_path, random.Random(seed))
     _symlink(d, TOKENIZER, f"../outside/{TOKENIZER}")
     with _watch(d, tmp_path) as watch:
         os.lstat(d.root / TOKENIZER), os.readlink(d.root / TOKENIZER), _read(d.root / DENSE)
     assert not watch.seen, watch.seen
 
 
-def test_ftc_run_prints_one_error_line(engine, tmp_path):
+def test_ftc_run_prints_one_error_line(engine, tmp_path, seed):
     """`ftc run` on a damaged engine (one kind, at random): one error line, exit status 1."""
-    _say_seed()
-    make = random.Random(SEED).choice(DAMAGES)
-    d = _copy(engine, tmp_path, make.__name__)
+    rng = random.Random(seed)
+    make = rng.choice(DAMAGES)
+    d = _copy(engine, tmp_path, rng)
     expected = str(d.root / make(d)).rstrip("/")
     result = CliRunner().invoke(app, ["run", str(d.root), "--prompt-ids", "1,2"])
     assert isinstance(result.exception, SystemExit) and result.exit_code == 1, (make.__name__, result.output)

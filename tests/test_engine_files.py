@@ -45,27 +45,28 @@ def test_good_engine_loads_and_checks_its_inputs(engine: Path):
         e.logits([1, e.spec.vocab_size])
 
 
-def test_truncated_expert_file(copy: Path):
+def test_truncated_expert_file(copy: Path, seed: int):
     path = copy / "experts.ftw"
-    path.write_bytes(path.read_bytes()[: random.randrange(1, path.stat().st_size)])
+    path.write_bytes(path.read_bytes()[: random.Random(seed).randrange(1, path.stat().st_size)])
     with pytest.raises(ArtifactError, match=r"experts\.ftw: truncated"):
         Engine.load(copy)
 
 
-def test_corrupted_expert_row(copy: Path):
+def test_corrupted_expert_row(copy: Path, seed: int):
+    rng = random.Random(seed)
     header, _ = read_header(copy / "experts.ftw")
-    row = random.randrange(header.num_rows)
+    row = rng.randrange(header.num_rows)
     bank = header.bank("down")
     _flip(copy / "experts.ftw", header.data_offset + row * header.expert_stride + bank.offset
-          + random.randrange(bank.row_bytes))
+          + rng.randrange(bank.row_bytes))
     with pytest.raises(FtwError, match=rf"experts\.ftw: corrupted: bank 'down' row {row} "):
         Engine.load(copy)
 
 
 @pytest.mark.parametrize("name", ["dense.safetensors", "tokenizer.json", "lib/libftc_kernels.so"])
-def test_corrupted_or_missing_small_files(copy: Path, name: str):
+def test_corrupted_or_missing_small_files(copy: Path, name: str, seed: int):
     path = copy / name
-    _flip(path, random.randrange(path.stat().st_size))
+    _flip(path, random.Random(seed).randrange(path.stat().st_size))
     with pytest.raises(ArtifactError, match=rf"{name}: corrupted: sha256"):
         Engine.load(copy)
     path.unlink()

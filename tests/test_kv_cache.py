@@ -7,13 +7,14 @@ import random
 import torch
 
 from ftc_runtime.cache.kv import KVCache
-from ftc_runtime.models.qwen3_moe.model import decode_attention
+from ftc_runtime.models.layers.attention import decode_attention
 
 
-def test_growth_keeps_the_tokens_and_renews_the_generation():
+def test_growth_keeps_the_tokens_and_renews_the_generation(seed):
+    g = torch.Generator().manual_seed(seed)
     cache = KVCache(2, 2, 8, torch.float32, capacity=4)
-    keys = [torch.randn(3, 2, 8) for _ in range(3)]
-    values = [torch.randn(3, 2, 8) for _ in range(3)]
+    keys = [torch.randn(3, 2, 8, generator=g) for _ in range(3)]
+    values = [torch.randn(3, 2, 8, generator=g) for _ in range(3)]
     generations = [cache.generation]
     for k, v in zip(keys, values, strict=True):
         for layer in range(2):
@@ -28,14 +29,15 @@ def test_growth_keeps_the_tokens_and_renews_the_generation():
     assert len(set(generations)) == 3 and KVCache(1, 1, 1, torch.float32).generation not in generations
 
 
-def test_masked_attention_over_the_storage_equals_attention_over_the_tokens():
+def test_masked_attention_over_the_storage_equals_attention_over_the_tokens(seed):
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     n_kv, group, d = 2, 3, 16
     heads = (n_kv * group, n_kv, d)
     for _ in range(10):
-        capacity = random.choice([8, 32, 64])
-        length = random.randrange(1, capacity + 1)
-        keys, values = torch.randn(capacity, n_kv, d), torch.randn(capacity, n_kv, d)
-        q = torch.randn(1, n_kv * group, d)
+        capacity = rng.choice([8, 32, 64])
+        length = rng.randrange(1, capacity + 1)
+        keys, values = torch.randn(capacity, n_kv, d, generator=g), torch.randn(capacity, n_kv, d, generator=g)
+        q = torch.randn(1, n_kv * group, d, generator=g)
         valid = torch.arange(capacity) < length
         got = decode_attention(q, keys, values, valid, heads)
         # Reference: softmax over the first `length` keys, per query head and its KV head.

@@ -18,9 +18,10 @@ from ftc_runtime.experts.vram_plan import VramError, parse_size, plan_vram
 from slot_checks import check_slots_hold_their_rows
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_offloaded_experts_equal_cpu_experts(cpu_engine, seed):
-    rng = random.Random(seed * 7919 + random.randrange(10**6))
+@pytest.mark.parametrize("run", range(12))
+def test_offloaded_experts_equal_cpu_experts(cpu_engine, run, seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
     cpu = cpu_engine.model.experts
     e, k, layers = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, len(cpu_engine.spec.moe_layers)
     n_slots = rng.choice([0, 1, 3, k, 2 * k, e * layers])
@@ -32,8 +33,8 @@ def test_offloaded_experts_equal_cpu_experts(cpu_engine, seed):
         # Skewed routing, so that the cache sees reuse as in real decoding.
         ids = torch.stack([torch.tensor(rng.sample(range(e), k)) if rng.random() < 0.3
                            else torch.tensor(rng.sample(range(min(e, k + 3)), k)) for _ in range(t)])
-        w = torch.rand(t, k)
-        x = torch.randn(t, cpu_engine.spec.hidden_size)
+        w = torch.rand(t, k, generator=g)
+        x = torch.randn(t, cpu_engine.spec.hidden_size, generator=g)
         ref = cpu.forward(layer, x, ids, w)
         got = off.forward(layer, x, ids, w)
         rel = float((got - ref).norm() / ref.norm())
@@ -52,11 +53,12 @@ def test_offloaded_experts_equal_cpu_experts(cpu_engine, seed):
         assert s.cpu == 0
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_native_one_token_plan_equals_the_general_path(cpu_engine, seed):
+@pytest.mark.parametrize("run", range(8))
+def test_native_one_token_plan_equals_the_general_path(cpu_engine, run, seed):
     """One-token calls planned natively (TokenPlanner) leave the same outputs, cache state and
     counts as the general numpy path, step after step, prompts (several tokens) in between."""
-    rng = random.Random(seed * 104729 + random.randrange(10**6))
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
     cpu = cpu_engine.model.experts
     e, k, layers = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, len(cpu_engine.spec.moe_layers)
     n_slots = rng.choice([0, 1, k - 1, k, 2 * k + 1, e * layers])
@@ -70,7 +72,7 @@ def test_native_one_token_plan_equals_the_general_path(cpu_engine, seed):
         layer = rng.randrange(layers)
         hot = range(min(e, k + 4))
         ids = torch.stack([torch.tensor(rng.sample(hot if rng.random() < 0.7 else range(e), k)) for _ in range(t)])
-        w, x = torch.rand(t, k), torch.randn(t, cpu_engine.spec.hidden_size)
+        w, x = torch.rand(t, k, generator=g), torch.randn(t, cpu_engine.spec.hidden_size, generator=g)
         got, want = native.forward(layer, x, ids, w), general.forward(layer, x, ids, w)
         assert torch.equal(got, want), f"step {step}"
         for name in ("slot_of", "id_of", "last_used"):
@@ -85,23 +87,27 @@ def test_native_one_token_plan_equals_the_general_path(cpu_engine, seed):
     check_slots_hold_their_rows(native)
 
 
-def test_adaptive_split_sends_q_misses_to_the_device(cpu_engine):
+def test_adaptive_split_sends_q_misses_to_the_device(cpu_engine, seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
     cpu = cpu_engine.model.experts
     e, k = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k
     planner = MissPlanner("adaptive", 25.0, 50.0)
     off = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cpu"), 64, planner, "lru")
-    ids = torch.tensor([random.sample(range(e), k)])
-    off.forward(0, torch.randn(1, cpu_engine.spec.hidden_size), ids, torch.rand(1, k))
+    ids = torch.tensor([rng.sample(range(e), k)])
+    off.forward(0, torch.randn(1, cpu_engine.spec.hidden_size, generator=g), ids, torch.rand(1, k, generator=g))
     assert (off.stats.fills, off.stats.cpu) == (planner.fills(k), k - planner.fills(k))
-    off.forward(0, torch.randn(1, cpu_engine.spec.hidden_size), ids, torch.rand(1, k))
+    off.forward(0, torch.randn(1, cpu_engine.spec.hidden_size, generator=g), ids, torch.rand(1, k, generator=g))
     assert off.stats.hits == planner.fills(k)  # the filled experts are hits the next time
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_misses_the_cpu_computed_lately_are_filled(cpu_engine, native):
+def test_misses_the_cpu_computed_lately_are_filled(cpu_engine, native, seed):
     """Adaptive with a slow link sends one of k misses to the device; when the same experts come
     back within `recent_tokens` tokens, every one the CPU computed is filled (and then hit), and
     without the window (recent_tokens 0) the split stays at one."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
     cpu = cpu_engine.model.experts
     e, k, hidden = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, cpu_engine.spec.hidden_size
     layers = len(cpu_engine.spec.moe_layers)
@@ -109,10 +115,11 @@ def test_misses_the_cpu_computed_lately_are_filled(cpu_engine, native):
         planner = MissPlanner("adaptive", 1.0, 100.0, recent_tokens=window)
         off = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cpu"), 64, planner, "lru")
         off.native_token_plan = native
-        ids = torch.tensor([random.sample(range(e), k)])
-        layer = random.randrange(layers)
-        got = [off.forward(layer, torch.randn(1, hidden), ids, torch.rand(1, k)) for _ in range(3)]
-        assert all(g.isfinite().all() for g in got)
+        ids = torch.tensor([rng.sample(range(e), k)])
+        layer = rng.randrange(layers)
+        got = [off.forward(layer, torch.randn(1, hidden, generator=g), ids, torch.rand(1, k, generator=g))
+               for _ in range(3)]
+        assert all(o.isfinite().all() for o in got)
         s = off.stats
         assert planner.fills(k) == 1
         if window:  # token 1: 1 fill, k - 1 on the CPU; token 2: 1 hit, k - 1 fills; token 3: k hits
@@ -125,24 +132,26 @@ def test_misses_the_cpu_computed_lately_are_filled(cpu_engine, native):
 @pytest.mark.parametrize("miss_policy,cache_policy,slots", [("adaptive", "lru", 5), ("gpu", "lru", 20),
                                                           ("cpu", "lru", 8), ("half", "static", 12),
                                                           ("adaptive", "static", 3)])
-def test_engine_greedy_tokens_equal_the_cpu_engine(engine_dir, cpu_engine, miss_policy, cache_policy, slots):
-    ids = [random.randrange(256) for _ in range(random.randrange(4, 30))]
+def test_engine_greedy_tokens_equal_the_cpu_engine(engine_dir, cpu_engine, miss_policy, cache_policy, slots, seed):
+    rng = random.Random(seed)
+    ids = [rng.randrange(256) for _ in range(rng.randrange(4, 30))]
     want = list(cpu_engine.generate(ids, 24, SamplingParams(0.0), stop_at_eos=False))
     cfg = OffloadConfig(device="cpu", n_slots=slots, miss_policy=miss_policy, cache_policy=cache_policy,
-                        b_p=random.uniform(5, 50), b_h=random.uniform(20, 100))
+                        b_p=rng.uniform(5, 50), b_h=rng.uniform(20, 100))
     off = Engine.load(engine_dir, offload=cfg)
     assert list(off.generate(ids, 24, SamplingParams(0.0), stop_at_eos=False)) == want
     assert torch.allclose(off.logits(ids), cpu_engine.logits(ids), rtol=1e-4, atol=1e-4)
     assert off.model.experts.cache.resident <= slots
 
 
-def test_vram_budget_is_respected(engine_dir, cpu_engine):
+def test_vram_budget_is_respected(engine_dir, cpu_engine, seed):
+    rng = random.Random(seed)
     spec = cpu_engine.spec
     shapes = {n: tuple(t.shape) for n, t in cpu_engine.model.w.items()} | {
         "model.embed_tokens.weight": tuple(cpu_engine.model.embed.shape)}
     stride = cpu_engine.pool.header.expert_stride
     for _ in range(20):
-        budget = random.randrange(8 << 20, 64 << 20)
+        budget = rng.randrange(8 << 20, 64 << 20)
         try:
             plan = plan_vram(spec, shapes, budget, stride, cpu_engine.pool.header.num_rows, 512)
         except VramError as e:
@@ -153,7 +162,7 @@ def test_vram_budget_is_respected(engine_dir, cpu_engine):
         assert plan.n_slots == min(cpu_engine.pool.header.num_rows, free // stride)
     off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", vram_budget=70 << 20, max_context=512))
     assert off.vram.total <= 70 << 20
-    assert off.model.experts.slots.numel() == off.vram.slots
+    assert off.model.experts.store.slots.numel() == off.vram.slots
     with pytest.raises(VramError, match="leave no room"):
         Engine.load(engine_dir, offload=OffloadConfig(device="cpu", vram_budget=1 << 20))
     with pytest.raises(ValueError, match="--slots"):
@@ -178,15 +187,16 @@ def _prefill(engine: Engine, ids: list[int]):
 
 @pytest.mark.parametrize("overlap,slots,chunk", [(True, 40, 13), (False, 16, 11), (True, 32, 64),
                                                  (True, 64, 12), (True, 31, 13), (False, 15, 20)])
-def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap, slots, chunk):
+def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap, slots, chunk, seed):
     """Prompt chunks stream whole MoE layers through one or two layer buffers borrowed from the
     cache (E = 16 slots each) when the chunk is long enough and the cache can lend them; otherwise
     (31 < 2E, 15 < E) routed experts load on demand. Logits of every token and the KV cache equal
     the all-CPU engine's, chunks split the prompt unevenly, and streamed slots stay valid entries."""
+    rng = random.Random(seed)
     e = cpu_engine.spec.moe.num_experts
-    ids = [random.randrange(256) for _ in range(random.randrange(30, 60))]
-    threshold = random.choice([None, random.randrange(1, 70)])  # None: the plan's
-    cfg = OffloadConfig(device="cpu", n_slots=slots, b_p=random.uniform(5, 50), b_h=random.uniform(20, 100),
+    ids = [rng.randrange(256) for _ in range(rng.randrange(30, 60))]
+    threshold = rng.choice([None, rng.randrange(1, 70)])  # None: the plan's
+    cfg = OffloadConfig(device="cpu", n_slots=slots, b_p=rng.uniform(5, 50), b_h=rng.uniform(20, 100),
                         prefill_overlap=overlap, stream_min_tokens=threshold)
     off = Engine.load(engine_dir, offload=cfg, prefill_chunk=chunk)
     threshold = threshold or off.manifest.plan.prefill_stream_min_tokens
@@ -194,8 +204,8 @@ def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap
     want, want_cache = _prefill(cpu_engine, ids)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
     for layer in range(cpu_engine.spec.num_layers):
-        assert torch.allclose(got_cache.keys(layer), want_cache.keys(layer), rtol=1e-4, atol=1e-5)
-        assert torch.allclose(got_cache.values(layer), want_cache.values(layer), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(got_cache.kv.keys(layer), want_cache.kv.keys(layer), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(got_cache.kv.values(layer), want_cache.kv.values(layer), rtol=1e-4, atol=1e-5)
     experts = off.model.experts
     streams = slots >= experts.stream_slots
     n_moe = len(cpu_engine.spec.moe_layers)
@@ -212,21 +222,23 @@ def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap
         assert experts.cache.resident == min(slots, n_moe * e)
 
 
-def test_copies_start_at_the_first_uncached_layer(cpu_engine):
+def test_copies_start_at_the_first_uncached_layer(cpu_engine, seed):
     """With the first two MoE layers cached, streaming queues layer 2's copies while layer 0
     computes (layer 1 needs none) and goes no further; outputs equal the CPU experts'."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
     cpu = cpu_engine.model.experts
     e, k, hidden = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, cpu_engine.spec.hidden_size
     off = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cpu"), 4 * e, MissPlanner("adaptive", 20.0, 40.0),
                            stream_min_tokens=8)
     cached = np.arange(2 * e)
     off.cache.install(cached, cached)
-    off.copy_rows_now(cached, cached)
-    t = random.randrange(8, 40)
+    off.store.copy_rows_now(cached, cached)
+    t = rng.randrange(8, 40)
     off.begin_pass(t)
     for layer in range(2):
-        ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
-        w, x = torch.rand(t, k), torch.randn(t, hidden)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        w, x = torch.rand(t, k, generator=g), torch.randn(t, hidden, generator=g)
         got = off.forward(layer, x, ids, w)
         assert torch.allclose(got, cpu.forward(layer, x, ids, w), rtol=1e-5, atol=1e-5)
         if layer == 0:
@@ -236,16 +248,17 @@ def test_copies_start_at_the_first_uncached_layer(cpu_engine):
 
 
 @pytest.mark.parametrize("overlap,slots", [(True, 40), (True, 56), (False, 40), (True, 32)])
-def test_a_second_streamed_chunk_finds_the_first_layers_cached(engine_dir, cpu_engine, overlap, slots):
+def test_a_second_streamed_chunk_finds_the_first_layers_cached(engine_dir, cpu_engine, overlap, slots, seed):
     """Two full chunks stream every MoE layer; the first leaves its first layers cached (all but
     the layer buffers' worth of slots), so the second streams only the rest: at most the pool's
     experts less the slots beyond the buffers. Logits still equal the all-CPU engine's."""
+    rng = random.Random(seed)
     e, n_moe = cpu_engine.spec.moe.num_experts, len(cpu_engine.spec.moe_layers)
     cfg = OffloadConfig(device="cpu", n_slots=slots, b_p=20.0, b_h=40.0, prefill_overlap=overlap)
     chunk = 24
     off = Engine.load(engine_dir, offload=cfg, prefill_chunk=chunk)
     assert chunk >= off.manifest.plan.prefill_stream_min_tokens
-    ids = [random.randrange(256) for _ in range(2 * chunk)]
+    ids = [rng.randrange(256) for _ in range(2 * chunk)]
     experts = off.model.experts
     first, cache = _prefill(off, ids[:chunk])
     streamed_first = experts.stats.streamed
@@ -261,20 +274,21 @@ def test_a_second_streamed_chunk_finds_the_first_layers_cached(engine_dir, cpu_e
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_turns_of_an_agent_stream_at_most_the_uncached_share(engine_dir, cpu_engine, overlap):
+def test_turns_of_an_agent_stream_at_most_the_uncached_share(engine_dir, cpu_engine, overlap, seed):
     """An agent's turns: prompt chunks streamed whole, a few decode steps (LRU fills) between.
     Every chunk after the first streams at most the pool less the slots beyond the buffers, as a
     second chunk straight after the first does (the earlier rule, evicting what the chunk had not
     used yet, streamed 87 % of the pool per turn with 45 % of it cached); logits equal the all-CPU
     engine's throughout."""
+    rng = random.Random(seed)
     e, n_moe = cpu_engine.spec.moe.num_experts, len(cpu_engine.spec.moe_layers)
     buffers = e * (2 if overlap else 1)
-    slots = random.randrange(buffers + 1, n_moe * e)
+    slots = rng.randrange(buffers + 1, n_moe * e)
     chunk = 24
     off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=slots, b_p=20.0, b_h=40.0,
                                                         prefill_overlap=overlap), prefill_chunk=chunk)
     experts = off.model.experts
-    ids = [random.randrange(256) for _ in range(5 * (chunk + 3))]
+    ids = [rng.randrange(256) for _ in range(5 * (chunk + 3))]
     got, cache = [], off.model.new_cache()
     for turn in range(5):
         prompt, answer = ids[turn * (chunk + 3):][:chunk], ids[turn * (chunk + 3) + chunk:][:3]
@@ -289,13 +303,14 @@ def test_turns_of_an_agent_stream_at_most_the_uncached_share(engine_dir, cpu_eng
 
 
 @pytest.mark.parametrize("offloaded", [False, True])
-def test_batched_decode_equals_one_sequence_at_a_time(engine_dir, cpu_engine, offloaded):
+def test_batched_decode_equals_one_sequence_at_a_time(engine_dir, cpu_engine, offloaded, seed):
     """Sequences of different lengths decoded together (one call per step) give each sequence the
     logits it gets alone; on the emulated device too, whose experts see the batch as one call."""
+    rng = random.Random(seed)
     engine = cpu_engine if not offloaded else Engine.load(engine_dir, offload=OffloadConfig(
-        device="cpu", n_slots=random.choice([3, 12, 40]), b_p=20.0, b_h=40.0))
-    prompts = [[random.randrange(256) for _ in range(random.randrange(1, 20))] for _ in range(random.randrange(2, 6))]
-    steps = [[random.randrange(256) for _ in range(6)] for _ in prompts]
+        device="cpu", n_slots=rng.choice([3, 12, 40]), b_p=20.0, b_h=40.0))
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(1, 20))] for _ in range(rng.randrange(2, 6))]
+    steps = [[rng.randrange(256) for _ in range(6)] for _ in prompts]
     model = engine.model
     caches = [model.new_cache() for _ in prompts]
     for ids, cache in zip(prompts, caches, strict=True):
@@ -310,11 +325,12 @@ def test_batched_decode_equals_one_sequence_at_a_time(engine_dir, cpu_engine, of
         assert cache.length == alone.length
 
 
-def test_a_failed_streamed_chunk_leaves_no_pass_behind(engine_dir, cpu_engine, monkeypatch):
+def test_a_failed_streamed_chunk_leaves_no_pass_behind(engine_dir, cpu_engine, monkeypatch, seed):
     """A prompt chunk that fails halfway through its streamed layers must not leave its layer stream
     to the next call: a decode batch after it streams nothing and computes what the CPU engine does."""
     from ftc_runtime.experts.layer_stream import LayerStream
 
+    rng = random.Random(seed)
     off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=40, b_p=20.0, b_h=40.0))
     real = LayerStream.forward
 
@@ -323,26 +339,27 @@ def test_a_failed_streamed_chunk_leaves_no_pass_behind(engine_dir, cpu_engine, m
             raise RuntimeError("injected")
         return real(self, j, *args)
 
-    prompts = [[random.randrange(256) for _ in range(random.randrange(2, 9))] for _ in range(3)]
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(2, 9))] for _ in range(3)]
     got_caches, want_caches = [off.model.new_cache() for _ in prompts], [cpu_engine.model.new_cache() for _ in prompts]
     for p, g, w in zip(prompts, got_caches, want_caches, strict=True):
         off.model.forward(torch.tensor(p), g)
         cpu_engine.model.forward(torch.tensor(p), w)
     monkeypatch.setattr(LayerStream, "forward", fail_on_layer_1)
     with pytest.raises(RuntimeError, match="injected"):
-        off.model.forward(torch.tensor([random.randrange(256) for _ in range(30)]), off.model.new_cache())
+        off.model.forward(torch.tensor([rng.randrange(256) for _ in range(30)]), off.model.new_cache())
     monkeypatch.setattr(LayerStream, "forward", real)
-    step = [random.randrange(256) for _ in prompts]
+    step = [rng.randrange(256) for _ in prompts]
     streamed = off.model.experts.stats.stream_layers
     got, want = off.model.decode_batch(step, got_caches), cpu_engine.model.decode_batch(step, want_caches)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
     assert off.model.experts.stats.stream_layers == streamed
 
 
-def test_cpu_experts_run_every_routed_expert_on_the_cpu(engine_dir, cpu_engine, capsys):
+def test_cpu_experts_run_every_routed_expert_on_the_cpu(engine_dir, cpu_engine, capsys, seed):
     """--cpu-experts: no expert slots at all (the budget's go unused), one log line, and the
     all-CPU engine's tokens; prompts long enough to stream do not (there is nothing to stream into)."""
-    ids = [random.randrange(256) for _ in range(random.randrange(4, 60))]
+    rng = random.Random(seed)
+    ids = [rng.randrange(256) for _ in range(rng.randrange(4, 60))]
     want = list(cpu_engine.generate(ids, 12, SamplingParams(0.0), stop_at_eos=False))
     off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", cpu_experts=True, b_p=20.0, b_h=40.0))
     assert "--cpu-experts" in capsys.readouterr().err
@@ -352,11 +369,13 @@ def test_cpu_experts_run_every_routed_expert_on_the_cpu(engine_dir, cpu_engine, 
 
 
 
-def test_a_chunk_abandoned_between_layers_leaves_the_sequence_and_the_cache_as_they_were(engine_dir, cpu_engine):
+def test_a_chunk_abandoned_between_layers_leaves_the_sequence_and_the_cache_as_they_were(engine_dir, cpu_engine,
+                                                                                           seed):
     """`between_layers` raising ends the pass at that layer: the sequence's length is unchanged, and
     the next pass (a decode step after the first chunk) computes what the CPU engine does."""
+    rng = random.Random(seed)
     off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=40, b_p=20.0, b_h=40.0))
-    prompt = [random.randrange(256) for _ in range(random.randrange(2, 9))]
+    prompt = [rng.randrange(256) for _ in range(rng.randrange(2, 9))]
     got, want = off.model.new_cache(), cpu_engine.model.new_cache()
     off.model.forward(torch.tensor(prompt), got)
     cpu_engine.model.forward(torch.tensor(prompt), want)
@@ -368,8 +387,8 @@ def test_a_chunk_abandoned_between_layers_leaves_the_sequence_and_the_cache_as_t
             raise InterruptedError
 
     with pytest.raises(InterruptedError):
-        off.model.forward(torch.tensor([random.randrange(256) for _ in range(30)]), got, between_layers=leave)
+        off.model.forward(torch.tensor([rng.randrange(256) for _ in range(30)]), got, between_layers=leave)
     assert got.length == len(prompt) and len(calls) == 2
-    step = random.randrange(256)
+    step = rng.randrange(256)
     a, b = off.model.forward(torch.tensor([step]), got), cpu_engine.model.forward(torch.tensor([step]), want)
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)

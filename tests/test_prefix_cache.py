@@ -88,9 +88,9 @@ def _expected_reuse(engine: Engine, prompts: list[list[int]], outs: list[list[in
 
 
 @pytest.mark.parametrize("edit_at", [0, 1])
-def test_an_agent_session_decodes_the_same_with_and_without_the_cache(engine_dir, edit_at):
+def test_an_agent_session_decodes_the_same_with_and_without_the_cache(engine_dir, edit_at, seed):
     engine = Engine.load(engine_dir)
-    parts = _session(engine, random.Random())
+    parts = _session(engine, random.Random(seed))
     plain, none_reused, _ = _run(engine, parts, edit_at)
     assert none_reused == [0] * len(none_reused)
     cached = Engine.load(engine_dir)
@@ -104,9 +104,9 @@ def test_an_agent_session_decodes_the_same_with_and_without_the_cache(engine_dir
 
 
 @pytest.mark.parametrize("budgets", [(20_000, 1 << 30), (1 << 30, 30_000), (4_000, 4_000)])
-def test_tiny_budgets_evict_and_keep_outputs_correct(engine_dir, budgets):
+def test_tiny_budgets_evict_and_keep_outputs_correct(engine_dir, budgets, seed):
     engine = Engine.load(engine_dir)
-    parts = _session(engine, random.Random())
+    parts = _session(engine, random.Random(seed))
     plain, _, _ = _run(engine, parts, 0)
     cached = Engine.load(engine_dir)
     cache = cached.enable_prefix_cache(*budgets)
@@ -119,12 +119,12 @@ def test_tiny_budgets_evict_and_keep_outputs_correct(engine_dir, budgets):
         assert cache.stats.checkpoint_evictions + cache.stats.kv_evictions > 0
 
 
-def test_without_room_for_checkpoints_prompts_capture_none(engine_dir):
+def test_without_room_for_checkpoints_prompts_capture_none(engine_dir, seed):
     """KV only (`--no-checkpoints`): a hybrid model cannot resume without a checkpoint, so its
     prompts capture none (each capture costs one more recurrence call per linear layer) and
     restore nothing; a pure-attention model restores its KV as before. Outputs never change."""
     engine = Engine.load(engine_dir)
-    parts = _session(engine, random.Random())
+    parts = _session(engine, random.Random(seed))
     plain, _, _ = _run(engine, parts, 0)
     cached = Engine.load(engine_dir)
     cache = cached.enable_prefix_cache(1 << 30, 0)
@@ -137,14 +137,15 @@ def test_without_room_for_checkpoints_prompts_capture_none(engine_dir):
         assert reused[-1] > 0
 
 
-def test_held_nodes_are_never_evicted(engine_dir):
+def test_held_nodes_are_never_evicted(engine_dir, seed):
     """A sequence that resumed from the cache holds its nodes: inserting others under a budget
     too small for anything evicts everything else, never them; once released, they go too."""
+    rng = random.Random(seed)
     engine = Engine.load(engine_dir)
     recurrent = bool(engine.spec.linear_attention_layers)
     cache = PrefixCache(kv_budget=1 << 30, checkpoint_budget=1 << 30, recurrent=recurrent)
     boundary = engine.spec.token_id("<|im_end|>")
-    first = [random.randrange(400) for _ in range(20)] + [boundary] + [random.randrange(400) for _ in range(5)]
+    first = [rng.randrange(400) for _ in range(20)] + [boundary] + [rng.randrange(400) for _ in range(5)]
     seq = engine.model.new_cache()
     engine.prefill(torch.tensor(first), seq, checkpoints=recurrent)
     cache.insert(first, seq, seq.checkpoints if recurrent else {})
@@ -153,7 +154,7 @@ def test_held_nodes_are_never_evicted(engine_dir):
     assert held.length == (21 if recurrent else len(first))
     cache.kv_budget = cache.checkpoint_budget = 0
     for _ in range(3):
-        other = [400 + random.randrange(100) for _ in range(15)]
+        other = [400 + rng.randrange(100) for _ in range(15)]
         s = engine.model.new_cache()
         engine.prefill(torch.tensor(other), s)
         cache.insert(other, s, {})
@@ -164,7 +165,7 @@ def test_held_nodes_are_never_evicted(engine_dir):
     assert cache._nodes() == [] and cache.kv_used == 0
 
 
-def test_the_server_scheduler_resumes_from_the_prefix_cache(engine_dir):
+def test_the_server_scheduler_resumes_from_the_prefix_cache(engine_dir, seed):
     """Requests through the serving scheduler: the second one's prompt extends the first's
     conversation; its tokens equal the engine's own without a cache, and it resumed after a
     cached prefix (after a boundary token, for a hybrid model)."""
@@ -172,6 +173,7 @@ def test_the_server_scheduler_resumes_from_the_prefix_cache(engine_dir):
 
     from ftc_runtime.serve.scheduler import Request, Scheduler
 
+    rng = random.Random(seed)
     plain = Engine.load(engine_dir)
     cached = Engine.load(engine_dir)
     prefix = cached.enable_prefix_cache(1 << 30, 1 << 30)
@@ -191,10 +193,10 @@ def test_the_server_scheduler_resumes_from_the_prefix_cache(engine_dir):
         return out
 
     try:
-        first = [random.randrange(400) for _ in range(40)] + [end] + [random.randrange(400) for _ in range(30)]
+        first = [rng.randrange(400) for _ in range(40)] + [end] + [rng.randrange(400) for _ in range(30)]
         got = run(first)
         assert got == list(plain.generate(first, NEW, SamplingParams(0.0), stop_at_eos=False))
-        second = first + got + [end] + [random.randrange(400) for _ in range(20)]
+        second = first + got + [end] + [rng.randrange(400) for _ in range(20)]
         got2 = run(second)
         assert got2 == list(plain.generate(second, NEW, SamplingParams(0.0), stop_at_eos=False))
         assert prefix.stats.reused_tokens == _expected_reuse(cached, [first, second], [got, got2])[1] > 0
@@ -202,8 +204,8 @@ def test_the_server_scheduler_resumes_from_the_prefix_cache(engine_dir):
         scheduler.close()
 
 
-def test_the_agent_bench_reports_what_each_mode_reuses(engine_dir):
-    """`ftc bench ENGINE agent` in its three modes: per turn, restored + prefilled tokens make the
+def test_the_agent_bench_reports_what_each_mode_reuses(engine_dir, seed):
+    """`ftc bench agent ENGINE` in its three modes: per turn, restored + prefilled tokens make the
     prompt; without a cache nothing is restored, without checkpoints a hybrid model restores
     nothing (its linear layers need their state) while a pure-attention one still does; with the
     cache every turn after the first resumes, and the edit turn exactly after the last boundary
@@ -211,7 +213,6 @@ def test_the_agent_bench_reports_what_each_mode_reuses(engine_dir):
     edit kept)."""
     from ftc.bench.agent import EDITED, agent_session, bench_agent
 
-    seed = random.randrange(100)
     result = bench_agent(engine_dir, None, ["cache", "no-checkpoints", "no-prefix-cache"], 700, 120,
                          kv_budget=1 << 30, checkpoint_budget=1 << 30, new_tokens=2, seed=seed)
     engine = Engine.load(engine_dir)

@@ -27,9 +27,9 @@ def engine_dir(tmp_path_factory) -> Path:
                                          output=tmp_path_factory.mktemp("trace") / "tiny"))
 
 
-def test_recorded_trace_replays_the_same_tokens(engine_dir, tmp_path):
+def test_recorded_trace_replays_the_same_tokens(engine_dir, tmp_path, seed):
     ftc = Path(sys.executable).parent / "ftc"
-    ids = ",".join(str(i) for i in np.random.randint(0, 256, size=9))
+    ids = ",".join(str(i) for i in np.random.default_rng(seed).integers(0, 256, size=9))
     r = subprocess.run([str(ftc), "trace", str(engine_dir), "--prompt-ids", ids, "--max-new-tokens", "12",
                         "-o", str(tmp_path / "t.npz")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -48,19 +48,20 @@ def test_recorded_trace_replays_the_same_tokens(engine_dir, tmp_path):
     assert got == want
 
 
-def test_replay_fills_a_smaller_k_from_the_model_and_truncates_a_larger_one():
+def test_replay_fills_a_smaller_k_from_the_model_and_truncates_a_larger_one(seed):
+    rng = np.random.default_rng(seed)
     trace = RoutingTrace(np.array([[[3, 5, -1]]], dtype=np.int16), np.ones((1, 1, 3), np.float32), np.ones(1, bool))
     replay = TraceReplay(trace)
     own = np.array([[5, 9, 1, 2]])
-    ids, w = replay.route(0, np.array([7]), own, np.random.rand(1, 4).astype(np.float32))
+    ids, w = replay.route(0, np.array([7]), own, rng.random((1, 4), dtype=np.float32))
     assert ids.tolist() == [[3, 5, 9, 1]] and np.allclose(w, 0.25)
-    ids, _ = replay.route(0, np.array([0]), np.array([[8]]), np.random.rand(1, 1).astype(np.float32))
+    ids, _ = replay.route(0, np.array([0]), np.array([[8]]), rng.random((1, 1), dtype=np.float32))
     assert ids.tolist() == [[3]]
 
 
-def test_synthetic_locality_raises_lru_hit_rate():
+def test_synthetic_locality_raises_lru_hit_rate(seed):
     def hit_rate(locality: float) -> float:
-        t = synthetic_trace(300, 2, 64, 4, locality, seed=1)
+        t = synthetic_trace(300, 2, 64, 4, locality, seed=seed)
         cache, hits, total = ExpertCache(2 * 64, 24), 0, 0
         for tok in range(300):
             for layer in range(2):
@@ -73,10 +74,10 @@ def test_synthetic_locality_raises_lru_hit_rate():
                 cache.touch(np.concatenate([slots[slots >= 0], v]))
         return hits / total
 
-    t = synthetic_trace(50, 3, 32, 6, 0.5, seed=2)
+    t = synthetic_trace(50, 3, 32, 6, 0.5, seed=seed + 1)
     assert t.shape == (50, 3, 6)
     assert all(len(set(row.tolist())) == 6 for row in t.experts.reshape(-1, 6))
-    assert hit_rate(0.9) > hit_rate(0.5) > hit_rate(0.0)
+    assert hit_rate(0.9) > hit_rate(0.5) > hit_rate(0.0)  # over 200 seeds, each step was at least 0.19
     with pytest.raises(TraceError, match="locality"):
         synthetic_trace(5, 1, 8, 2, 1.5)
 
@@ -92,7 +93,7 @@ def test_the_shared_qwen3_trace_loads_and_fits_a_truncated_engine():
 
 def test_bench_decode_replays_a_synthetic_trace(engine_dir):
     ftc = Path(sys.executable).parent / "ftc"
-    r = subprocess.run([str(ftc), "bench", str(engine_dir), "decode", "--device", "cpu", "--slots", "12",
+    r = subprocess.run([str(ftc), "bench", "decode", str(engine_dir), "--device", "cpu", "--slots", "12",
                         "--synthetic-locality", "0.7", "--new-tokens", "8", "--prompt-tokens", "5"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -16,15 +16,16 @@ from ftc_runtime.sampling import Sampler, SamplingParams
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 
 
-def test_greedy_is_argmax():
-    logits = torch.randn(50)
+def test_greedy_is_argmax(seed):
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(seed))
     assert Sampler(SamplingParams(temperature=0.0))(logits) == int(logits.argmax())
 
 
-def test_temperature_sampling_matches_softmax():
-    logits = torch.randn(6) * 2
-    temperature = random.uniform(0.5, 1.5)
-    sampler = Sampler(SamplingParams(temperature=temperature, seed=random.randrange(1000)))
+def test_temperature_sampling_matches_softmax(seed):
+    rng = random.Random(seed)
+    logits = torch.randn(6, generator=torch.Generator().manual_seed(seed)) * 2
+    temperature = rng.uniform(0.5, 1.5)
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=rng.randrange(1000)))
     n = 6000
     counts = torch.bincount(torch.tensor([sampler(logits) for _ in range(n)]), minlength=6).double()
     expected = torch.softmax(logits.double() / temperature, 0)
@@ -48,12 +49,13 @@ def test_sampling_params_are_checked():
         SamplingParams(top_p=0)
 
 
-def test_byte_tokenizer_round_trip(tmp_path: Path):
+def test_byte_tokenizer_round_trip(tmp_path: Path, seed: int):
     spec, _ = load_spec(SPEC)
     build_byte_tokenizer(spec, tmp_path / "tokenizer.json")
     tok = Tokenizer(tmp_path / "tokenizer.json")
     assert tok.vocab_size == spec.vocab_size
-    text = "héllo, wörld ✓ " + "".join(chr(random.randrange(32, 0x2FFF)) for _ in range(20))
+    rng = random.Random(seed)
+    text = "héllo, wörld ✓ " + "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(20))
     ids = tok.encode(text)
     assert all(i < 256 for i in ids) and tok.decode(ids) == text
     marked = tok.encode("a<|im_end|>b")
@@ -72,10 +74,10 @@ def test_stream_decoder_holds_back_split_utf8(tmp_path: Path):
     assert "\ufffd" not in "".join(deltas)
 
 
-def test_top_k_keeps_the_k_likeliest_tokens():
-    logits = torch.randn(300)
+def test_top_k_keeps_the_k_likeliest_tokens(seed):
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(seed))
     top = set(torch.topk(logits, 5).indices.tolist())
-    sampler = Sampler(SamplingParams(temperature=1.5, seed=random.randrange(10**6), top_k=5))
+    sampler = Sampler(SamplingParams(temperature=1.5, seed=random.Random(seed).randrange(10**6), top_k=5))
     drawn = {sampler(logits) for _ in range(400)}
     assert drawn <= top and len(drawn) > 1
     assert Sampler(SamplingParams(temperature=1.0, top_k=1))(logits) == int(logits.argmax())
@@ -83,15 +85,14 @@ def test_top_k_keeps_the_k_likeliest_tokens():
         SamplingParams(top_k=-1)
 
 
-def test_stream_decoder_deltas_add_up_to_the_whole_decode(tmp_path: Path):
+def test_stream_decoder_deltas_add_up_to_the_whole_decode(tmp_path: Path, seed: int):
     """Any ids, split UTF-8 and invalid bytes included: the deltas and the flush are the whole text."""
     spec, _ = load_spec(SPEC)
     build_byte_tokenizer(spec, tmp_path / "tokenizer.json")
     tok = Tokenizer(tmp_path / "tokenizer.json")
-    seed = random.randrange(2**32)
     rng = random.Random(seed)
     for _ in range(50):
         ids = [rng.randrange(spec.vocab_size) for _ in range(rng.randrange(1, 80))]
         stream = StreamDecoder(tok)
         text = "".join(stream.push(i) for i in ids) + stream.flush()
-        assert text == tok.decode(ids), (seed, ids)
+        assert text == tok.decode(ids), ids

@@ -22,9 +22,10 @@ httpx = pytest.importorskip("httpx")
 from ftc_runtime import Engine, SamplingParams  # noqa: E402
 from ftc_runtime.sampling import Sampler  # noqa: E402
 
+from conftest import seed_for  # noqa: E402
 from live_server import free_port, serving  # noqa: E402
 
-KEY = "test-key-" + str(random.randrange(10**9))
+KEY = f"test-key-{seed_for('test_serve.KEY')}"
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +81,9 @@ def test_models_and_health(url, engine):
     assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
-def test_chat_plain_and_streamed_equal_the_engine(url, engine):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Count {random.random()}"}]
+def test_chat_plain_and_streamed_equal_the_engine(url, engine, seed):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": f"Count {random.Random(seed).random()}"}]
     want = _expected(engine, messages, 12)
     c = client(url)
     r = c.chat.completions.create(model=engine.spec.name, messages=messages, max_tokens=12, temperature=0)
@@ -103,14 +105,15 @@ def test_completions_equal_the_engine(url, engine):
     assert r.choices[0].text == want or want.startswith(r.choices[0].text)  # an EOS token ends it early
 
 
-def test_tool_call_round_trip(engine, monkeypatch):
+def test_tool_call_round_trip(engine, monkeypatch, seed):
     """The model is made to emit a given tool call in its own format (the template's rendering of
     that call, token by token): the client receives the structured call, and sending the tool's
     result back renders through the template into the next prompt."""
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
-    args = {"city": random.choice(["Paris", "Zürich", "東京"]), "days": random.randrange(1, 9)}
+    rng = random.Random(seed)
+    args = {"city": rng.choice(["Paris", "Zürich", "東京"]), "days": rng.randrange(1, 9)}
     position = script_tool_call(engine, monkeypatch, tools, "get_weather", args)
     with serving(engine) as base:
         c = client(base)
@@ -135,8 +138,8 @@ def aclient(url: str, key: str = "none") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
 
 
-def test_anthropic_messages_plain_streamed_and_counted(url, engine):
-    system, user = "Be brief.", f"Count {random.random()}"
+def test_anthropic_messages_plain_streamed_and_counted(url, engine, seed):
+    system, user = "Be brief.", f"Count {random.Random(seed).random()}"
     want = _expected(engine, [{"role": "system", "content": system}, {"role": "user", "content": user}], 12).strip()
     c = aclient(url)
     greedy = {"temperature": 0}  # sent as a body field: recent clients no longer expose it
@@ -155,10 +158,11 @@ def test_anthropic_messages_plain_streamed_and_counted(url, engine):
     assert counted.input_tokens == len(engine.tokenizer.encode(rendered)) == r.usage.input_tokens
 
 
-def test_anthropic_tool_use_round_trip(engine, monkeypatch):
+def test_anthropic_tool_use_round_trip(engine, monkeypatch, seed):
     tools = [{"name": "read_file", "description": "Read a file", "input_schema": {
         "type": "object", "properties": {"path": {"type": "string"}}}}]
-    args = {"path": f"src/{random.randrange(100)}.py", "lines": [1, random.randrange(2, 50)]}
+    rng = random.Random(seed)
+    args = {"path": f"src/{rng.randrange(100)}.py", "lines": [1, rng.randrange(2, 50)]}
     openai_tools = [{"type": "function", "function": {"name": "read_file", "parameters": tools[0]["input_schema"]}}]
     position = script_tool_call(engine, monkeypatch, openai_tools, "read_file", args)
     with serving(engine) as base:
@@ -269,10 +273,12 @@ def test_malformed_requests_get_4xx_in_openai_shape_and_the_server_stays_up(url,
     assert r.choices[0].message is not None
 
 
-def test_concurrent_streams_and_a_client_that_leaves(url, engine):
+def test_concurrent_streams_and_a_client_that_leaves(url, engine, seed):
     """16 streaming clients, several requests each, decoded in shared steps; one client drops its
     stream after the first chunk, and the others finish with well-formed answers."""
     errors: list[BaseException] = []
+    rng = random.Random(seed)
+    max_tokens = [[rng.randrange(4, 16) for _ in range(3)] for _ in range(16)]  # drawn before the threads run
 
     def worker(i: int) -> None:
         try:
@@ -280,7 +286,7 @@ def test_concurrent_streams_and_a_client_that_leaves(url, engine):
             for j in range(3):
                 stream = c.chat.completions.create(
                     model=engine.spec.name, messages=[{"role": "user", "content": f"client {i} request {j}"}],
-                    max_tokens=random.randrange(4, 16), temperature=0.8, stream=True)
+                    max_tokens=max_tokens[i][j], temperature=0.8, stream=True)
                 if i == 0 and j == 1:
                     next(iter(stream))
                     stream.close()  # gone mid-stream
@@ -334,7 +340,7 @@ def test_ftc_run_serve_binds_loopback_and_answers(engine):
         proc.wait(timeout=30)
 
 
-def test_a_long_prompt_does_not_stall_decoding(engine):
+def test_a_long_prompt_does_not_stall_decoding(engine, seed):
     """While a long prompt is read chunk by chunk, a request that is already decoding keeps getting
     tokens between the chunks; both answers equal what each gets alone."""
     from ftc_runtime.serve.scheduler import Request, Scheduler
@@ -355,8 +361,9 @@ def test_a_long_prompt_does_not_stall_decoding(engine):
                     during_b.append(any(r.prompt_ids == long_prompt for r in scheduler.reading))
             return on_token
 
-        short_prompt = [random.randrange(256) for _ in range(5)]
-        long_prompt = [random.randrange(256) for _ in range(400)]
+        rng = random.Random(seed)
+        short_prompt = [rng.randrange(256) for _ in range(5)]
+        long_prompt = [rng.randrange(256) for _ in range(400)]
         greedy = SamplingParams(0.0)
         scheduler.submit(Request(short_prompt, 40, greedy, collect("a")))
         while not tokens["a"]:

@@ -8,8 +8,8 @@ The cases start from valid bodies (accepted as they are: checked first, so that 
 due to its mutation) and break them: wrong JSON types at every typed path, required fields
 dropped, out-of-range values, semantic errors (roles, content blocks, tools, tool_choice,
 thinking), invalid JSON and bytes, lone surrogates, wrong headers, methods, hosts and keys, bodies
-over the cap, and random pairs of those. The seed is random (FTC_FUZZ_SEED overrides it) and is
-printed in every assertion."""
+over the cap, and random pairs of those, drawn from the test's seed (conftest's `seed`: shown when
+the test fails)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ pytest.importorskip("fastapi")
 
 from ftc_runtime import Engine  # noqa: E402
 
+from conftest import seed_for  # noqa: E402
 from live_server import serving  # noqa: E402
 
 PER_ROUTE = 200
@@ -44,7 +45,7 @@ TYPES_PER_PATH = 4
 MAX_HANGS = 3  # after this many hangs, the rest get HUNG_TIMEOUT_S (a dead engine thread hangs them all)
 HUNG_TIMEOUT_S = 2.0
 WORKERS = 4
-KEY = "fuzz-key-" + str(random.randrange(10**9))
+KEY = f"fuzz-key-{seed_for('test_serve_fuzz.KEY')}"
 MAX_PROMPT = 1024  # the bases, tools and all, are under 500 tokens
 MAX_NEW = 8
 BODY_CAP = 1 << 20
@@ -701,20 +702,20 @@ def server_errors(log: str) -> list[str]:
 # The test
 
 
-def test_malformed_requests_get_4xx_in_shape_and_the_server_holds(cpu_engine: Engine, capfd, tmp_path: Path):
-    seed = int(os.environ.get("FTC_FUZZ_SEED", random.randrange(2**32)))
+def test_malformed_requests_get_4xx_in_shape_and_the_server_holds(cpu_engine: Engine, capfd, tmp_path: Path,
+                                                                   seed: int):
     model = cpu_engine.spec.name
     cases = all_cases(model, random.Random(seed))
     per_route = defaultdict(int)
     for c in cases:
         per_route[c.path] += 1
-    assert min(per_route.values()) >= PER_ROUTE and len(per_route) == 7, (f"seed {seed}", dict(per_route))
+    assert min(per_route.values()) >= PER_ROUTE and len(per_route) == 7, dict(per_route)
     t0 = time.perf_counter()
     with serving(cpu_engine, api_key=KEY, max_prompt_tokens=MAX_PROMPT, max_new_tokens=MAX_NEW,
                  max_body_bytes=BODY_CAP, allowed_hosts=ALLOWED_HOSTS) as url:
         with httpx.Client(timeout=TIMEOUT_S) as client:
             bases = [o for o in (send(client, url, c) for c in base_cases(model)) if o.status != 200]
-            assert not bases, f"seed {seed}: valid bases refused: " + "; ".join(
+            assert not bases, "valid bases refused: " + "; ".join(
                 f"{o.case.label} {o.status} {o.error or o.text[:200]}" for o in bases)
             before = greedy(client, url, model)
             gc.collect()
@@ -740,7 +741,7 @@ def test_malformed_requests_get_4xx_in_shape_and_the_server_holds(cpu_engine: En
     if errors:
         problems += [f"server exceptions (log: {tmp_path / 'server.log'}):", *errors]
     slowest = max(outcomes, key=lambda o: o.seconds)
-    summary = (f"seed {seed} (FTC_FUZZ_SEED={seed} repeats it): {len(outcomes)} requests in {seconds:.1f} s, "
+    summary = (f"{len(outcomes)} requests in {seconds:.1f} s, "
                f"slowest {slowest.seconds:.1f} s ({slowest.case.label[:60]}), RSS +{grown >> 20} MiB")
     print(summary)
     assert not problems, "\n".join([summary, *problems])

@@ -225,9 +225,9 @@ INVALID = [_missing_top, _missing_nested, _unknown_top, _unknown_nested, _string
 
 
 @pytest.mark.parametrize("case", INVALID, ids=lambda f: f.__name__.strip("_"))
-def test_invalid_spec_is_refused_naming_field_and_value(case, tmp_path):
+def test_invalid_spec_is_refused_naming_field_and_value(case, tmp_path, seed):
     data = _tiny_dict()
-    field, value = case(data, random.Random())
+    field, value = case(data, random.Random(seed))
     path = _write(tmp_path, data)
     with pytest.raises(SpecError) as info:
         load_spec(path)
@@ -259,8 +259,8 @@ def test_invalid_yaml_syntax_is_refused(tmp_path):
     assert "not valid YAML" in str(info.value) and str(path) in str(info.value)
 
 
-def test_nonexistent_path_is_refused(tmp_path):
-    path = tmp_path / f"missing-{random.randrange(10**6)}.yaml"
+def test_nonexistent_path_is_refused(tmp_path, seed):
+    path = tmp_path / f"missing-{seed}.yaml"
     with pytest.raises(SpecError, match="no such spec file") as info:
         load_spec(path)
     assert str(path) in str(info.value)
@@ -274,8 +274,8 @@ def test_directory_without_config_json_is_refused(tmp_path):
 # -- overrides --------------------------------------------------------------------------------------------
 
 
-def test_overrides_edit_top_level_and_nested_fields():
-    rng = random.Random()
+def test_overrides_edit_top_level_and_nested_fields(seed):
+    rng = random.Random(seed)
     layers, top_k = rng.randint(1, 8), rng.randint(1, 16)
     spec, _ = load_spec(TINY, [f"num_layers={layers}", f"moe.top_k={top_k}", "rope.theta=5000"])
     assert (spec.num_layers, spec.moe.top_k, spec.rope.theta) == (layers, top_k, 5000.0)
@@ -288,8 +288,8 @@ def test_override_values_are_yaml_and_may_create_fields():
     assert spec.moe_layers == (1, 3)
 
 
-def test_override_is_validated_like_the_file():
-    bad = random.randint(17, 99)
+def test_override_is_validated_like_the_file(seed):
+    bad = random.Random(seed).randint(17, 99)
     with pytest.raises(SpecError, match=rf"'moe\.top_k' = {bad}"):
         load_spec(TINY, [f"moe.top_k={bad}"])
     with pytest.raises(SpecError, match="unknown field 'moe.topk'"):
@@ -330,9 +330,10 @@ BOUNDS = {"num_layers": spec_mod.MAX_LAYERS, "hidden_size": spec_mod.MAX_HIDDEN,
 
 
 @pytest.mark.parametrize("field", sorted(BOUNDS))
-def test_a_size_beyond_its_bound_is_refused_naming_field_and_value(field, tmp_path):
+def test_a_size_beyond_its_bound_is_refused_naming_field_and_value(field, tmp_path, seed):
     data = yaml.safe_load((HYBRID if field.startswith("linear_attention.") else TINY).read_text())
-    value = random.choice([BOUNDS[field] + 1, 10**9, 10 ** random.randint(10, 40)])
+    rng = random.Random(seed)
+    value = rng.choice([BOUNDS[field] + 1, 10**9, 10 ** rng.randint(10, 40)])
     set_field(data, field, value)
     path = _write(tmp_path, data)
     with pytest.raises(SpecError) as info:
@@ -409,16 +410,17 @@ def _random_shape(rng: random.Random) -> TinyShape:
         dense_intermediate=8 * rng.randint(4, 12), tie_embeddings=rng.random() < 0.5)
 
 
-def _hf_checkpoint(tmp_path: Path, shape: TinyShape, theta: float) -> tuple[Path, Qwen3MoeConfig]:
-    model = build_model(shape, seed=random.randrange(10**6))
+def _hf_checkpoint(tmp_path: Path, shape: TinyShape, theta: float, seed: int = 0) -> tuple[Path, Qwen3MoeConfig]:
+    """A checkpoint of the shape, its weights from `seed` (the tests below read only its config)."""
+    model = build_model(shape, seed=seed)
     model.config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     ckpt = save_checkpoint(model, tmp_path / "ckpt", "fused", 1)
     return ckpt, Qwen3MoeConfig.from_pretrained(ckpt)
 
 
-def test_spec_from_hf_config_matches_the_transformers_config(tmp_path):
-    rng = random.Random()
-    ckpt, cfg = _hf_checkpoint(tmp_path, _random_shape(rng), float(rng.randint(1000, 10**6)))
+def test_spec_from_hf_config_matches_the_transformers_config(tmp_path, seed):
+    rng = random.Random(seed)
+    ckpt, cfg = _hf_checkpoint(tmp_path, _random_shape(rng), float(rng.randint(1000, 10**6)), seed)
     spec, checkpoint = load_spec(ckpt)
     assert checkpoint == ckpt
     assert spec.family == "qwen3_moe"
