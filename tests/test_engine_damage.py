@@ -573,8 +573,8 @@ def experts_header_garbage_rematched(d: Damage) -> str:
 @damage
 def experts_header_of_huge_counts_rematched(d: Damage) -> str:
     header, _ = read_header(d.root / EXPERTS)
-    huge = FtwHeader.create(header.num_moe_layers * 10**d.rng.randrange(3, 12), header.num_experts,
-                            [(b.name, b.dtype, b.row_shape) for b in header.banks])
+    huge = FtwHeader.create(header.expert_format, header.num_moe_layers * 10**d.rng.randrange(3, 12),
+                            header.num_experts, header.hidden, header.intermediate)
     return d.rewrite(EXPERTS, huge.encode() + _ftw(d)[HEADER_ROOM:])
 
 

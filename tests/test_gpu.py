@@ -37,7 +37,7 @@ def test_cuda_offload_equals_the_emulated_path(engine_dir, policy, seed):
     n_slots = rng.randrange(4, 40)
     on_gpu = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), n_slots, planner)
     emulated = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cpu"), n_slots, planner)
-    assert on_gpu.pinned
+    assert on_gpu.store.pinned
     for _ in range(30):
         t = rng.choice([1, 1, 3, 9])
         layer = rng.randrange(cpu.pool.header.num_moe_layers)
@@ -92,17 +92,17 @@ def test_triton_expert_kernel_skips_negative_slots(engine_dir, seed):
     loaded = Engine.load(engine_dir)
     cpu = loaded.model.experts
     ref = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), 8, MissPlanner("gpu"))
-    ref.slots.copy_(ref.host_rows[torch.randperm(ref.host_rows.shape[0])[:8]].cuda())
+    ref.store.slots.copy_(ref.store.host_rows[torch.randperm(ref.store.host_rows.shape[0])[:8]].cuda())
     kernel = _gpu_expert_kernels(loaded.manifest, "cuda")[0]
     x = torch.randn(1, 256, device="cuda")
     slot = torch.tensor([3, -1, 5, 0, -1], dtype=torch.int32, device="cuda")
     w = torch.rand(5, device="cuda")
     got = torch.zeros(1, 256, device="cuda")
-    kernel(x, ref.slots, slot, torch.zeros_like(slot), w, got)
+    kernel(x, ref.store.slots, slot, torch.zeros_like(slot), w, got)
     used = slot >= 0
     pairs = torch.stack([slot[used], torch.zeros_like(slot[used]), w[used].view(torch.int32)])
     want = torch.zeros(1, 256, device="cuda")
-    ref._torch_experts(x, pairs, want)
+    ref.store._torch_experts(x, pairs, want)
     assert float((got - want).norm() / want.norm()) < 1e-5
 
 
@@ -130,7 +130,7 @@ def test_grouped_expert_kernel_matches_the_torch_path(engine_dir, seed):
     loaded = Engine.load(engine_dir)
     cpu = loaded.model.experts
     ref = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), 8, MissPlanner("gpu"))
-    ref.slots.copy_(ref.host_rows[torch.randperm(ref.host_rows.shape[0])[:8]].cuda())
+    ref.store.slots.copy_(ref.store.host_rows[torch.randperm(ref.store.host_rows.shape[0])[:8]].cuda())
     grouped = _gpu_expert_kernels(loaded.manifest, "cuda")[1]
     for t in (3, 65, 300):
         x = torch.randn(t, 256, device="cuda")
@@ -139,8 +139,8 @@ def test_grouped_expert_kernel_matches_the_torch_path(engine_dir, seed):
         slot, tok = flat[order], torch.arange(t, device="cuda").repeat_interleave(4).int()[order]
         w = torch.rand(t * 4, device="cuda")
         got, want = torch.zeros(t, 256, device="cuda"), torch.zeros(t, 256, device="cuda")
-        grouped(x, ref.slots, slot, tok, w, got)
-        ref._torch_experts(x, torch.stack([slot, tok, w.view(torch.int32)]), want)
+        grouped(x, ref.store.slots, slot, tok, w, got)
+        ref.store._torch_experts(x, torch.stack([slot, tok, w.view(torch.int32)]), want)
         assert float((got - want).norm() / want.norm()) < 1e-2, f"{t} tokens"
 
 

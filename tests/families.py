@@ -1,0 +1,184 @@
+"""The tiny test models of the runtime's model families: one entry per family registered in
+`ftc_runtime.models.FAMILIES` (test_registry.py holds the two lists to each other). An entry says
+how transformers builds a tiny random model of the family for a seed, the checkpoint layouts ftc
+reads for it, the kernel targets its engines are compiled for, and the bounds each kernel's engine
+is held to against transformers' fp32 eager reference. The parity tests (test_transformers_parity.py)
+run on every engine of every entry: a new family adds its entry here and gets all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ftc.compile.pipeline import CompileOptions, compile_engine
+from ftc_runtime import Engine
+
+from hf_hybrid_models import build_hybrid, save_hybrid_checkpoint
+from hf_models import TinyShape, build_model, save_checkpoint
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ over every element: all positions together."""
+    return float((a - b).norm() / b.norm())
+
+
+@dataclass(frozen=True)
+class Closeness:
+    """How close logits of some positions come to the reference's."""
+    rel: float  # relative error of all the positions together
+    argmax: float = 0.0  # the least share of positions whose argmax is the reference's (0: not checked)
+    # (bound, share): at least `share` of the positions each within `bound` relative; None: not checked
+    per_position: tuple[float, float] | None = None
+
+    def check(self, ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+        """Asserts it; `what` (the input) goes into the failure message."""
+        assert ours.shape == ref.shape, (tuple(ours.shape), tuple(ref.shape))
+        err = rel(ours, ref)
+        assert err < self.rel, f"{what}: relative error {err:.3g}, bound {self.rel:g}"
+        agree = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+        assert agree >= self.argmax, f"{what}: argmax agrees at {agree:.2f} of positions, bound {self.argmax}"
+        if self.per_position is not None:
+            bound, share = self.per_position
+            close = float((((ours - ref).norm(dim=-1) / ref.norm(dim=-1)) < bound).float().mean())
+            assert close >= share, f"{what}: {close:.2f} of positions within {bound:g}, bound {share}"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the engine of one kernel (its ISA, `engine.manifest.plan.isa`) is held to."""
+    prompt: Closeness  # a prompt's logits (whole, in chunks, streamed) against transformers'
+    # One-token decode steps against the engine's own logits of the whole sequence (the same kernel,
+    # sums in another order): relative error of a sequence's steps
+    own_steps: float
+    # Each sequence's one-token steps (several batched) against transformers': relative error; None:
+    # not checked (bf16, where five steps are too few for the prompt's shares of close positions)
+    steps: float | None
+    # None: 32 free-running greedy tokens equal transformers'; else the least share of transformers'
+    # greedy tokens that the engine, teacher-forced along that path, picks too
+    greedy_agreement: float | None = None
+
+
+# The fp32 kernels agree with the reference to ~1e-6, so greedy decoding must agree token for token
+# wherever the reference's top-2 gap exceeds this; a prompt whose greedy path has a closer tie is redrawn.
+MIN_GREEDY_MARGIN = 1e-3
+
+# The AVX2 kernel keeps activations in fp32: the engine is the reference to fp32 rounding (over 6 models
+# of each checkpoint, 12 draws each: prompts in chunks at most 4e-6 from transformers, one-token steps 9e-6).
+QWEN3_MOE_AVX2 = Bounds(prompt=Closeness(1e-4, argmax=1.0), own_steps=1e-4, steps=1e-4)
+# The AVX-512 BF16 kernel rounds activations to bf16 (as llama.cpp's bf16 path does): logits move by
+# ~0.05 at these toy scales, and a near-tie in the router can flip an expert. Most positions stay
+# within bf16 rounding; one where a flip happened moves further (seen: up to 4.7e-2 overall, 87%
+# argmax agreement). A free-running greedy sequence may part from the reference at such a flip: its
+# check is teacher-forced instead. Prompt and one-token steps sum the dense layers in different
+# orders, so a rounding boundary can fall differently between them; a cache fault moves logits far
+# beyond 5e-3. (On a Xeon with AVX-512 BF16, 8 models of each checkpoint, 8 draws each: prompts at
+# most 3.5e-2 off, 89% argmax agreement, 94% of positions within 1.5e-2; greedy 97%; one-token steps,
+# batched or not, at most 2.2e-3 from the engine's own prompt logits.)
+QWEN3_MOE_BF16 = Bounds(prompt=Closeness(8e-2, argmax=0.8, per_position=(1.5e-2, 0.8)), own_steps=5e-3, steps=None,
+                        greedy_agreement=0.75)
+# transformers runs the Gated DeltaNet chunk-wise, the engine token by token (the same sums in another
+# order), and the engine's kernels sum the experts in their own order: ~1e-6 apart. One-token steps
+# run the linear layers token by token where transformers' full forward goes chunk-wise; where the
+# router's k-th and (k+1)-th experts nearly tie, that ~1e-6 difference can swap them, moving the
+# output by their small weight gap: up to 2.7e-4 at one position over 1809 batched sequences, and
+# 1.0e-4 for 13 steps against the engine's own prompt path (6 models of each checkpoint, 12 draws
+# each). A lost state or a wrong position is off by more than 1e-2.
+HYBRID_AVX2 = Bounds(prompt=Closeness(1e-4, argmax=1.0), own_steps=1e-3, steps=1e-3)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A tiny random model of the family, built by transformers, saved in one layout ftc reads."""
+    id: str
+    build: Callable[[int], torch.nn.Module]  # the model for a seed, eval mode, its weights bf16 values
+    save: Callable[[torch.nn.Module, Path], Path]  # writes the model's checkpoint into a directory
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    name: str  # the runtime family: a key of ftc_runtime.models.FAMILIES
+    checkpoints: tuple[Checkpoint, ...]
+    targets: tuple[str, ...]  # compile targets: 'cpu' is the AVX2 kernel, 'auto' this CPU's best
+    bounds: dict[str, Bounds]  # by kernel ISA: one for every ISA that the targets can pick
+
+
+def _qwen3_moe(id_: str, shape: TinyShape, layout: str, shards: int, dtype: torch.dtype) -> Checkpoint:
+    return Checkpoint(f"{id_}-{layout}-{shards}shard-{str(dtype).removeprefix('torch.')}", partial(build_model, shape),
+                      partial(save_checkpoint, layout=layout, shards=shards, dtype=dtype))
+
+
+def _hybrid(family: str, layout: str, nested: bool = False) -> Checkpoint:
+    return Checkpoint(layout + ("-nested" if nested else ""), partial(build_hybrid, family),
+                      partial(save_hybrid_checkpoint, layout=layout, nested=nested))
+
+
+TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in [
+    # Qwen3-MoE: expert layouts, shards and checkpoint dtypes, shapes beside the default (16 experts of
+    # which 4 unnormalized; a dense layer, one KV head and tied embeddings), each with both kernels.
+    TinyFamily("qwen3_moe", (
+        _qwen3_moe("default", TinyShape(), "fused", 1, torch.bfloat16),
+        _qwen3_moe("default", TinyShape(), "per_expert", 3, torch.bfloat16),
+        _qwen3_moe("wide", TinyShape(hidden=96, intermediate=64, layers=3, heads=6, kv_heads=3, head_dim=32,
+                                     experts=16, top_k=4, norm_topk_prob=False), "per_expert", 1, torch.float16),
+        _qwen3_moe("dense1-tied", TinyShape(hidden=128, intermediate=96, layers=3, heads=4, kv_heads=1, head_dim=32,
+                                            experts=12, top_k=3, mlp_only_layers=(1,), tie_embeddings=True),
+                   "fused", 2, torch.float32),
+    ), targets=("auto", "cpu"), bounds={"avx2": QWEN3_MOE_AVX2, "avx512_bf16": QWEN3_MOE_BF16}),
+    # Qwen3.5-MoE (Qwen3.6's family): split linear projections; also as the image-text model's
+    # language model (`model.language_model.`, the config under `text_config`).
+    TinyFamily("qwen3_5_moe", (_hybrid("qwen3_5_moe", "fused", nested=True), _hybrid("qwen3_5_moe", "per_expert")),
+               targets=("cpu",), bounds={"avx2": HYBRID_AVX2}),
+    # Qwen3-Next: grouped in_proj_qkvz / in_proj_ba.
+    TinyFamily("qwen3_next", (_hybrid("qwen3_next", "fused"), _hybrid("qwen3_next", "per_expert")),
+               targets=("cpu",), bounds={"avx2": HYBRID_AVX2}),
+]}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One engine of the parity tests: a family's checkpoint compiled for one target."""
+    family: TinyFamily
+    checkpoint: Checkpoint
+    target: str
+
+    @property
+    def model_id(self) -> str:
+        """The model's name: the same for both targets, which compile the same weights."""
+        return f"{self.family.name}-{self.checkpoint.id}"
+
+    @property
+    def id(self) -> str:
+        return f"{self.model_id}-{self.target}"
+
+    def compile(self, root: Path, seed: int) -> tuple[Engine, torch.nn.Module]:
+        """The model for `seed`, saved under root/ckpt (the one name keeps the kernel builds shared)
+        and compiled to root/engine: the loaded engine and the reference model."""
+        model = self.checkpoint.build(seed)
+        ckpt = self.checkpoint.save(model, root / "ckpt")
+        engine = compile_engine(CompileOptions(source=ckpt, target=self.target, output=root / "engine"))
+        return Engine.load(engine), model
+
+
+CASES = [Case(f, c, t) for f in TINY_FAMILIES.values() for t in f.targets for c in f.checkpoints]
+
+
+@torch.no_grad()
+def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def reference_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> tuple[list[int], float]:
+    """Greedy tokens, and the smallest gap between the best and second-best logit on the way."""
+    seq, margin = list(ids), float("inf")
+    for _ in range(steps):
+        logits = model(torch.tensor([seq])).logits[0, -1]
+        top2 = logits.topk(2).values
+        margin = min(margin, float(top2[0] - top2[1]))
+        seq.append(int(logits.argmax()))
+    return seq[len(ids):], margin
