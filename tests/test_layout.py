@@ -104,6 +104,18 @@ def test_core_subsystems_never_import_a_model_family():
     assert all((RUNTIME / sub).is_dir() for sub in CORE)
 
 
+def test_no_family_imports_another():
+    """Families share code through models/layers and models/base, so that each package stands alone."""
+    def family_of(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[1] == "models" and parts[2] not in ("layers", "base") \
+            and (RUNTIME / "models" / parts[2]).is_dir() else None
+
+    arrows = [(m, d) for m, deps in import_graph().items() if family_of(m)
+              for d in deps if family_of(d) not in (None, family_of(m))]
+    assert arrows == []
+
+
 def test_the_runtime_never_imports_the_compiler():
     offenders = [(m, n) for m, path in runtime_modules().items() for n in imported_names(m, path)
                  if n == "ftc" or n.startswith(("ftc.", "ftc_templates"))]

@@ -89,17 +89,17 @@ class SlotStore:
     def experts_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
         """out += the pairs' experts ([3, P] int32: slot, token, weight bits) with the decode kernel
         (a few tokens per expert), else torch."""
-        if self.device_kernel is None:
-            self._torch_experts(x, pairs, out)
-            return
-        self.device_kernel(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), out)
+        self._run(self.device_kernel, x, pairs, out)
 
     def grouped_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
         """out += the pairs' experts with the grouped GEMM kernel (many tokens per expert), else torch."""
-        if self.grouped_kernel is None:
+        self._run(self.grouped_kernel, x, pairs, out)
+
+    def _run(self, kernel: DeviceKernel | None, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
+        if kernel is None:
             self._torch_experts(x, pairs, out)
-            return
-        self.grouped_kernel(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), out)
+        else:
+            kernel(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), out)
 
     def _torch_experts(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
         """out += the pairs' experts ([3, P] int32: slot, token, weight bits; the pairs of a slot

@@ -70,3 +70,10 @@ class Family:
     @property
     def chat_template_path(self) -> Path:
         return CHAT_TEMPLATES / self.chat_template
+
+
+def check_gqa_softmax_topk(s: ModelSpec, need: Need) -> None:
+    """A family whose model computes GQA attention (`models/layers/attention`) and the softmax
+    top-k router (`models/layers/router`): the spec must name those."""
+    need(s.attention.kind == "gqa", "attention.kind", s.attention.kind, f"'gqa' for family {s.family}")
+    need(s.moe.router == "softmax_topk", "moe.router", s.moe.router, f"'softmax_topk' for family {s.family}")

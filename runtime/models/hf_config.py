@@ -18,9 +18,6 @@ class HfConfig:
     def model_type(self) -> Any:
         return self.config.get("model_type")
 
-    def has(self, key: str) -> bool:
-        return self.config.get(key) is not None
-
     def get(self, key: str, default: Any = ...) -> Any:
         """The field's value; `default` where it is absent or null (no default: an error)."""
         if key in self.config and self.config[key] is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ftc_runtime.models.base import check_gqa_softmax_topk
 from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.models.layers.tensor_shapes import end_tensor_shapes, mlp_tensor_shapes
 from ftc_runtime.spec import ModelSpec, Need, SpecError
@@ -56,16 +57,10 @@ def spec_from_hf(cfg: HfConfig) -> dict[str, Any]:
 
 def check_spec(s: ModelSpec, need: Need) -> None:
     """GQA attention, a softmax top-k router, RMSNorm, no shared expert, no linear-attention layers."""
-    check_attention_and_router(s, need)
+    check_gqa_softmax_topk(s, need)
     need(s.moe.num_shared_experts == 0, "moe.num_shared_experts", s.moe.num_shared_experts,
          f"0 for family {s.family} (it has no shared expert)")
     need(s.norm.kind == "rms", "norm.kind", s.norm.kind, f"'rms' for family {s.family}")
     need(not s.attention.output_gate, "attention.output_gate", s.attention.output_gate, f"false for family {s.family}")
     need(not s.linear_attention_layers, "layer_kinds", list(s.layer_kinds),
          f"only full_attention layers for family {s.family}")
-
-
-def check_attention_and_router(s: ModelSpec, need: Need) -> None:
-    """The attention and router the Qwen3 families' models compute."""
-    need(s.attention.kind == "gqa", "attention.kind", s.attention.kind, f"'gqa' for family {s.family}")
-    need(s.moe.router == "softmax_topk", "moe.router", s.moe.router, f"'softmax_topk' for family {s.family}")

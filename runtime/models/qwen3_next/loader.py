@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 
-from ftc_runtime.models.base import CheckpointError, CheckpointLayout, CheckpointReader
+from ftc_runtime.models.base import CheckpointError, CheckpointLayout, CheckpointReader, check_gqa_softmax_topk
 from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.models.layers.tensor_shapes import end_tensor_shapes, mlp_tensor_shapes
-from ftc_runtime.models.qwen3_moe.loader import check_attention_and_router
 from ftc_runtime.spec import ModelSpec, Need, SpecError
 
 _SPLIT = {"in_proj_qkv.weight": "qkvz", "in_proj_z.weight": "qkvz", "in_proj_b.weight": "ba",
@@ -106,7 +105,7 @@ def _moe(cfg: HfConfig, qwen35: bool) -> dict[str, Any]:
 
 def check_spec(s: ModelSpec, need: Need) -> None:
     """GQA attention, a softmax top-k router, at most one shared expert."""
-    check_attention_and_router(s, need)
+    check_gqa_softmax_topk(s, need)
     m = s.moe
     need(m.num_shared_experts in (0, 1), "moe.num_shared_experts", m.num_shared_experts,
          f"0 or 1 for family {s.family}")
