@@ -8,6 +8,7 @@ from rich.table import Table
 
 from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest, check_engine
 from ftc_runtime.experts.vram_plan import dense_bytes, gib, plan_vram
+from ftc_runtime.formats import expert_format
 from ftc_runtime.io.ftw import read_header
 from ftc_runtime.models import family
 from ftc_runtime.spec import ModelSpec
@@ -63,8 +64,11 @@ def _memory_table(spec: ModelSpec) -> Table:
     dense = dense_bytes(family(spec.family).dense_tensor_shapes(spec))
     pool = len(spec.moe_layers) * spec.moe.num_experts * spec.expert_bytes
     per_token = len(spec.moe_layers) * spec.moe.top_k * spec.expert_bytes
+    bf16 = expert_format("bf16").expert_bytes(spec.hidden_size, spec.moe.expert_intermediate_size)
     return _rows("memory", (
         ("non-expert weights", f"{gib(dense)} bf16 ({dense / 2e9:.3f} B params)"),
+        ("expert format", f"{spec.expert_format}: {spec.expert_bytes:,} bytes per expert "
+                          f"({bf16 / spec.expert_bytes:.2f}× fewer than bf16)"),
         ("routed-expert pool (host)", f"{gib(pool)} ({spec.expert_bytes / 2**20:.2f} MiB per expert)"),
         ("expert bytes read per token", gib(per_token)),
     ))

@@ -30,7 +30,7 @@ from ftc_runtime.models import checked_spec, family
 from ftc_runtime.spec import ModelSpec, SpecError, from_plain, short_repr
 
 FORMAT = "ftc-engine"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "engine.json"
 EXPERTS_FILE = "experts.ftw"
 DENSE_FILE = "dense.safetensors"

@@ -18,6 +18,7 @@ import torch
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
 
+from fp4_checkpoints import FP4_INTERMEDIATE, LAYOUTS, save_quantized_checkpoint, widen_experts
 from hf_hybrid_models import build_hybrid, save_hybrid_checkpoint
 from hf_models import TinyShape, build_model, save_checkpoint
 
@@ -117,6 +118,20 @@ def _hybrid(family: str, layout: str, nested: bool = False) -> Checkpoint:
                       partial(save_hybrid_checkpoint, layout=layout, nested=nested))
 
 
+def _build_fp4_hybrid(family: str, seed: int) -> torch.nn.Module:
+    return widen_experts(build_hybrid(family, seed), seed)
+
+
+def _fp4(layout: str, build: Callable[[int], torch.nn.Module], nested: bool = False) -> Checkpoint:
+    """The model's routed experts quantized (fp4_checkpoints) and stored in a 4-bit producer's
+    layout; the reference model computes with their dequantized values. The engine's expert format
+    comes from the checkpoint's settings."""
+    return Checkpoint(f"{layout}{'-nested' if nested else ''}", build,
+                      partial(save_quantized_checkpoint, layout=layout, nested=nested))
+
+
+FP4_SHAPE = TinyShape(intermediate=FP4_INTERMEDIATE)
+
 TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in [
     # Qwen3-MoE: expert layouts, shards and checkpoint dtypes, shapes beside the default (16 experts of
     # which 4 unnormalized; a dense layer, one KV head and tied embeddings), each with both kernels.
@@ -128,10 +143,18 @@ TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in [
         _qwen3_moe("dense1-tied", TinyShape(hidden=128, intermediate=96, layers=3, heads=4, kv_heads=1, head_dim=32,
                                             experts=12, top_k=3, mlp_only_layers=(1,), tie_embeddings=True),
                    "fused", 2, torch.float32),
+        # 4-bit experts in each producer's layout, the engine's format the checkpoint's. The AVX2
+        # kernel computes with exactly the dequantized fp32 weights, so its bounds hold as they are;
+        # the AVX-512 BF16 kernel is held to the bf16 bounds. (On two idle cores each such engine's
+        # parity tests take 1-2 s beyond a format's first kernel build, ~6 s.)
+        *(_fp4(layout, partial(build_model, FP4_SHAPE)) for layout in LAYOUTS),
     ), targets=("auto", "cpu"), bounds={"avx2": QWEN3_MOE_AVX2, "avx512_bf16": QWEN3_MOE_BF16}),
     # Qwen3.5-MoE (Qwen3.6's family): split linear projections; also as the image-text model's
-    # language model (`model.language_model.`, the config under `text_config`).
-    TinyFamily("qwen3_5_moe", (_hybrid("qwen3_5_moe", "fused", nested=True), _hybrid("qwen3_5_moe", "per_expert")),
+    # language model (`model.language_model.`, the config under `text_config`); 4-bit experts (drawn
+    # anew at intermediate size 64) in an MXFP4 and an NVFP4 layout.
+    TinyFamily("qwen3_5_moe", (_hybrid("qwen3_5_moe", "fused", nested=True), _hybrid("qwen3_5_moe", "per_expert"),
+                               _fp4("mxfp4_gptoss", partial(_build_fp4_hybrid, "qwen3_5_moe"), nested=True),
+                               _fp4("nvfp4_modelopt", partial(_build_fp4_hybrid, "qwen3_5_moe"))),
                targets=("cpu",), bounds={"avx2": HYBRID_AVX2}),
     # Qwen3-Next: grouped in_proj_qkvz / in_proj_ba.
     TinyFamily("qwen3_next", (_hybrid("qwen3_next", "fused"), _hybrid("qwen3_next", "per_expert")),

@@ -116,7 +116,7 @@ def test_damaged_headers_are_refused(tmp_path: Path, seed):
         ("corrupted header", raw[:20] + b"}" + raw[21:]),
         ("disagree", raw.replace(b'"num_experts":3', b'"num_experts":4', 1)),
         ("disagree", raw.replace(b'"bits":16', b'"bits":15', 1)),  # a bank that its format does not give
-        ("version 3 is not supported", raw.replace(b'"version":2', b'"version":3', 1)),
+        ("version 2 is not supported", raw.replace(b'"version":3', b'"version":2', 1)),  # the previous layout
         ("format 'fp77', which this runtime does not know", raw.replace(b'"bf16"', b'"fp77"', 1)),
     ]
     for expected, data in cases:

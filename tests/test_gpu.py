@@ -14,6 +14,7 @@ from ftc_runtime import Engine
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.offload import OffloadedExperts
+from ftc_runtime.formats import FORMATS
 
 from slot_checks import assert_graphs_match, check_slots_hold_their_rows, rel
 
@@ -21,10 +22,11 @@ pytestmark = pytest.mark.gpu
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
 
 
-@pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory) -> Path:
-    return compile_engine(CompileOptions(source=SPEC, random_weights=True, seed=11,
-                                         output=tmp_path_factory.mktemp("gpu") / "tiny"))
+@pytest.fixture(scope="module", params=sorted(FORMATS))
+def engine_dir(request, tmp_path_factory) -> Path:
+    """The tiny model in each expert format: every test below runs each format's GPU kernels."""
+    return compile_engine(CompileOptions(source=SPEC, random_weights=True, seed=11, quant=request.param,
+                                         output=tmp_path_factory.mktemp(f"gpu-{request.param}") / "tiny"))
 
 
 @pytest.mark.parametrize("policy", ["adaptive", "gpu", "half"])
@@ -193,12 +195,14 @@ def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled, s
     assert_graphs_match(got, want, reference, compiled)
 
 
-def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path, seed):
+@pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
+def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path, quant, seed):
     """The qwen3_5_moe family (Gated DeltaNet blocks and one-token steps, gated attention, a
     shared expert) on the GPU in bf16 with offloaded experts, against the all-CPU engine in fp32:
     a prompt in uneven chunks, decode steps, and a restored recurrent-state checkpoint."""
     spec = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3.6-moe-tiny.yaml"
-    engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=5, output=tmp_path / "hybrid"))
+    engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=5, quant=quant,
+                                           output=tmp_path / "hybrid"))
     cpu = Engine.load(engine)
     gpu = Engine.load(engine, offload=OffloadConfig(device="cuda", n_slots=24, b_p=25.0, b_h=50.0), prefill_chunk=37)
     rng = random.Random(seed)

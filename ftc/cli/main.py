@@ -21,6 +21,7 @@ from ftc.cli.options import (
     ApiKeysFileArg,
     CachePolicyArg,
     CpuExpertsArg,
+    ExpertQuant,
     HostArg,
     MaxBatchArg,
     MaxBodyBytesArg,
@@ -57,6 +58,9 @@ def compile(
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed for --random-weights.")] = 0,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Engine directory (build/<name>).")] = None,
     override: Annotated[list[str] | None, typer.Option(help="Edit a spec field: FIELD=VALUE, repeatable.")] = None,
+    quant: Annotated[ExpertQuant | None, typer.Option(
+        help="Routed experts' format: 16/32-bit weights are rounded into it; a 4-bit checkpoint keeps its own (the "
+             "default).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing engine at -o.")] = False,
 ) -> None:
     """Compile a model into an engine directory."""
@@ -66,7 +70,7 @@ def compile(
         fail(ValueError("give either --checkpoint or --random-weights, not both"))
     try:
         compile_engine(CompileOptions(source, target, output, checkpoint, random_weights, seed,
-                                      tuple(override or ()), force=force), err)
+                                      tuple(override or ()), quant.value if quant else None, force), err)
     except user_errors() as e:
         fail(e)
 

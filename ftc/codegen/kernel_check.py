@@ -41,7 +41,7 @@ def check_expert_kernel(kernel: CpuExpertKernel, pool: ExpertPool, top_k: int, n
     x = torch.randn(n_tokens, kernel.hidden, generator=g)
     out = torch.randn(n_tokens, kernel.hidden, generator=g)  # accumulated into: start from noise
     start = out.clone()
-    kernel.run(pool.bank("gate_up"), pool.bank("down"), x, out, *group_by_expert(layer * e, ids, weights))
+    kernel.run(pool.experts, x, out, *group_by_expert(layer * e, ids, weights))
     ref = reference_moe(pool, x, ids + layer * e, weights)
     got = out.double() - start.double()
     rel = float((got - ref).norm() / ref.norm())

@@ -49,10 +49,12 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
     kernels_dir.mkdir(parents=True, exist_ok=True)
     env = _env()
     source = f"expert_ffn_{plan.isa}.cpp"
+    header = FtwHeader.create(fmt.name, 1, 1, h, i)
     (kernels_dir / source).write_text(env.get_template(kernel.path).render(
-        template=kernel.path, expert_format=fmt.name, row_ctype=fmt.row_ctype, isa=plan.isa, hidden=h,
-        intermediate=i, buckets=list(plan.batch_buckets), gate_up_chunk=plan.gate_up_chunk,
-        down_chunk=plan.down_chunk, prefetch_rows=plan.prefetch_rows))
+        template=kernel.path, expert_format=fmt.name, isa=plan.isa, hidden=h, intermediate=i,
+        bank_offsets={b.name: b.offset for b in header.banks}, block=header.banks[0].block,
+        buckets=list(plan.batch_buckets), gate_up_chunk=plan.gate_up_chunk, down_chunk=plan.down_chunk,
+        prefetch_rows=plan.prefetch_rows))
     for name in RUNTIME_SOURCES:
         shutil.copyfile(CSRC_DIR / name, kernels_dir / name)
     (kernels_dir / "CMakeLists.txt").write_text(env.get_template("CMakeLists.txt.j2").render(
@@ -62,7 +64,13 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
              "batch_buckets": list(plan.batch_buckets)}]
 
 
-def render_triton_kernels(spec: ModelSpec, kernels_dir: Path) -> list[dict[str, Any]]:
+# The grouped GEMM's tiling (rows of tokens, rows of weights, warps, pipeline stages) by expert
+# format, as bench/tune_grouped_gemm.py measured them on an H200 (docs/performance.md).
+GROUPED_TILES = {"bf16": (128, 128, 8, 3), "mxfp4": (128, 128, 8, 3), "nvfp4": (128, 128, 8, 3)}
+
+
+def render_triton_kernels(spec: ModelSpec, kernels_dir: Path,
+                          grouped_tiles: tuple[int, int, int, int] | None = None) -> list[dict[str, Any]]:
     """The GPU expert kernels of the spec's expert format over cache slots, for the slots' FTW row
     layout: one for decode (a few tokens per expert), one grouped GEMM for prompt chunks (many
     tokens per expert). Rendered on every machine; the runtime imports it only where a GPU runs
@@ -70,14 +78,16 @@ def render_triton_kernels(spec: ModelSpec, kernels_dir: Path) -> list[dict[str, 
     h, i = spec.hidden_size, spec.moe.expert_intermediate_size
     fmt = expert_format(spec.expert_format)
     header = FtwHeader.create(fmt.name, 1, 1, h, i)
+    block_m, block_n, warps, stages = grouped_tiles or GROUPED_TILES[fmt.name]
     unit = fmt.slot_dtype.itemsize  # offsets and strides in the elements the kernels view the slots as
     kernels_dir.mkdir(parents=True, exist_ok=True)
     path = kernels_dir / Path(TRITON_EXPERT_FILE).name
     path.write_text(_env().get_template(fmt.triton_template).render(
         template=fmt.triton_template, expert_format=fmt.name, slot_dtype=str(fmt.slot_dtype), hidden=h,
         intermediate=i, slot_stride=header.expert_stride // unit, gate_up_offset=header.bank("gate_up").offset // unit,
-        down_offset=header.bank("down").offset // unit,
-        block_i=16, block_h=256, block_out=32, block_in=128, group_block_m=64, group_block_n=64, group_block_k=64))
+        down_offset=header.bank("down").offset // unit, bank_offsets={b.name: b.offset for b in header.banks},
+        block=header.banks[0].block, block_i=16, block_h=256, block_out=32, block_in=128, group_block_m=block_m,
+        group_block_n=block_n, group_block_k=64, group_warps=warps, group_stages=stages))
     shapes = {"hidden": h, "intermediate": i}
     return [{"name": "expert_ffn_gpu", "symbol": "expert_ffn", "source": TRITON_EXPERT_FILE, "isa": "triton",
              "expert_format": fmt.name, "shapes": shapes},

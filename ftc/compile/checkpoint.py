@@ -68,10 +68,16 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def raw(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor `name` (or its `index`-th entry along dim 0, read alone) as stored."""
+        s = self._slice(name)
+        if index is None:  # whole, 0-dim scalars included (a slice cannot index those)
+            return self._handles[self._where[name]].get_tensor(name)
+        return s[index]
+
     def get(self, name: str, index: int | None = None) -> torch.Tensor:
         """The tensor `name` (or its `index`-th entry along dim 0, read alone) as bf16."""
-        s = self._slice(name)
-        t = s[index] if index is not None else s[:]
+        t = self.raw(name, index)
         where = self.directory / self._where[name]
         if t.dtype not in ACCEPTED_DTYPES:
             raise CheckpointError(f"{where}: tensor {name} has dtype {t.dtype}, expected bfloat16, float16 or float32")

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from ftc.compile.checkpoint import nonfinite_count
-from ftc_runtime.formats.base import EXPERT_TENSORS, expert_shapes
+from ftc_runtime.formats.base import EXPERT_TENSORS, Expert, expert_shapes
 from ftc_runtime.io.ftw import FtwHeader, encode_trailer, round_up, row_checksum
 
 
 class FtwWriter:
     """Append experts in id order (`l·E + e`), each as its float tensors {"gate_up": [2I, H] (gate
-    rows first), "down": [H, I]} (any float dtype); the header's expert format encodes them."""
+    rows first), "down": [H, I]} (any float dtype), which the header's expert format encodes, or
+    as the quantized matrices {"gate", "up", "down"} of a checkpoint in that format, which it repacks."""
 
     def __init__(self, path: Path, header: FtwHeader):
         self.path, self.header = path, header
@@ -29,18 +29,19 @@ class FtwWriter:
         self._f.write(data)
         self._sha.update(data)
 
-    def append(self, expert: Mapping[str, torch.Tensor]) -> None:
+    def append(self, expert: Expert) -> None:
         h = self.header
         n = len(self._checksums[h.banks[0].name])
         if n >= h.num_rows:
             raise ValueError(f"{self.path.name}: more than {h.num_rows} experts appended")
         where = f"expert {n} (MoE layer {n // h.num_experts}, expert {n % h.num_experts})"
-        for name, shape in expert_shapes(h.hidden, h.intermediate).items():
-            t = expert[name]
-            if tuple(t.shape) != shape or not t.is_floating_point():
-                raise ValueError(f"{where}, bank '{name}': got {t.dtype} {tuple(t.shape)}, expected a float tensor "
-                                 f"of shape {shape}")
-        rows = self.format.encode(*(expert[name] for name in EXPERT_TENSORS))
+        if "gate_up" in expert:
+            for name, shape in expert_shapes(h.hidden, h.intermediate).items():
+                t = expert[name]
+                if tuple(t.shape) != shape or not t.is_floating_point():
+                    raise ValueError(f"{where}, bank '{name}': got {t.dtype} {tuple(t.shape)}, expected a float "
+                                     f"tensor of shape {shape}")
+        rows = self.format.rows_of(expert)
         # What the engine will hold, decoded: NaN or Inf in the input, or beyond the format's range.
         for name, t in zip(EXPERT_TENSORS, self.format.dequantize(rows, h.hidden, h.intermediate), strict=True):
             bad = nonfinite_count(t)

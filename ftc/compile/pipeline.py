@@ -56,6 +56,7 @@ from ftc_runtime.artifact import (
 from ftc_runtime.chat.template import ChatTemplate, ChatTemplateError
 from ftc_runtime.cpu_info import missing_flags, worker_cpus
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
+from ftc_runtime.formats import expert_format
 from ftc_runtime.io.ftw import ExpertPool, FtwHeader, read_header
 from ftc_runtime.models import family
 from ftc_runtime.settings import settings
@@ -71,6 +72,7 @@ class CompileOptions:
     random_weights: bool = False
     seed: int = 0
     overrides: tuple[str, ...] = ()
+    quant: str | None = None  # the experts' format (a name of ftc_runtime.formats); None: the spec's or checkpoint's
     force: bool = False  # replace an engine already at `output` (anything else there is never deleted)
 
 
@@ -81,6 +83,10 @@ def make_plan(target: Target, spec: ModelSpec | None = None) -> Plan:
                 gate_up_chunk=16, down_chunk=16, prefetch_rows=2)
     if spec is None or spec.moe is None:
         return plan
+    kernel = expert_format(spec.expert_format).cpu_templates.get(target.isa)
+    if kernel is not None:
+        plan = dataclasses.replace(plan, gate_up_chunk=kernel.work_rows, down_chunk=kernel.work_rows,
+                                   prefetch_rows=kernel.prefetch_rows)
     # Streaming a whole layer moves every expert not cached; it pays once a chunk routes to nearly
     # all of them anyway: at T tokens a given expert is missed with probability (1 - k/E)^T, so
     # stream from the T at which the routed union is expected to be 95% of the layer.
@@ -112,7 +118,7 @@ def compile_with_experts_in_memory(opts: CompileOptions, console: Console | None
 
 def _compile(opts: CompileOptions, console: Console | None, experts_in_memory: bool) -> tuple[Path, ExpertPool | None]:
     console = console or Console(stderr=True)
-    spec, spec_checkpoint = load_spec(opts.source, list(opts.overrides))
+    spec, spec_checkpoint = load_spec(opts.source, list(opts.overrides), opts.quant)
     checkpoint = None if opts.random_weights else opts.checkpoint or spec_checkpoint
     target = resolve_target(opts.target)
     plan = make_plan(target, spec)
@@ -211,8 +217,7 @@ def _experts_in_memory(weights: WeightSource, spec: ModelSpec, progress: Progres
 
     def fill(row: int) -> None:
         layer, expert = divmod(row, header.num_experts)
-        tensors = weights.expert(spec.moe_layers[layer], expert)
-        encoded = header.format.encode(tensors["gate_up"], tensors["down"])
+        encoded = header.format.rows_of(weights.expert(spec.moe_layers[layer], expert))
         for name, dst in header.rows(pool.experts[row]).items():
             dst.copy_(encoded[name])
         progress.advance(task)

@@ -8,14 +8,16 @@ from typing import Any
 
 import yaml
 
+from ftc.compile.quantized_checkpoint import declared_format
 from ftc_runtime.models import FAMILIES, checked_spec, family, family_of_hf
 from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.spec import ModelSpec, SpecError
 
 
-def load_spec(source: Path, overrides: list[str] = ()) -> tuple[ModelSpec, Path | None]:
+def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None) -> tuple[ModelSpec, Path | None]:
     """A spec and, for an HF directory, that directory (the checkpoint). Overrides are
-    `dotted.field=yaml_value` (e.g. `num_layers=4`) applied before validation."""
+    `dotted.field=yaml_value` (e.g. `num_layers=4`) applied before validation. The expert format
+    is `quant`, else an HF checkpoint's own (4-bit experts stay in their format), else the spec's."""
     if source.is_dir():
         cfg_path = source / "config.json"
         if not cfg_path.is_file():
@@ -25,6 +27,7 @@ def load_spec(source: Path, overrides: list[str] = ()) -> tuple[ModelSpec, Path 
         except json.JSONDecodeError as e:
             raise SpecError(f"{cfg_path}: not valid JSON ({e})") from None
         data, origin, checkpoint = spec_dict_from_hf(config, source), str(cfg_path), source
+        data["expert_format"] = _checkpoint_format(source, config, quant)
     elif source.is_file():
         try:
             data = yaml.safe_load(source.read_text())
@@ -36,9 +39,21 @@ def load_spec(source: Path, overrides: list[str] = ()) -> tuple[ModelSpec, Path 
             checkpoint = (source.parent / data["checkpoint"]).resolve()
     else:
         raise SpecError(f"{source}: no such spec file or checkpoint directory")
+    if quant is not None and isinstance(data, dict):
+        data["expert_format"] = quant
     for item in overrides:
         _apply_override(data, item, origin)
     return checked_spec(data, source=origin), checkpoint
+
+
+def _checkpoint_format(directory: Path, config: dict[str, Any], quant: str | None) -> str:
+    """The expert format of an engine of this checkpoint: its declared 4-bit format (which --quant
+    may only repeat: another would round its weights a second time), else --quant, else bf16."""
+    declared = declared_format(directory, config)
+    if declared is not None and quant not in (None, declared):
+        raise SpecError(f"{directory}: the checkpoint's routed experts are {declared}; --quant {quant} would "
+                        f"dequantize and round them again: leave --quant out or give --quant {declared}")
+    return declared or quant or "bf16"
 
 
 def _apply_override(data: Any, item: str, origin: str) -> None:

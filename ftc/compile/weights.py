@@ -14,6 +14,10 @@ from typing import Protocol
 import torch
 
 from ftc.compile.checkpoint import CheckpointError, SafetensorsCheckpoint
+from ftc.compile.quantized_checkpoint import LAYOUT_FORMAT, QuantizedExperts, find_layout
+from ftc_runtime.formats import expert_format
+from ftc_runtime.formats.base import Expert
+from ftc_runtime.formats.e2m1 import BlockFp4Format
 from ftc_runtime.models import family
 from ftc_runtime.spec import ModelSpec
 
@@ -24,15 +28,17 @@ class WeightSource(Protocol):
     def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every non-expert tensor, bf16, by checkpoint name."""
 
-    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """Expert `expert` of decoder layer `layer` as float tensors gate_up [2I, H] (gate rows first) and
-        down [H, I], which the expert format encodes into its FTW banks."""
+    def expert(self, layer: int, expert: int) -> Expert:
+        """Expert `expert` of decoder layer `layer`: float tensors gate_up [2I, H] (gate rows first)
+        and down [H, I], which the expert format encodes into its FTW banks, or the quantized
+        matrices gate, up and down that a checkpoint stores in the format, which it repacks."""
 
 
 class CheckpointWeights:
-    """An HF checkpoint in either expert layout: per-expert `experts.J.{gate,up,down}_proj.weight`
-    or fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (or transposed);
-    dense tensors by canonical name wherever the checkpoint's layout keeps them (the family's `CheckpointLayout`)."""
+    """An HF checkpoint with 16/32-bit experts in either layout (per-expert
+    `experts.J.{gate,up,down}_proj.weight` or fused `experts.gate_up_proj` [E, 2I, H] /
+    `experts.down_proj` [E, H, I], or transposed) or 4-bit ones (`quantized_checkpoint`); dense
+    tensors by canonical name wherever the checkpoint's layout keeps them (the family's `CheckpointLayout`)."""
 
     def __init__(self, spec: ModelSpec, directory: Path):
         self.spec, self.ckpt = spec, SafetensorsCheckpoint(directory)
@@ -46,10 +52,25 @@ class CheckpointWeights:
                 raise CheckpointError(f"{directory}: tensor {self.layout.name(name)} has shape "
                                       f"{self.layout.shape(name)}, the spec implies {shape}")
         first = self._experts_prefix(spec.moe_layers[0])
+        self.quantized = self._quantized_experts(first)
         self.fused = f"{first}gate_up_proj" in self.ckpt
-        if not self.fused and f"{first}0.gate_proj.weight" not in self.ckpt:
+        if self.quantized is None and not self.fused and f"{first}0.gate_proj.weight" not in self.ckpt:
             raise CheckpointError(f"{directory}: no experts for layer {spec.moe_layers[0]}: expected "
                                   f"{first}gate_up_proj or {first}0.gate_proj.weight")
+
+    def _quantized_experts(self, prefix: str) -> QuantizedExperts | None:
+        """The reader of the checkpoint's 4-bit experts; None where they are 16/32-bit. Either way
+        the spec's expert format must take them as they are."""
+        layout = find_layout(self.ckpt, prefix)
+        if layout is None:
+            return None
+        stored = LAYOUT_FORMAT[layout]
+        if self.spec.expert_format != stored:
+            raise CheckpointError(f"{self.ckpt.directory}: the routed experts are {stored} ({layout} layout); an "
+                                  f"engine of expert_format {self.spec.expert_format!r} would dequantize and "
+                                  f"requantize them: compile with --quant {stored}")
+        m = self.spec.moe
+        return QuantizedExperts(self.ckpt, layout, self.spec.hidden_size, m.expert_intermediate_size, m.num_experts)
 
     def _experts_prefix(self, layer: int) -> str:
         return self.layout.name(f"model.layers.{layer}.mlp.experts.")
@@ -58,9 +79,11 @@ class CheckpointWeights:
         for name in self.shapes:
             yield name, self.layout.get(name)
 
-    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+    def expert(self, layer: int, expert: int) -> Expert:
         h, i, e = self.spec.hidden_size, self.spec.moe.expert_intermediate_size, self.spec.moe.num_experts
         p = self._experts_prefix(layer)
+        if self.quantized is not None:
+            return self.quantized.expert(p, expert)
         if self.fused:
             down, transposed = self._fused(p + "down_proj", (e, h, i), expert, None)
             gate_up, _ = self._fused(p + "gate_up_proj", (e, 2 * i, h), expert, transposed)
@@ -101,10 +124,12 @@ class RandomWeights:
         self.description = f"random weights (seed {seed})"
         self.shapes = family(spec.family).dense_tensor_shapes(spec)
 
-    def _randn(self, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
+    def _generator(self, name: str) -> torch.Generator:
         digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
-        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
-        return (torch.randn(shape, generator=g) * std).to(torch.bfloat16)
+        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+    def _randn(self, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return (torch.randn(shape, generator=self._generator(name)) * std).to(torch.bfloat16)
 
     def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
         # (1 + w) norms store the offset from 1; the linear layers' gated norm is plain w.
@@ -119,8 +144,13 @@ class RandomWeights:
             else:  # N(0, 1/fan_in); a depthwise convolution [C, 1, K] takes K inputs
                 yield name, self._randn(name, shape, (shape[1] if len(shape) == 2 else shape[-1]) ** -0.5)
 
-    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+    def expert(self, layer: int, expert: int) -> Expert:
+        """bf16 draws; a 4-bit format's codes and scales drawn directly (as fast as the bytes)."""
         h, i = self.spec.hidden_size, self.spec.moe.expert_intermediate_size
         p = f"model.layers.{layer}.mlp.experts.{expert}."
+        fmt = expert_format(self.spec.expert_format)
+        if isinstance(fmt, BlockFp4Format):
+            return {proj: fmt.random(rows, cols, cols ** -0.5, self._generator(p + proj), p + proj)
+                    for proj, (rows, cols) in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}
         return {"gate_up": self._randn(p + "gate_up", (2 * i, h), h ** -0.5),
                 "down": self._randn(p + "down", (h, i), i ** -0.5)}

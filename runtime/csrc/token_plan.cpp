@@ -9,10 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
-extern "C" int ftc_expert_ffn_start(void* pool, const uint8_t* gate_up, int64_t gate_up_stride,
-                                    const uint8_t* down, int64_t down_stride, int n_tokens, const float* x,
-                                    float* out, int n_experts, const int64_t* expert_ids, const int32_t* offsets,
-                                    const int32_t* tok_idx, const float* tok_w, void* workspace);
+extern "C" int ftc_expert_ffn_start(void* pool, const uint8_t* experts, int64_t expert_stride, int n_tokens,
+                                    const float* x, float* out, int n_experts, const int64_t* expert_ids,
+                                    const int32_t* offsets, const int32_t* tok_idx, const float* tok_w,
+                                    void* workspace);
 
 namespace {
 
@@ -49,10 +49,8 @@ extern "C" {
 struct TokenPlanArgs {
   void* pool;
   void* workspace;  // the CPU kernel's, for one token and k pairs; alive until ftc_pool_wait
-  const uint8_t* gate_up;
-  int64_t gate_up_stride;
-  const uint8_t* down;
-  int64_t down_stride;
+  const uint8_t* experts;  // the FTW pool's first expert
+  int64_t expert_stride;
   int64_t hidden;
   int64_t k;
   // The layer's input as OffloadedExperts.stage packs it, [x (hidden) | ids (k) | weights (k)]
@@ -147,8 +145,8 @@ int ftc_plan_token(const TokenPlanArgs* a, int64_t base_id, int64_t step, int al
     a->cpu_w[j] = miss_w[n_fill + j];
   }
   if (n_cpu > 0) {
-    ftc_expert_ffn_start(a->pool, a->gate_up, a->gate_up_stride, a->down, a->down_stride, 1, x, a->cpu_out, n_cpu,
-                         a->cpu_ids, a->cpu_offsets, a->cpu_tok, a->cpu_w, a->workspace);
+    ftc_expert_ffn_start(a->pool, a->experts, a->expert_stride, 1, x, a->cpu_out, n_cpu, a->cpu_ids, a->cpu_offsets,
+                         a->cpu_tok, a->cpu_w, a->workspace);
   }
   // Fills take their victims' slots; every slot this token reads becomes the most recently used.
   for (int j = 0; j < n_fill; ++j) {

@@ -17,7 +17,6 @@ class CpuExperts(ExpertBackend):
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel):
         self.pool, self.kernel = pool, kernel
         self.num_experts = pool.header.num_experts
-        self.gate_up, self.down = pool.bank("gate_up"), pool.bank("down")
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 first_position: int = 0) -> torch.Tensor:
@@ -25,5 +24,5 @@ class CpuExperts(ExpertBackend):
         out = torch.zeros_like(x)
         ids, w = self.routed(moe_layer, first_position, ids.numpy().astype(np.int64), weights.float().numpy())
         routing = Routing.build(moe_layer * self.num_experts, ids, w)
-        self.kernel.run(self.gate_up, self.down, x, out, *routing.tensors())
+        self.kernel.run(self.pool.experts, x, out, *routing.tensors())
         return out

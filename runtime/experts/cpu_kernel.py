@@ -52,7 +52,7 @@ class CpuExpertKernel:
         self.lib.ftc_expert_ffn_workspace_bytes.argtypes = [_i32, _i32]
         for fn in (self.lib.ftc_expert_ffn, self.lib.ftc_expert_ffn_start):
             fn.restype = _i32
-            fn.argtypes = [_p, _p, _i64, _p, _i64, _i32, _p, _p, _i32, _p, _p, _p, _p, _p]
+            fn.argtypes = [_p, _p, _i64, _i32, _p, _p, _i32, _p, _p, _p, _p, _p]
         self.hidden, self.intermediate, self.isa = hidden, intermediate, isa
         self.n_threads, self.background = len(cpus), background
         self._pool = self.lib.ftc_pool_create(len(cpus), (ctypes.c_int * len(cpus))(*cpus), int(not background))
@@ -66,19 +66,20 @@ class CpuExpertKernel:
             self.lib.ftc_pool_destroy(pool)
             self._pool = None
 
-    def run(self, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
-            expert_ids: torch.Tensor, offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
-        """gate_up/down: bank views [rows, stride] uint8; x, out: [T, hidden] fp32 contiguous;
-        expert_ids int64 [m]; offsets int32 [m+1]; tok_idx int32 and tok_w fp32 [pairs]."""
+    def run(self, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor,
+            offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
+        """experts: the pool's rows [rows, expert_stride] uint8 (`ExpertPool.experts`); x, out:
+        [T, hidden] fp32 contiguous; expert_ids int64 [m]; offsets int32 [m+1]; tok_idx int32 and
+        tok_w fp32 [pairs]."""
         with self._lock:
-            self._call(self.lib.ftc_expert_ffn, gate_up, down, x, out, expert_ids, offsets, tok_idx, tok_w)
+            self._call(self.lib.ftc_expert_ffn, experts, x, out, expert_ids, offsets, tok_idx, tok_w)
 
-    def start(self, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
-              expert_ids: torch.Tensor, offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
+    def start(self, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor,
+              offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
         """`run` in the background (with `background`; else the pool runs it now, the caller taking
         part). Every tensor is kept alive, and must not be touched, until `wait()`."""
         self._lock.acquire()  # released by wait()
-        self._in_flight = (gate_up, down, x, out, expert_ids, offsets, tok_idx, tok_w)
+        self._in_flight = (experts, x, out, expert_ids, offsets, tok_idx, tok_w)
         self._call(self.lib.ftc_expert_ffn_start, *self._in_flight)
 
     def on_cpus(self, cpus: list[int], background: bool) -> CpuExpertKernel:
@@ -107,8 +108,8 @@ class CpuExpertKernel:
         self._in_flight = None
         self._lock.release()
 
-    def _call(self, fn, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
-              expert_ids: torch.Tensor, offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
+    def _call(self, fn, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor,
+              offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
         n_tokens, n_pairs = x.shape[0], tok_idx.numel()
         for name, t, dt in (("x", x, torch.float32), ("out", out, torch.float32),
                             ("expert_ids", expert_ids, torch.int64), ("offsets", offsets, torch.int32),
@@ -117,9 +118,12 @@ class CpuExpertKernel:
                 raise ValueError(f"CpuExpertKernel: {name} must be contiguous {dt}, got {t.dtype}")
         if x.shape[1] != self.hidden or out.shape != x.shape:
             raise ValueError(f"CpuExpertKernel: x/out must be [T, {self.hidden}], got {tuple(x.shape)}")
+        if experts.dtype != torch.uint8 or experts.dim() != 2 or experts.stride(1) != 1:
+            raise ValueError(f"CpuExpertKernel: experts must be the pool's [rows, stride] uint8 rows, got "
+                             f"{experts.dtype} {tuple(experts.shape)}")
         need = self.workspace_bytes(n_tokens, n_pairs)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(need, dtype=torch.uint8)
-        fn(self._pool, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0), n_tokens,
-           x.data_ptr(), out.data_ptr(), expert_ids.numel(), expert_ids.data_ptr(), offsets.data_ptr(),
-           tok_idx.data_ptr(), tok_w.data_ptr(), self._workspace.data_ptr())
+        fn(self._pool, experts.data_ptr(), experts.stride(0), n_tokens, x.data_ptr(), out.data_ptr(),
+           expert_ids.numel(), expert_ids.data_ptr(), offsets.data_ptr(), tok_idx.data_ptr(), tok_w.data_ptr(),
+           self._workspace.data_ptr())

@@ -58,7 +58,6 @@ class OffloadedExperts(ExpertBackend):
         # The slots, their cache and the engine's generated device kernels (None: torch).
         self.store = SlotStore(pool, device, n_slots, cache_policy, device_kernel, grouped_kernel)
         self.device, self.on_gpu, self.num_experts = self.store.device, self.store.on_gpu, h.num_experts
-        self.gate_up, self.down = pool.bank("gate_up"), pool.bank("down")
         self.hidden = h.hidden
         self.stats = OffloadStats(self.device)
         self.prompt_counts = np.zeros(h.num_rows, dtype=np.int64)  # static policy: routed ids of the prompt
@@ -214,7 +213,7 @@ class OffloadedExperts(ExpertBackend):
     def _make_token_path(self, k: int) -> _TokenPath:
         staged = self._staged_host(1, k)
         device_out, cpu_out = self.token_outputs()
-        planner = TokenPlanner(self.kernel, self.gate_up, self.down, self.cache, self.planner, k, staged, cpu_out,
+        planner = TokenPlanner(self.kernel, self.pool.experts, self.cache, self.planner, k, staged, cpu_out,
                                self.on_gpu, self.recent_steps)
         x = self._buffer("in", 1, self.hidden + 2 * k, self.device)[:, :self.hidden]
         pairs = torch.zeros(3, k, dtype=torch.int32, device=self.device)
@@ -272,7 +271,7 @@ class OffloadedExperts(ExpertBackend):
         cpu_out = self._buffer("cpu_out", t, hidden).zero_()
         self._cpu_t0 = time.perf_counter()
         if cpu.size:
-            self.kernel.start(self.gate_up, self.down, host[:, :hidden].contiguous(), cpu_out, *r.tensors(cpu))
+            self.kernel.start(self.pool.experts, host[:, :hidden].contiguous(), cpu_out, *r.tensors(cpu))
         self.cache.install(victims, r.ids[fill])
         on_device, device_slots = np.concatenate([hit, fill]), np.concatenate([slots[hit], victims])
         self.cache.touch(device_slots)

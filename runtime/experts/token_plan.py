@@ -4,7 +4,7 @@ in the background, and the fill and pair lists for the device side.
 
 It works on `ExpertCache`'s own arrays, so the general path (prompts, several tokens) and this one
 share one cache state. Every argument that stays fixed from token to token (buffers, banks, the
-pool) is bound once in a `TokenPlanArgs` struct; a call passes four numbers.
+pool's rows) is bound once in a `TokenPlanArgs` struct; a call passes four numbers.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ class TokenPlanArgs(ctypes.Structure):
     """Mirrors `TokenPlanArgs` in csrc/token_plan.cpp (every field 8 bytes)."""
 
     _fields_ = [(name, kind) for name, kind in (
-        ("pool", _p), ("workspace", _p), ("gate_up", _p), ("gate_up_stride", _i64), ("down", _p),
-        ("down_stride", _i64), ("hidden", _i64), ("k", _i64), ("staged", _p), ("slot_of", _p), ("id_of", _p),
-        ("last_used", _p), ("n_slots", _i64), ("fills_for_m", _p), ("cpu_out", _p), ("cpu_ids", _p),
-        ("cpu_offsets", _p), ("cpu_tok", _p), ("cpu_w", _p), ("pairs", _p), ("fills", _p), ("counts", _p),
-        ("cpu_step", _p), ("recent_steps", _i64))]
+        ("pool", _p), ("workspace", _p), ("experts", _p), ("expert_stride", _i64), ("hidden", _i64), ("k", _i64),
+        ("staged", _p), ("slot_of", _p), ("id_of", _p), ("last_used", _p), ("n_slots", _i64), ("fills_for_m", _p),
+        ("cpu_out", _p), ("cpu_ids", _p), ("cpu_offsets", _p), ("cpu_tok", _p), ("cpu_w", _p), ("pairs", _p),
+        ("fills", _p), ("counts", _p), ("cpu_step", _p), ("recent_steps", _i64))]
 
 
 class TokenPlanner:
@@ -40,7 +39,7 @@ class TokenPlanner:
     computed within that many cache steps are filled first, and at least all of them
     (`MissPlanner.fills_for`); 0: off."""
 
-    def __init__(self, kernel: CpuExpertKernel, gate_up: torch.Tensor, down: torch.Tensor, cache: ExpertCache,
+    def __init__(self, kernel: CpuExpertKernel, experts: torch.Tensor, cache: ExpertCache,
                  planner: MissPlanner, k: int, staged: torch.Tensor, cpu_out: torch.Tensor, pinned: bool,
                  recent_steps: int = 0):
         if k > 64:
@@ -59,14 +58,13 @@ class TokenPlanner:
         self._cpu_args = (np.zeros(k, dtype=np.int64), np.zeros(k + 1, dtype=np.int32),
                           np.zeros(k, dtype=np.int32), np.zeros(k, dtype=np.float32))
         self._workspace = torch.empty(kernel.workspace_bytes(1, k), dtype=torch.uint8)
-        self._keep = (gate_up, down, staged, cpu_out, self.pairs, self._workspace, self._cpu_args)
+        self._keep = (experts, staged, cpu_out, self.pairs, self._workspace, self._cpu_args)
         ids, offsets, tok, w = self._cpu_args
         self._args = TokenPlanArgs(
-            kernel.pool_handle, self._workspace.data_ptr(), gate_up.data_ptr(), gate_up.stride(0),
-            down.data_ptr(), down.stride(0), hidden, k, staged.data_ptr(), _addr(cache.slot_of),
-            _addr(cache.id_of), _addr(cache.last_used), cache.n_slots, _addr(self.fills_for_m),
-            cpu_out.data_ptr(), _addr(ids), _addr(offsets), _addr(tok), _addr(w), self.pairs.data_ptr(),
-            _addr(self.fills), _addr(self.counts), _addr(cache.cpu_step), recent_steps)
+            kernel.pool_handle, self._workspace.data_ptr(), experts.data_ptr(), experts.stride(0), hidden, k,
+            staged.data_ptr(), _addr(cache.slot_of), _addr(cache.id_of), _addr(cache.last_used), cache.n_slots,
+            _addr(self.fills_for_m), cpu_out.data_ptr(), _addr(ids), _addr(offsets), _addr(tok), _addr(w),
+            self.pairs.data_ptr(), _addr(self.fills), _addr(self.counts), _addr(cache.cpu_step), recent_steps)
         self._ref = ctypes.byref(self._args)
 
     def plan(self, base_id: int, allow_fills: bool) -> int:

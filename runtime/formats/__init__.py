@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ftc_runtime.formats.base import ExpertFormat
 
-FORMATS: dict[str, str] = {"bf16": "ftc_runtime.formats.bf16"}  # name → its module
+# name → its module
+FORMATS: dict[str, str] = {name: f"ftc_runtime.formats.{name}" for name in ("bf16", "mxfp4", "nvfp4")}
 
 
 def expert_format(name: str) -> ExpertFormat:

@@ -5,6 +5,10 @@ A SwiGLU expert is two float tensors: `gate_up` [2I, H] (the gate rows first, th
 and `down` [H, I]. A format stores them as one or more banks (FTW: one row per expert in each
 bank). The bank that holds a tensor's values (or their codes) carries the tensor's name; block
 scales, where a format has them, are banks of their own.
+
+An expert reaches a format either as float tensors, which it encodes (rounding), or, for the
+block-scaled formats, as the three `QuantizedMatrix`es a checkpoint already stores in that
+format, which it repacks bit for bit (`Expert`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,31 @@ def expert_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, int]]:
 
 
 @dataclass(frozen=True)
+class QuantizedMatrix:
+    """A matrix [rows, cols] in a block-scaled 4-bit format as checkpoints store it: `codes` uint8
+    [rows, cols/2], two e2m1 codes a byte, the low nibble the even column; `scales` uint8 [rows,
+    cols/block], the format's scale bytes; `tensor_scale` the fp32 scale of the whole matrix
+    (NVFP4's `weight_scale_2`), None where the format has none. `name` and `tensor_scale_name` say
+    where the block scales and the tensor scale came from (checkpoint tensors), for errors."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: float | None
+    name: str
+    tensor_scale_name: str = ""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], 2 * self.codes.shape[1]
+
+
+# An expert as a weight source gives it: float tensors {"gate_up", "down"}, or a checkpoint's
+# quantized matrices {"gate", "up", "down"}.
+Expert = Mapping[str, "torch.Tensor | QuantizedMatrix"]
+QUANTIZED_TENSORS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
 class BankLayout:
     """One bank of a format: the elements of a row in row-major order of `row_shape`, `bits` each,
     packed without gaps, so a row takes ceil(bits · elements / 8) bytes."""
@@ -34,6 +63,7 @@ class BankLayout:
     bits: int  # bits per element
     row_shape: tuple[int, ...]
     block: int  # weights along a matrix row that share one scale (codes and scales alike); 1: unscaled
+    packing: str  # how elements sit in the bytes where that is not plain row-major order ("": plain)
 
     @property
     def elements(self) -> int:
@@ -47,11 +77,14 @@ class BankLayout:
 @dataclass(frozen=True)
 class CpuTemplate:
     """A CPU expert kernel of a format for one ISA: its primitives' template (which extends the
-    skeleton `cpu/expert_ffn.cpp.j2`) and the step that hidden and intermediate sizes must be
-    multiples of (its vector width, or its scale block)."""
+    skeleton `cpu/expert_ffn.cpp.j2`), the step that hidden and intermediate sizes must be
+    multiples of (its vector width, or its scale block), and its measured tiling: matrix rows per
+    work item and rows prefetched ahead (docs/performance.md has the sweeps)."""
 
     path: str  # under templates/
     step: int
+    work_rows: int = 16
+    prefetch_rows: int = 2
 
 
 @dataclass(frozen=True)
@@ -60,7 +93,6 @@ class ExpertFormat(ABC):
     format module (its `FORMAT`); shapes are arguments, so one instance serves every model."""
 
     name: str
-    row_ctype: str  # C type of one row element, as the CPU skeleton points at the rows
     cpu_templates: Mapping[str, CpuTemplate]  # ISA → kernel
     triton_template: str  # under templates/: the GPU kernels over cache slots
     slot_dtype: torch.dtype  # what the Triton kernels view the slots' bytes as
@@ -77,6 +109,17 @@ class ExpertFormat(ABC):
     def encode(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
         """One expert's float tensors (any float dtype, on the host) as its bank rows: {bank name:
         uint8 tensor of the bank's row_bytes}. The rows may share memory with the inputs."""
+
+    def pack(self, gate: QuantizedMatrix, up: QuantizedMatrix, down: QuantizedMatrix) -> dict[str, torch.Tensor]:
+        """One expert a checkpoint stores in this format, as its bank rows, bit for bit."""
+        raise ValueError(f"the {self.name} expert format cannot take quantized checkpoint tensors ({gate.name}); "
+                         "compile with the checkpoint's own format (--quant)")
+
+    def rows_of(self, expert: Expert) -> dict[str, torch.Tensor]:
+        """An expert as a weight source gives it (float or quantized) as its bank rows."""
+        if "gate_up" in expert:
+            return self.encode(expert["gate_up"], expert["down"])
+        return self.pack(*(expert[name] for name in QUANTIZED_TENSORS))
 
     @abstractmethod
     def dequantize(self, rows: Mapping[str, torch.Tensor], hidden: int,

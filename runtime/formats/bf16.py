@@ -23,7 +23,7 @@ from ftc_runtime.formats.base import (
 
 class Bf16Format(ExpertFormat):
     def banks(self, hidden: int, intermediate: int) -> tuple[BankLayout, ...]:
-        return tuple(BankLayout(name, "bf16", 16, shape, 1)
+        return tuple(BankLayout(name, "bf16", 16, shape, 1, "")
                      for name, shape in expert_shapes(hidden, intermediate).items())
 
     def encode(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -41,7 +41,7 @@ class Bf16Format(ExpertFormat):
 
 
 FORMAT = Bf16Format(
-    name="bf16", row_ctype="uint16_t",
+    name="bf16",
     cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_bf16_avx512.cpp.j2", 32),
                    "avx2": CpuTemplate("cpu/expert_ffn_bf16_avx2.cpp.j2", 8)},
     triton_template="triton/expert_ffn_bf16.py.j2", slot_dtype=torch.bfloat16)

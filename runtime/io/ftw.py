@@ -1,6 +1,6 @@
 """FTW, the routed-expert weight file, and the host pool it is loaded into.
 
-Layout (version 2):
+Layout (version 3):
 
     b"FTW1" | u64 LE header length | JSON header | pad to 4096 | experts | checksum trailer (JSON)
 
@@ -17,6 +17,7 @@ layer and expert.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,7 +36,7 @@ from ftc_runtime.formats.base import BankLayout, ExpertFormat
 from ftc_runtime.io.direct_read import ReadResult, aligned_empty, read_into
 
 MAGIC = b"FTW1"
-VERSION = 2
+VERSION = 3
 ALIGN = 4096
 PREFIX = struct.Struct("<4sQ")
 HEADER_ROOM = 4096  # magic, length and JSON header; the first expert starts here
@@ -78,7 +79,7 @@ class FtwHeader:
                 raise ValueError(f"FTW {what} = {n!r}: expected a positive integer")
         out, offset = [], 0
         for layout in formats.expert_format(expert_format).banks(hidden, intermediate):
-            out.append(Bank(layout.name, layout.dtype, layout.bits, layout.row_shape, layout.block, offset))
+            out.append(Bank(**dataclasses.asdict(layout), offset=offset))
             offset += round_up(layout.row_bytes)
         return cls(expert_format, num_moe_layers, num_experts, hidden, intermediate, tuple(out))
 
@@ -126,7 +127,7 @@ class FtwHeader:
             "version": VERSION, "expert_format": self.expert_format, "num_moe_layers": self.num_moe_layers,
             "num_experts": self.num_experts, "hidden": self.hidden, "intermediate": self.intermediate,
             "expert_stride": self.expert_stride, "data_offset": self.data_offset,
-            "banks": [{"name": b.name, "dtype": b.dtype, "bits": b.bits, "block": b.block,
+            "banks": [{"name": b.name, "dtype": b.dtype, "bits": b.bits, "block": b.block, "packing": b.packing,
                        "row_shape": list(b.row_shape), "row_bytes": b.row_bytes, "offset": b.offset}
                       for b in self.banks],
             "checksums": {"algo": "crc32", "offset": self.trailer_offset},

@@ -108,13 +108,13 @@ def test_banks_and_row_bytes(hidden, intermediate):
 def test_row_bytes_round_up_to_whole_bytes():
     """Sub-byte elements pack densely: 15 four-bit codes take 8 bytes, 16 take 8, 17 take 9."""
     for n, nbytes in ((15, 8), (16, 8), (17, 9)):
-        assert BankLayout("codes", "e2m1", 4, (1, n), 32).row_bytes == nbytes
-    assert BankLayout("scales", "ue8m0", 8, (6, 3), 32).row_bytes == 18
+        assert BankLayout("codes", "e2m1", 4, (1, n), 32, "").row_bytes == nbytes
+    assert BankLayout("scales", "ue8m0", 8, (6, 3), 32, "").row_bytes == 18
 
 
 def test_the_registry_gives_this_module():
     assert FORMATS["bf16"] == "ftc_runtime.formats.bf16" and FORMAT.name == "bf16"
-    assert FORMAT.row_ctype == "uint16_t" and FORMAT.slot_dtype == torch.bfloat16
+    assert FORMAT.slot_dtype == torch.bfloat16
     assert set(FORMAT.cpu_templates) == {"avx512_bf16", "avx2"}
     with pytest.raises(ValueError, match="not known"):
         expert_format("fp3")

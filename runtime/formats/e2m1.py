@@ -1,0 +1,159 @@
+"""What the block-scaled 4-bit formats (`mxfp4`, `nvfp4`) share: e2m1 codes, their FTW packing,
+the rounding rule, and a format class that the two complete with their scale type.
+
+e2m1 code c (4 bits: sign, 2 exponent bits, 1 mantissa bit) is the value `E2M1[c]`:
+0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. A weight is `E2M1[code] · scale(block)`.
+
+Packing in FTW (`PACKING`): a matrix row's codes go in groups of 64 columns; byte j (0..31) of a
+group holds column j in its low nibble and column j + 32 in its high nibble. A 32-byte load then
+widens into two vectors of 32 consecutive columns each (the AVX-512 kernel's `vpermw` lookup, the
+Triton kernels' two half-tiles), with no shuffle of the activations. Checkpoints store the low
+nibble as the even column; compiling repacks by permutation only.
+
+Rounding (`round_to_e2m1`, used by `--quant`): the nearest value of the grid, |q| > 6 → 6, ties to
+the code with an even mantissa bit (0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4,
+5 → 4); the sign bit is set for q < 0 (a negative that rounds to zero keeps it: -0).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ftc_runtime.formats.base import (
+    BankLayout,
+    ExpertFormat,
+    QuantizedMatrix,
+    check_expert_shapes,
+    expert_shapes,
+)
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+RMS_E2M1 = (sum(v * v for v in E2M1[:8]) / 8) ** 0.5  # of uniformly drawn codes: about 2.93
+GROUP = 64  # columns whose codes share one 32-byte group in FTW
+PACKING = "e2m1x64"  # the header's name for the packing above
+
+
+def e2m1_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tensor(E2M1, dtype=torch.float32, device=device)
+
+
+def round_to_e2m1(q: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (uint8) of fp32 values q by the rule above."""
+    a = q.abs()
+    # Each comparison passes one midpoint of the grid; `>` at a tie rounds down, `>=` up, as ties to even want.
+    mag = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5))
+    return mag | ((q < 0).to(torch.uint8) << 3)
+
+
+def pack_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K] as checkpoints pack them: [N, K/2], the low nibble the even column."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def to_ftw_packing(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-packed codes [N, K/2] in FTW's packing (same shape): a permutation of nibbles."""
+    groups = unpack_pairs(packed).reshape(packed.shape[0], -1, 2, GROUP // 2)
+    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(packed.shape)
+
+
+def ftw_codes(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The codes (uint8 [rows, cols], one a byte) of an FTW-packed bank row (uint8, any device)."""
+    groups = packed.view(rows, cols // GROUP, GROUP // 2)
+    return torch.stack([groups & 15, groups >> 4], dim=2).reshape(rows, cols)
+
+
+@dataclass(frozen=True)
+class BlockFp4Format(ExpertFormat):
+    """e2m1 codes with one scale per `block` weights along a row. Banks: `gate_up` and `down`
+    codes, then their scales (`gate_up_scales` [2I, H/block], `down_scales` [H, I/block]), then
+    whatever `extra_banks` the format adds."""
+
+    block: int = 32
+    scale_dtype: str = ""  # the scale bank's element type, as FTW names it
+
+    def banks(self, hidden: int, intermediate: int) -> tuple[BankLayout, ...]:
+        shapes = expert_shapes(hidden, intermediate)
+        self.check_shapes(hidden, intermediate)
+        codes = tuple(BankLayout(name, "e2m1", 4, shape, self.block, PACKING) for name, shape in shapes.items())
+        scales = tuple(BankLayout(f"{name}_scales", self.scale_dtype, 8, (rows, cols // self.block), self.block, "")
+                       for name, (rows, cols) in shapes.items())
+        return codes + scales + self.extra_banks()
+
+    def extra_banks(self) -> tuple[BankLayout, ...]:
+        return ()
+
+    def check_shapes(self, hidden: int, intermediate: int) -> None:
+        for what, n in (("hidden", hidden), ("expert intermediate", intermediate)):
+            if n % GROUP:
+                raise ValueError(f"{self.name} experts: {what} size {n} is not a multiple of {GROUP} (FTW packs the "
+                                 f"4-bit codes of {GROUP} columns together)")
+
+    # The scale type: bytes ↔ fp32, and the rounding rule that picks a block's scale.
+    @abstractmethod
+    def scale_values(self, scales: torch.Tensor) -> torch.Tensor:
+        """fp32 values of scale bytes (uint8, any shape and device)."""
+
+    @abstractmethod
+    def quantize(self, w: torch.Tensor, name: str) -> QuantizedMatrix:
+        """A float matrix [N, K] rounded into this format (the rule in the format's docstring)."""
+
+    @abstractmethod
+    def check_scales(self, m: QuantizedMatrix) -> None:
+        """ValueError naming the tensor, row and block of the first scale that is not a number."""
+
+    @abstractmethod
+    def random(self, rows: int, cols: int, std: float, generator: torch.Generator, name: str) -> QuantizedMatrix:
+        """A random matrix drawn in this format directly (`--random-weights`): codes uniform, scales
+        such that the weights' standard deviation is about `std`."""
+
+    def encode(self, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        _, intermediate = check_expert_shapes(gate_up, down)
+        w = gate_up.float()
+        return self.pack(self.quantize(w[:intermediate], "gate"), self.quantize(w[intermediate:], "up"),
+                         self.quantize(down.float(), "down"))
+
+    def pack(self, gate: QuantizedMatrix, up: QuantizedMatrix, down: QuantizedMatrix) -> dict[str, torch.Tensor]:
+        hidden, intermediate = down.shape
+        self.check_shapes(hidden, intermediate)
+        for m, want in ((gate, (intermediate, hidden)), (up, (intermediate, hidden)), (down, (hidden, intermediate))):
+            self.check_matrix(m, want)
+        rows = {"gate_up": torch.cat([to_ftw_packing(gate.codes), to_ftw_packing(up.codes)]),
+                "down": to_ftw_packing(down.codes),
+                "gate_up_scales": torch.cat([gate.scales, up.scales]), "down_scales": down.scales}
+        return {name: t.contiguous().reshape(-1) for name, t in (rows | self.extra_rows(gate, up, down)).items()}
+
+    def extra_rows(self, gate: QuantizedMatrix, up: QuantizedMatrix,
+                   down: QuantizedMatrix) -> dict[str, torch.Tensor]:
+        return {}
+
+    def check_matrix(self, m: QuantizedMatrix, shape: tuple[int, int]) -> None:
+        """ValueError naming the tensor whose codes or scales do not fit `shape` [rows, cols]."""
+        rows, cols = shape
+        for part, t, want in (("codes", m.codes, (rows, cols // 2)), ("scales", m.scales, (rows, cols // self.block))):
+            if t.dtype != torch.uint8 or tuple(t.shape) != want:
+                raise ValueError(f"{m.name}: {self.name} {part} are {t.dtype} {list(t.shape)}, expected uint8 "
+                                 f"{list(want)} for a [{rows}, {cols}] matrix")
+        self.check_scales(m)
+
+    def dequantize(self, rows: Mapping[str, torch.Tensor], hidden: int,
+                   intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (gate_up [2I, H], down [H, I]): `E2M1[code] · scale` of each weight."""
+        out = []
+        for name, (r, c) in expert_shapes(hidden, intermediate).items():
+            codes = ftw_codes(rows[name], r, c)
+            scale = self.block_scales(rows, name, r, c // self.block)
+            values = e2m1_table(codes.device)[codes.long()].view(r, c // self.block, self.block)
+            out.append((values * scale[:, :, None]).view(r, c))
+        return out[0], out[1]
+
+    def block_scales(self, rows: Mapping[str, torch.Tensor], name: str, r: int, blocks: int) -> torch.Tensor:
+        """fp32 [r, blocks]: the scale of every block of the bank's matrix."""
+        return self.scale_values(rows[f"{name}_scales"].view(r, blocks))

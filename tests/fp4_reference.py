@@ -1,0 +1,167 @@
+"""An independent numpy reference of the two 4-bit expert formats, for the tests to hold ftc's own
+quantizer and dequantizer to, bit for bit (it imports nothing of ftc):
+
+- MXFP4 (OCP MX): E2M1 codes in blocks of 32 along a row, one e8m0 (power of two) scale per block.
+- NVFP4: E2M1 codes in blocks of 16, one e4m3 scale per block and one float32 scale per matrix.
+
+Codes are packed two to a byte: the even column in the low nibble, the odd one in the high nibble.
+All the arithmetic is float32, in the order each function's docstring states.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# The value of each 4-bit E2M1 code: bit 3 the sign, bits 0-2 an index into the grid of magnitudes.
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+MXFP4_BLOCK = 32
+NVFP4_BLOCK = 16
+E4M3_MAX = 448.0
+E8M0_BIAS = 127
+
+
+def _e4m3_table() -> np.ndarray:
+    """The float32 value of every e4m3fn byte (bias 7, subnormals m·2^-9, 0x7F and 0xFF NaN)."""
+    codes = np.arange(256)
+    exp, man = (codes >> 3) & 0xF, (codes & 7).astype(np.float64)
+    mag = np.where(exp == 0, man * 2.0 ** -9, (1 + man / 8) * 2.0 ** (exp - 7))
+    value = np.where(codes & 0x80, -mag, mag)
+    value[(codes & 0x7F) == 0x7F] = np.nan
+    return value.astype(np.float32)
+
+
+E4M3 = _e4m3_table()
+
+
+def _round_to_grid(mag: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Index of the nearest value of the ascending `grid` to each magnitude (within its range), ties
+    to the even index. Midpoints of float32 grid values are exact in float64, so the choice is exact."""
+    mag = np.asarray(mag, np.float64)
+    grid = np.asarray(grid, np.float64)
+    hi = np.clip(np.searchsorted(grid, mag, side="left"), 0, len(grid) - 1)
+    lo = np.maximum(hi - 1, 0)
+    mid = (grid[lo] + grid[hi]) / 2
+    pick_hi = (mag > mid) | ((mag == mid) & (hi % 2 == 0))
+    return np.where(pick_hi, hi, lo)
+
+
+def e4m3_to_float(codes: np.ndarray) -> np.ndarray:
+    """The float32 values of e4m3fn bytes."""
+    return E4M3[np.asarray(codes, np.uint8)]
+
+
+def float_to_e4m3(x: np.ndarray) -> np.ndarray:
+    """e4m3fn bytes of finite float32 values within [-448, 448]: round to nearest on the e4m3 grid
+    (subnormals included), ties to even; the sign bit is the input's (so -0.0 gives 0x80)."""
+    x = np.asarray(x, np.float32)
+    if not np.all(np.isfinite(x)) or np.any(np.abs(x) > E4M3_MAX):
+        raise ValueError("e4m3 input must be finite and within [-448, 448]")
+    code = _round_to_grid(np.abs(x), E4M3[:127])
+    return (code | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
+
+
+def round_e2m1(q: np.ndarray) -> np.ndarray:
+    """E2M1 codes of float32 values: nearest of {0, .5, 1, 1.5, 2, 3, 4, 6} to |q| (beyond 6: 6), ties
+    to the even code; the sign bit (8) set iff q < 0, also where q rounds to 0."""
+    q = np.asarray(q, np.float32)
+    code = _round_to_grid(np.minimum(np.abs(q), np.float32(6)), E2M1[:8])
+    return (code | np.where(q < 0, 8, 0)).astype(np.uint8)
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """Codes [N, K] (K even) as bytes [N, K/2]: column 2k in the low nibble, 2k+1 in the high one."""
+    codes = np.asarray(codes, np.uint8)
+    if codes.shape[-1] % 2:
+        raise ValueError(f"odd row length {codes.shape[-1]}")
+    return (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """The inverse of pack_nibbles: bytes [N, K/2] as codes [N, K]."""
+    packed = np.asarray(packed, np.uint8)
+    codes = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
+    codes[..., 0::2] = packed & 0xF
+    codes[..., 1::2] = packed >> 4
+    return codes
+
+
+def _blocks(w: np.ndarray, block: int) -> np.ndarray:
+    """A float32 matrix [N, K] as [N, K/block, block]."""
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2 or w.shape[1] % block:
+        raise ValueError(f"shape {w.shape} is not [N, K] with K a multiple of {block}")
+    return w.reshape(w.shape[0], w.shape[1] // block, block)
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 of a float32 matrix [N, K]: packed codes [N, K/2] and e8m0 scale bytes [N, K/32]. A
+    block's scale byte is floor(log2 amax) - 2 + 127 (clipped to [0, 254]; 0 for an all-zero block),
+    and its values are scaled by 2^-(byte - 127) exactly before rounding to E2M1."""
+    blocks = _blocks(w, MXFP4_BLOCK)
+    amax = np.max(np.abs(blocks), axis=-1)
+    _, ex = np.frexp(amax)  # amax = m · 2^ex, m in [0.5, 1)
+    scales = np.where(amax == 0, 0, np.clip(ex.astype(np.int64) - 1 - 2 + E8M0_BIAS, 0, 254)).astype(np.uint8)
+    q = np.ldexp(blocks, -(scales.astype(np.int32) - E8M0_BIAS)[..., None])
+    return pack_nibbles(round_e2m1(q).reshape(w.shape)), scales
+
+
+def dequantize_mxfp4(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32 [N, K] of MXFP4 codes [N, K/2] and scale bytes [N, K/32]: E2M1[code] · 2^(byte - 127)."""
+    codes = unpack_nibbles(packed)
+    values = E2M1[codes.reshape(codes.shape[0], -1, MXFP4_BLOCK)]
+    exps = np.asarray(scales, np.uint8).astype(np.int32) - E8M0_BIAS
+    return np.ldexp(values, exps[..., None]).astype(np.float32).reshape(codes.shape)
+
+
+def nvfp4_tensor_scale(w: np.ndarray) -> np.float32:
+    """The per-matrix float32 scale: max|w| / (6 · 448) in float32 (1 for an all-zero matrix)."""
+    amax = np.max(np.abs(np.asarray(w, np.float32)))
+    return np.float32(1) if amax == 0 else np.float32(amax / np.float32(6 * 448))
+
+
+def quantize_nvfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """NVFP4 of a float32 matrix [N, K]: packed codes [N, K/2], e4m3 scale bytes [N, K/16] and the
+    tensor scale ts. A block's scale is e4m3(min(amax / (ts · 6), 448)); its codes are
+    round_e2m1(v / (scale · ts)), or all 0 where the scale rounded to 0."""
+    blocks = _blocks(w, NVFP4_BLOCK)
+    ts = nvfp4_tensor_scale(w)
+    amax = np.max(np.abs(blocks), axis=-1)
+    s = np.minimum(amax / (ts * np.float32(6)), np.float32(E4M3_MAX)).astype(np.float32)
+    scales = float_to_e4m3(s)
+    sq = e4m3_to_float(scales)
+    denom = (sq * ts).astype(np.float32)[..., None]
+    safe = np.where(denom == 0, np.float32(1), denom)
+    codes = np.where(denom == 0, np.uint8(0), round_e2m1((blocks / safe).astype(np.float32)))
+    return pack_nibbles(codes.reshape(w.shape)), scales, ts
+
+
+def dequantize_nvfp4(packed: np.ndarray, scales: np.ndarray, ts: np.float32) -> np.ndarray:
+    """float32 [N, K] of NVFP4 codes [N, K/2], e4m3 scale bytes [N, K/16] and tensor scale ts:
+    E2M1[code] · (e4m3(byte) · ts), the scale product in float32 first."""
+    codes = unpack_nibbles(packed)
+    values = E2M1[codes.reshape(codes.shape[0], -1, NVFP4_BLOCK)]
+    scale = (e4m3_to_float(scales) * np.float32(ts)).astype(np.float32)
+    return (values * scale[..., None]).astype(np.float32).reshape(codes.shape)
+
+
+FTW_GROUP = 64  # columns whose codes share 32 bytes in FTW (the project's packing, restated here)
+
+
+def ftw_packing(packed: np.ndarray) -> np.ndarray:
+    """Checkpoint-packed codes [N, K/2] (low nibble the even column) in FTW's packing: byte j of each
+    64-column group holds column j in its low nibble and column j + 32 in its high one."""
+    codes = unpack_nibbles(packed)
+    groups = codes.reshape(codes.shape[0], -1, 2, FTW_GROUP // 2)
+    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(packed.shape).astype(np.uint8)
+
+
+def checkpoint_packing(row: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The inverse of ftw_packing, from an FTW bank row's bytes."""
+    groups = row.reshape(n, k // FTW_GROUP, FTW_GROUP // 2)
+    return pack_nibbles(np.stack([groups & 15, groups >> 4], axis=2).reshape(n, k))
+
+
+def float_bits(a: np.ndarray) -> np.ndarray:
+    """The bits of float32 values, so that comparisons tell -0 from 0 and match NaNs."""
+    return np.ascontiguousarray(a, np.float32).view(np.int32)
