@@ -235,6 +235,43 @@ def test_format_quantize_is_the_references_on_special_values(fmt, seed):
             assert m.tensor_scale is None
 
 
+# -- dense linear weights stored in NVFP4 ----------------------------------------------------------------
+
+
+def quantize_dense(layout: str, name: str) -> Callable[[dict[str, torch.Tensor]], np.ndarray]:
+    """An edit that stores the bf16 linear weight `name` as the layout stores an NVFP4 weight
+    (ModelOpt: .weight u8 + .weight_scale + .weight_scale_2; compressed-tensors: .weight_packed +
+    .weight_scale + .weight_global_scale) and returns fp4_reference's dequantization of it."""
+    def edit(state: dict[str, torch.Tensor]) -> np.ndarray:
+        p = name.removesuffix(".weight")
+        packed, scales, ts = quantize("nvfp4", state.pop(name).float().numpy())
+        state[p + ".weight_scale"] = torch.from_numpy(scales).view(torch.float8_e4m3fn)
+        if layout == "nvfp4_modelopt":
+            state[name] = torch.from_numpy(packed)
+            state[p + ".weight_scale_2"] = torch.tensor(ts, dtype=torch.float32)
+        else:
+            state[p + ".weight_packed"] = torch.from_numpy(packed)
+            state[p + ".weight_global_scale"] = torch.tensor([np.float32(1) / ts], dtype=torch.float32)
+            ts = np.float32(1) / (np.float32(1) / ts)
+        return dequantize_nvfp4(packed, scales, ts)
+    return edit
+
+
+@pytest.mark.parametrize("layout", ["nvfp4_modelopt", "nvfp4_ct"])
+def test_nvfp4_dense_weights_are_dequantized_to_bf16(layout, seed, tmp_path):
+    """Linear layers that the checkpoint's settings do not exclude are NVFP4 too (attention, here):
+    the engine holds them in bf16, the reference's dequantization rounded to nearest."""
+    ckpt = quantized_checkpoint(tmp_path, layout, seed)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight"]
+    refs = {}
+    for name in names:
+        edit_tensors(ckpt, lambda state, name=name: refs.__setitem__(name, quantize_dense(layout, name)(state)))
+    engine = compile_cpu(ckpt, tmp_path / "engine")
+    dense = load_file(str(engine / "dense.safetensors"))
+    for name in names:
+        assert torch.equal(dense[name], torch.from_numpy(refs[name]).to(torch.bfloat16)), name
+
+
 # -- (c) (d) refusals -----------------------------------------------------------------------------------------
 
 

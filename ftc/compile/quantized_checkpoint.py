@@ -5,8 +5,9 @@ and each expert's codes and scales as `QuantizedMatrix`es, which the format repa
 Settings: `config.json` `quantization_config` (gpt-oss's `quant_method: mxfp4`; DeepSeek-V4's
 `fmt: e2m1` with `scale_fmt: ue8m0`; ModelOpt's `quant_method: modelopt` with `quant_algo: NVFP4`;
 compressed-tensors' `format: nvfp4-pack-quantized`) or ModelOpt's `hf_quant_config.json`. The
-modules they exclude (`modules_to_not_convert`, `exclude_modules`, `ignore`) are the 16-bit ones:
-the dense tensors, read as usual.
+modules they exclude (`modules_to_not_convert`, `exclude_modules`, `ignore`) stay 16-bit and read
+as usual; an NVFP4 linear weight outside the routed experts is dequantized to bf16
+(`DequantizedDense`), since the engine holds dense weights in 16 bits.
 
 Expert layouts, found by their tensor names under a layer's experts prefix `P`:
 - gpt-oss: `P gate_up_proj_blocks` u8 [E, 2I, H/32, 16] + `_scales` u8 [E, 2I, H/32], the gate and
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from ftc.compile.checkpoint import SafetensorsCheckpoint
+from ftc_runtime.formats import expert_format
 from ftc_runtime.formats.base import QuantizedMatrix
 from ftc_runtime.models.base import CheckpointError
 
@@ -95,6 +97,7 @@ class QuantizedExperts:
     hidden: int
     intermediate: int
     num_experts: int
+    context: str = ""  # what a shape error says the tensors are; default: the layout's experts and shapes
 
     def expert(self, prefix: str, j: int) -> dict[str, QuantizedMatrix]:
         """Expert j under the experts prefix: {"gate", "up", "down"}."""
@@ -109,9 +112,10 @@ class QuantizedExperts:
         """The stored tensor (or its index-th entry along dim 0), checked for shape and dtype."""
         got = self.ckpt.shape(name)
         if got != shape:
+            context = self.context or (f"{self.layout} experts of hidden {self.hidden}, intermediate "
+                                       f"{self.intermediate}")
             raise CheckpointError(f"{self.ckpt.directory}: tensor {name} has shape {list(got)}, expected "
-                                  f"{list(shape)} ({self.layout} experts of hidden {self.hidden}, intermediate "
-                                  f"{self.intermediate})")
+                                  f"{list(shape)} ({context})")
         t = self.ckpt.raw(name, index)
         if t.dtype not in dtypes:
             raise CheckpointError(f"{self.ckpt.directory}: tensor {name} has dtype {t.dtype}, expected one of "
@@ -155,12 +159,14 @@ def _modelopt(r: QuantizedExperts, prefix: str, j: int) -> dict[str, QuantizedMa
     return _nvfp4(r, prefix, j, "weight", lambda p: r.scalar(p + ".weight_scale_2"), "weight_scale_2")
 
 
-def _compressed_tensors(r: QuantizedExperts, prefix: str, j: int) -> dict[str, QuantizedMatrix]:
-    def tensor_scale(p: str) -> float:
-        inverse = torch.tensor(r.scalar(p + ".weight_global_scale"), dtype=torch.float32)
-        return float(torch.tensor(1.0, dtype=torch.float32) / inverse)  # in fp32, as the format defines it
+def _ct_tensor_scale(r: QuantizedExperts, p: str) -> float:
+    """compressed-tensors' tensor scale: 1 / `weight_global_scale`, in fp32 as the format defines it."""
+    inverse = torch.tensor(r.scalar(p + ".weight_global_scale"), dtype=torch.float32)
+    return float(torch.tensor(1.0, dtype=torch.float32) / inverse)
 
-    return _nvfp4(r, prefix, j, "weight_packed", tensor_scale, "weight_global_scale (inverted)")
+
+def _compressed_tensors(r: QuantizedExperts, prefix: str, j: int) -> dict[str, QuantizedMatrix]:
+    return _nvfp4(r, prefix, j, "weight_packed", lambda p: _ct_tensor_scale(r, p), "weight_global_scale (inverted)")
 
 
 def _nvfp4(r: QuantizedExperts, prefix: str, j: int, codes: str, tensor_scale: Callable[[str], float],
@@ -187,3 +193,52 @@ def find_layout(ckpt: SafetensorsCheckpoint, prefix: str) -> str | None:
               ("compressed_tensors_nvfp4", "0.gate_proj.weight_packed"),
               ("modelopt_nvfp4", "0.gate_proj.weight_scale"))
     return next((layout for layout, suffix in probes if prefix + suffix in ckpt), None)
+
+
+class DequantizedDense:
+    """The checkpoint with every NVFP4 linear weight outside the routed experts (those its settings
+    do not exclude: ModelOpt's `X.weight` u8 with `.weight_scale` and `.weight_scale_2`,
+    compressed-tensors' `X.weight_packed`) read as `X.weight` in bf16, dequantized: the engine holds
+    dense weights in 16 bits. Any other tensor reads as the checkpoint stores it."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint):
+        self.ckpt, self.directory = ckpt, ckpt.directory
+
+    def _quantized(self, name: str) -> tuple[str, str] | None:
+        """(codes tensor, tensor-scale reader) of a quantized weight `X.weight`, else None."""
+        base = name.removesuffix(".weight")
+        if base == name:
+            return None
+        if f"{base}.weight_packed" in self.ckpt:
+            return f"{base}.weight_packed", "compressed_tensors_nvfp4"
+        if f"{base}.weight_scale_2" in self.ckpt and name in self.ckpt:
+            return name, "modelopt_nvfp4"
+        return None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt or self._quantized(name) is not None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        q = self._quantized(name)
+        if q is None:
+            return self.ckpt.shape(name)
+        rows, half = self.ckpt.shape(q[0])
+        return rows, 2 * half
+
+    def get(self, name: str) -> torch.Tensor:
+        q = self._quantized(name)
+        if q is None:
+            return self.ckpt.get(name)
+        rows, cols = self.shape(name)
+        reader = QuantizedExperts(self.ckpt, q[1], cols, rows, 1, f"an NVFP4 linear weight [{rows}, {cols}]")
+        p = name.removesuffix(".weight")
+        codes = "weight_packed" if q[1] == "compressed_tensors_nvfp4" else "weight"
+        scale = (_ct_tensor_scale(reader, p) if q[1] == "compressed_tensors_nvfp4"
+                 else reader.scalar(p + ".weight_scale_2"))
+        m = QuantizedMatrix(reader.tensor(f"{p}.{codes}", (rows, cols // 2), BYTE_TYPES),
+                            reader.tensor(p + ".weight_scale", (rows, cols // 16), E4M3_TYPES), scale,
+                            p + ".weight_scale", f"{p}.weight_scale_2")
+        try:
+            return expert_format("nvfp4").dequantize_matrix(m).to(torch.bfloat16)
+        except ValueError as e:
+            raise CheckpointError(f"{self.directory}: {e}") from None

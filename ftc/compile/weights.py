@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from ftc.compile.checkpoint import CheckpointError, SafetensorsCheckpoint
-from ftc.compile.quantized_checkpoint import LAYOUT_FORMAT, QuantizedExperts, find_layout
+from ftc.compile.quantized_checkpoint import LAYOUT_FORMAT, DequantizedDense, QuantizedExperts, find_layout
 from ftc_runtime.formats import expert_format
 from ftc_runtime.formats.base import Expert
 from ftc_runtime.formats.e2m1 import BlockFp4Format
@@ -42,7 +42,7 @@ class CheckpointWeights:
 
     def __init__(self, spec: ModelSpec, directory: Path):
         self.spec, self.ckpt = spec, SafetensorsCheckpoint(directory)
-        self.layout = family(spec.family).checkpoint_layout(self.ckpt, spec)
+        self.layout = family(spec.family).checkpoint_layout(DequantizedDense(self.ckpt), spec)
         self.description = f"checkpoint {directory}"
         self.shapes = family(spec.family).dense_tensor_shapes(spec)
         for name, shape in self.shapes.items():

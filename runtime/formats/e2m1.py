@@ -154,6 +154,14 @@ class BlockFp4Format(ExpertFormat):
             out.append((values * scale[:, :, None]).view(r, c))
         return out[0], out[1]
 
+    def dequantize_matrix(self, m: QuantizedMatrix) -> torch.Tensor:
+        """fp32 [rows, cols] of a matrix as checkpoints store it: `E2M1[code] · scale · tensor scale`."""
+        self.check_scales(m)
+        rows, cols = m.shape
+        values = e2m1_table(m.codes.device)[unpack_pairs(m.codes).long()].view(rows, cols // self.block, self.block)
+        scale = self.scale_values(m.scales) * (m.tensor_scale if m.tensor_scale is not None else 1.0)
+        return (values * scale[:, :, None]).view(rows, cols)
+
     def block_scales(self, rows: Mapping[str, torch.Tensor], name: str, r: int, blocks: int) -> torch.Tensor:
         """fp32 [r, blocks]: the scale of every block of the bank's matrix."""
         return self.scale_values(rows[f"{name}_scales"].view(r, blocks))
