@@ -4,12 +4,16 @@
 # batch 1), the decode matrix (uniform and replayed-trace routing, each miss policy) and the 8K
 # prefill at --vram-budget 8GiB; then qwen3.6-35b-a3b in nvfp4, decode and 8K prefill at 8GiB;
 # then the GPU tests (every format).
-# Carry .whl (fla_core) for the tests stage, which runs last.
+# Carry .whl (fla_core): the hybrid stage's prefill and the tests (last) need it.
 #   bash bench/device_fp4.sh OUT_DIR [STAGES]   STAGES: any of experts,decode,prefill,hybrid,tests (default all)
 set -uo pipefail
 out=${1:?output directory}
 stages=${2:-experts,decode,prefill,hybrid,tests}
 mkdir -p "$out"
+if ls .whl/fla_core-*.whl >/dev/null 2>&1; then  # the hybrid stage's Gated DeltaNet prefill needs it too
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core-*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
