@@ -269,6 +269,9 @@ def _check(s: ModelSpec, source: str) -> None:
     need = checker(source)
     a, m = s.attention, s.moe
     need(s.expert_format in FORMATS, "expert_format", s.expert_format, "one of " + ", ".join(FORMATS))
+    step = expert_format(s.expert_format).size_multiple
+    for path, n in (("hidden_size", s.hidden_size), ("moe.expert_intermediate_size", m.expert_intermediate_size)):
+        need(n % step == 0, path, n, f"a multiple of {step} for expert_format {s.expert_format}")
     # The default engine directory is build/<name>: a name that is not one plain file name would put it elsewhere.
     plain = 0 < len(s.name) <= MAX_NAME and s.name not in (".", "..") and not any(c in s.name for c in "/\\\0")
     need(plain, "name", s.name, f"a plain file name of at most {MAX_NAME} characters (no '/', '\\', '.' or '..')")

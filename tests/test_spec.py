@@ -496,3 +496,17 @@ def test_a_config_json_with_absurd_layer_counts_is_refused_without_looping(tmp_p
     with pytest.raises(SpecError, match="num_layers"):
         load_spec(tmp_path)
     assert time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("field", ["hidden_size", "moe.expert_intermediate_size"])
+def test_4bit_experts_need_sizes_that_their_packing_holds(fmt, field, seed):
+    """FTW packs 4-bit codes 64 columns at a time: another size is refused naming its field, before
+    any weight is read; a multiple of 64 loads."""
+    d = _tiny_dict() | {"expert_format": fmt}
+    ModelSpec.from_dict(d)  # the tiny sizes (256, 128) are multiples of 64
+    size = 64 * random.Random(seed).randrange(1, 8) + 32
+    set_field(d, field, size)
+    expected = rf"'{re.escape(field)}' = {size}: expected a multiple of 64 for expert_format {fmt}"
+    with pytest.raises(SpecError, match=expected):
+        ModelSpec.from_dict(d)

@@ -97,6 +97,11 @@ class ExpertFormat(ABC):
     triton_template: str  # under templates/: the GPU kernels over cache slots
     slot_dtype: torch.dtype  # what the Triton kernels view the slots' bytes as
 
+    @property
+    def size_multiple(self) -> int:
+        """What hidden and expert intermediate sizes must be multiples of (the banks' packing)."""
+        return 1
+
     @abstractmethod
     def banks(self, hidden: int, intermediate: int) -> tuple[BankLayout, ...]:
         """The banks of one expert of these shapes, in their order within an expert's row."""

@@ -90,6 +90,10 @@ class BlockFp4Format(ExpertFormat):
     def extra_banks(self) -> tuple[BankLayout, ...]:
         return ()
 
+    @property
+    def size_multiple(self) -> int:
+        return GROUP
+
     def check_shapes(self, hidden: int, intermediate: int) -> None:
         for what, n in (("hidden", hidden), ("expert intermediate", intermediate)):
             if n % GROUP:
