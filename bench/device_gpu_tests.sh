@@ -11,4 +11,5 @@ if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
 fi
 mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python3 -m pytest -q -p no:cacheprovider -m gpu tests "$@" 2>&1 | tee "$out/pytest_gpu.txt" | tail -40
+# -v: every test's name and outcome as it ends, so a log cut off by the call's time limit still names a failure.
+python3 -m pytest -v -p no:cacheprovider -m gpu tests "$@" 2>&1 | tee "$out/pytest_gpu.txt" | grep -v " PASSED\| SKIPPED" | tail -40
