@@ -64,9 +64,9 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
              "batch_buckets": list(plan.batch_buckets)}]
 
 
-# The grouped GEMM's tiling (rows of tokens, rows of weights, warps, pipeline stages) by expert
-# format, as bench/tune_grouped_gemm.py measured them on an H200 (docs/performance.md).
-GROUPED_TILES = {"bf16": (128, 128, 8, 3), "mxfp4": (128, 128, 8, 3), "nvfp4": (128, 128, 8, 3)}
+# The grouped GEMM's tiling (rows of tokens, rows of weights, warps, pipeline stages): the best for
+# every expert format in bench/tune_grouped_gemm.py's sweep on an H200 (docs/performance.md).
+GROUPED_TILES = (128, 128, 8, 3)
 
 
 def render_triton_kernels(spec: ModelSpec, kernels_dir: Path,
@@ -78,7 +78,7 @@ def render_triton_kernels(spec: ModelSpec, kernels_dir: Path,
     h, i = spec.hidden_size, spec.moe.expert_intermediate_size
     fmt = expert_format(spec.expert_format)
     header = FtwHeader.create(fmt.name, 1, 1, h, i)
-    block_m, block_n, warps, stages = grouped_tiles or GROUPED_TILES[fmt.name]
+    block_m, block_n, warps, stages = grouped_tiles or GROUPED_TILES
     unit = fmt.slot_dtype.itemsize  # offsets and strides in the elements the kernels view the slots as
     kernels_dir.mkdir(parents=True, exist_ok=True)
     path = kernels_dir / Path(TRITON_EXPERT_FILE).name

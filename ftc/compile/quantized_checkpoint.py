@@ -155,34 +155,32 @@ def _dsv4(r: QuantizedExperts, prefix: str, j: int) -> dict[str, QuantizedMatrix
     return out
 
 
-def _modelopt(r: QuantizedExperts, prefix: str, j: int) -> dict[str, QuantizedMatrix]:
-    return _nvfp4(r, prefix, j, "weight", lambda p: r.scalar(p + ".weight_scale_2"), "weight_scale_2")
-
-
 def _ct_tensor_scale(r: QuantizedExperts, p: str) -> float:
     """compressed-tensors' tensor scale: 1 / `weight_global_scale`, in fp32 as the format defines it."""
     inverse = torch.tensor(r.scalar(p + ".weight_global_scale"), dtype=torch.float32)
     return float(torch.tensor(1.0, dtype=torch.float32) / inverse)
 
 
-def _compressed_tensors(r: QuantizedExperts, prefix: str, j: int) -> dict[str, QuantizedMatrix]:
-    return _nvfp4(r, prefix, j, "weight_packed", lambda p: _ct_tensor_scale(r, p), "weight_global_scale (inverted)")
+# An NVFP4 layout → (its codes tensor, the tensor scale of a module p, the tensor that scale comes from).
+NVFP4_LAYOUTS: dict[str, tuple[str, Callable[[QuantizedExperts, str], float], str]] = {
+    "modelopt_nvfp4": ("weight", lambda r, p: r.scalar(p + ".weight_scale_2"), "weight_scale_2"),
+    "compressed_tensors_nvfp4": ("weight_packed", _ct_tensor_scale, "weight_global_scale (inverted)"),
+}
 
 
-def _nvfp4(r: QuantizedExperts, prefix: str, j: int, codes: str, tensor_scale: Callable[[str], float],
-           tensor_scale_name: str) -> dict[str, QuantizedMatrix]:
-    out = {}
-    for proj in ("gate", "up", "down"):
-        n, k = r.shape(proj)
-        p = f"{prefix}{j}.{proj}_proj"
-        out[proj] = QuantizedMatrix(r.tensor(f"{p}.{codes}", (n, k // 2), BYTE_TYPES),
-                                    r.tensor(p + ".weight_scale", (n, k // 16), E4M3_TYPES), tensor_scale(p),
-                                    p + ".weight_scale", f"{p}.{tensor_scale_name}")
-    return out
+def _nvfp4_matrix(r: QuantizedExperts, p: str, rows: int, cols: int) -> QuantizedMatrix:
+    """The NVFP4 linear weight [rows, cols] of module p, as the reader's layout stores it."""
+    codes, tensor_scale, scale_name = NVFP4_LAYOUTS[r.layout]
+    return QuantizedMatrix(r.tensor(f"{p}.{codes}", (rows, cols // 2), BYTE_TYPES),
+                           r.tensor(p + ".weight_scale", (rows, cols // 16), E4M3_TYPES), tensor_scale(r, p),
+                           p + ".weight_scale", f"{p}.{scale_name}")
 
 
-READERS = {"gptoss_mxfp4": _gptoss, "dsv4_mxfp4": _dsv4, "modelopt_nvfp4": _modelopt,
-           "compressed_tensors_nvfp4": _compressed_tensors}
+def _nvfp4(r: QuantizedExperts, prefix: str, j: int) -> dict[str, QuantizedMatrix]:
+    return {proj: _nvfp4_matrix(r, f"{prefix}{j}.{proj}_proj", *r.shape(proj)) for proj in ("gate", "up", "down")}
+
+
+READERS = {"gptoss_mxfp4": _gptoss, "dsv4_mxfp4": _dsv4, "modelopt_nvfp4": _nvfp4, "compressed_tensors_nvfp4": _nvfp4}
 LAYOUT_FORMAT = {"gptoss_mxfp4": "mxfp4", "dsv4_mxfp4": "mxfp4", "modelopt_nvfp4": "nvfp4",
                  "compressed_tensors_nvfp4": "nvfp4"}
 
@@ -231,13 +229,7 @@ class DequantizedDense:
             return self.ckpt.get(name)
         rows, cols = self.shape(name)
         reader = QuantizedExperts(self.ckpt, q[1], cols, rows, 1, f"an NVFP4 linear weight [{rows}, {cols}]")
-        p = name.removesuffix(".weight")
-        codes = "weight_packed" if q[1] == "compressed_tensors_nvfp4" else "weight"
-        scale = (_ct_tensor_scale(reader, p) if q[1] == "compressed_tensors_nvfp4"
-                 else reader.scalar(p + ".weight_scale_2"))
-        m = QuantizedMatrix(reader.tensor(f"{p}.{codes}", (rows, cols // 2), BYTE_TYPES),
-                            reader.tensor(p + ".weight_scale", (rows, cols // 16), E4M3_TYPES), scale,
-                            p + ".weight_scale", f"{p}.weight_scale_2")
+        m = _nvfp4_matrix(reader, name.removesuffix(".weight"), rows, cols)
         try:
             return expert_format("nvfp4").dequantize_matrix(m).to(torch.bfloat16)
         except ValueError as e:

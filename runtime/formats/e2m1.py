@@ -152,19 +152,20 @@ class BlockFp4Format(ExpertFormat):
         """fp32 (gate_up [2I, H], down [H, I]): `E2M1[code] · scale` of each weight."""
         out = []
         for name, (r, c) in expert_shapes(hidden, intermediate).items():
-            codes = ftw_codes(rows[name], r, c)
-            scale = self.block_scales(rows, name, r, c // self.block)
-            values = e2m1_table(codes.device)[codes.long()].view(r, c // self.block, self.block)
-            out.append((values * scale[:, :, None]).view(r, c))
+            out.append(self._scaled(ftw_codes(rows[name], r, c), self.block_scales(rows, name, r, c // self.block)))
         return out[0], out[1]
 
     def dequantize_matrix(self, m: QuantizedMatrix) -> torch.Tensor:
         """fp32 [rows, cols] of a matrix as checkpoints store it: `E2M1[code] · scale · tensor scale`."""
         self.check_scales(m)
-        rows, cols = m.shape
-        values = e2m1_table(m.codes.device)[unpack_pairs(m.codes).long()].view(rows, cols // self.block, self.block)
         scale = self.scale_values(m.scales) * (m.tensor_scale if m.tensor_scale is not None else 1.0)
-        return (values * scale[:, :, None]).view(rows, cols)
+        return self._scaled(unpack_pairs(m.codes), scale)
+
+    def _scaled(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """fp32 [r, c]: `E2M1[code] · scale` of codes [r, c] (one a byte) and block scales [r, c/block]."""
+        r, c = codes.shape
+        values = e2m1_table(codes.device)[codes.long()].view(r, c // self.block, self.block)
+        return (values * scale[:, :, None]).view(r, c)
 
     def block_scales(self, rows: Mapping[str, torch.Tensor], name: str, r: int, blocks: int) -> torch.Tensor:
         """fp32 [r, blocks]: the scale of every block of the bank's matrix."""
