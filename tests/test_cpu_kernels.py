@@ -138,3 +138,24 @@ def test_library_reports_its_isa_and_shapes(setup, tmp_path: Path):
     if other in supported_isas():
         with pytest.raises(Exception, match="built for"):
             CpuExpertKernel(lib, other, spec.hidden_size, spec.moe.expert_intermediate_size, [0])
+
+
+def test_mxfp4_scales_outside_the_folded_range(setup, seed):
+    """e8m0 bytes 0 and 1 (legal, never in a real checkpoint) put a group of 16 blocks on the
+    kernel's unfolded path (the block scale applied in fp32) while the other groups fold theirs
+    into the lookup table: both paths, side by side, against the reference."""
+    isa, spec, pool, _, plan, lib = setup
+    if pool.header.expert_format != "mxfp4":
+        pytest.skip("mxfp4's e8m0 scales only")
+    rng = random.Random(seed)
+    changed = ftw.ExpertPool(pool.header, pool.buffer.clone())
+    for bank in ("gate_up_scales", "down_scales"):
+        scales = changed.bank(bank)
+        for row in range(scales.shape[0]):
+            for _ in range(3):
+                scales[row, rng.randrange(scales.shape[1])] = rng.choice((0, 1))
+    weights = [tuple(w.double() for w in changed.header.dequantize(changed.experts[r]))
+               for r in range(changed.header.num_rows)]
+    for n in (1, 2, 5):
+        _check((isa, spec, changed, weights, plan, lib), rng, _routing(rng, spec.moe.num_experts, n),
+               threads=len(physical_cpus()))
