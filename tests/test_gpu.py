@@ -16,7 +16,7 @@ from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.offload import OffloadedExperts
 from ftc_runtime.formats import FORMATS
 
-from slot_checks import assert_graphs_match, check_slots_hold_their_rows, rel
+from slot_checks import assert_graphs_match, check_slots_hold_their_rows, near_best_share, rel
 
 pytestmark = pytest.mark.gpu
 SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
@@ -62,7 +62,7 @@ def test_gpu_engine_matches_the_cpu_engine(engine_dir, seed):
     a, b = gpu.logits(ids).cpu(), cpu.logits(ids)
     # bf16 dense layers on the GPU against fp32 on the CPU: 4.0e-2 was measured on the device.
     assert float((a - b).norm() / b.norm()) < 8e-2
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    assert near_best_share(a, b) >= 0.95
     assert gpu.vram.total <= torch.cuda.get_device_properties(0).total_memory
 
 
@@ -120,7 +120,7 @@ def test_gpu_prefill_streaming_matches_the_cpu_engine(engine_dir, overlap, seed)
     a, b = gpu.logits(ids).cpu(), cpu.logits(ids)
     assert gpu.model.experts.stats.stream_layers > 0
     assert float((a - b).norm() / b.norm()) < 8e-2
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    assert near_best_share(a, b) >= 0.95
 
 
 def test_grouped_expert_kernel_matches_the_torch_path(engine_dir, seed):
@@ -213,7 +213,7 @@ def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path, quant, seed):
     # near tie in the router) is 0.13-0.30 off on its own, so a window of 10 tokens can be 0.12 off
     # (0.011-0.122 over tokens 60-70): the decode steps below are held to the prompt path instead
     assert rel(a, b) < 8e-2
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    assert near_best_share(a, b) >= 0.95
     cache = gpu.model.new_cache()
     gpu.prefill(torch.tensor(ids[:60]), cache)
     checkpoint = cache.take()
