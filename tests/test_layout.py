@@ -133,3 +133,14 @@ def test_a_qwen3_moe_engine_imports_no_other_family(engine_dir):
     loaded = ast.literal_eval(out.strip().splitlines()[-1])
     assert [m for m in loaded if not m.startswith("ftc_runtime")] == []
     assert [m for m in loaded if "qwen3_next" in m or "gated_deltanet" in m] == []
+
+
+def test_a_cpu_engine_starts_without_dynamo_or_triton(engine_dir):
+    """torch._dynamo alone takes seconds to import: loading and running an engine on the CPU (a
+    prompt after cached tokens included) imports neither it nor Triton."""
+    probe = ("import sys; from ftc_runtime import Engine; "
+             f"e = Engine.load({str(engine_dir)!r}); c = e.model.new_cache(); "
+             "e.prefill(__import__('torch').tensor([1, 2, 3]), c); e.prefill(__import__('torch').tensor([4, 5]), c); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton' or m.startswith('torch._dynamo')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert ast.literal_eval(out.strip().splitlines()[-1]) == []

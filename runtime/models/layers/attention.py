@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ftc_runtime.cache.kv import KVCache
 from ftc_runtime.models.layers.norm import rms_norm
@@ -65,11 +64,20 @@ def cached_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
         valid = torch.arange(stored_k.shape[0], device=q.device) < keys.shape[0]
         return decode_attention(q, stored_k, stored_v, valid, heads)
     q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-    # Queries after cached tokens need the lower-right causal mask (is_causal means top-left); the
-    # library bias keeps the flash kernel on CUDA, where a boolean mask would fall back to the
-    # math kernel and materialize [heads, T, S] scores.
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(t, keys.shape[2]),
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=lower_right_causal(t, keys.shape[2], q.device),
                                          enable_gqa=n_q != n_kv)
     return out[0].transpose(0, 1).reshape(t, -1)
+
+
+def lower_right_causal(t: int, s: int, device: torch.device) -> torch.Tensor | object:
+    """The mask of t queries that follow s - t cached tokens: query i sees keys 0 .. i + s - t
+    (`is_causal` would mean top-left). On CUDA torch's bias object, which keeps the flash kernel
+    (a boolean mask falls back to the math kernel and materializes [heads, t, s] scores); its
+    module imports torch._dynamo, seconds a CPU engine's start does not need, so only there."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(t, s)
+    return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)
 
 
