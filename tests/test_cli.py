@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 from rich.progress import Progress
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from ftc.cli.main import app
@@ -186,6 +187,9 @@ def test_bench_experts_prints_positive_throughputs(engine):
     assert result["engine"] == "qwen3-moe-tiny"
     for key in ("kernel_gbps", "torch_bf16_gbps", "torch_read_gbps"):
         assert result[key] > 0, key
+    # a pool the L3 mostly holds is named as such, on stdout and on stderr
+    cached = 0 < result["l3_bytes"] and result["pool_bytes"] <= 4 * result["l3_bytes"]
+    assert ("note" in result) == cached == ("not memory bandwidth" in r.stderr), (result, r.stderr)
 
 
 def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path):
@@ -268,6 +272,10 @@ def error_cases(engine: Path, tmp_path: Path) -> dict[str, tuple[list, list[str]
     """Per case: the arguments, and what the error message must say."""
     spec, named = bad_spec(tmp_path)
     big = random.randint(VOCAB, 10**6)
+    gguf = tmp_path / "model.bin"  # found by its magic bytes, whatever its name
+    gguf.write_bytes(b"GGUF" + random.randbytes(64))
+    weights = tmp_path / "model.safetensors"
+    save_file({"w": torch.randn(4, 4)}, str(weights))
     return {
         "missing_spec": (["compile", tmp_path / "nope.yaml", "--random-weights", "-o", tmp_path / "o"],
                          ["no such spec file"]),
@@ -280,12 +288,15 @@ def error_cases(engine: Path, tmp_path: Path) -> dict[str, tuple[list, list[str]
         "id_too_large": (["run", engine, "--prompt-ids", f"1,{big}"], [f"token id {big}", f"[0, {VOCAB})"]),
         "bench_spec_needs_random_weights": (["bench", "decode", TINY, "--device", "cpu"], ["--random-weights"]),
         "bench_load_of_a_spec": (["bench", "load", TINY, "--device", "cpu"], ["compiled engine directory"]),
+        "gguf_file": (["compile", gguf, "-o", tmp_path / "o"], [f"{gguf}: a GGUF file", "Hugging Face checkpoint"]),
+        "bare_safetensors": (["compile", weights, "-o", tmp_path / "o"],
+                             [f"{weights}: a safetensors file", "checkpoint folder"]),
     }
 
 
 @pytest.mark.parametrize("case", ["missing_spec", "bad_field", "bad_target", "not_an_engine", "both_prompts",
                                   "bad_ids", "id_too_large", "bench_spec_needs_random_weights",
-                                  "bench_load_of_a_spec"])
+                                  "bench_load_of_a_spec", "gguf_file", "bare_safetensors"])
 def test_error_paths_exit_1_with_an_error_line(case, engine, tmp_path):
     args, says = error_cases(engine, tmp_path)[case]
     r = ftc(*args)
@@ -296,6 +307,13 @@ def test_error_paths_exit_1_with_an_error_line(case, engine, tmp_path):
     for text in says:
         assert text in flat, r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_version_is_printed():
+    from ftc import __version__
+
+    r = ftc("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"ftc {__version__}", r
 
 
 def test_long_error_message_stays_on_one_line(tmp_path):

@@ -22,6 +22,7 @@ from ftc.cli.options import (
     SlotsArg,
     VramBudgetArg,
     engine_in_memory,
+    err,
     number_in,
     offload_config,
     output_file,
@@ -104,8 +105,10 @@ def experts(
     from ftc.bench.experts import bench_experts
 
     with failing_on_user_errors(), _engine(engine, random_weights, seed, target, override) as (path, pool):
-        text = _report(bench_experts(path, tokens, threads, seconds, pool=pool), output)
-    print(text)
+        result = bench_experts(path, tokens, threads, seconds, pool=pool)
+    print(_report(result, output))
+    if "note" in result:
+        err.print(f"note: {result['note']}", markup=False, soft_wrap=True)
 
 
 @bench_app.command()

@@ -49,6 +49,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="ftc, the FreeToken compiler: MoE models compiled into engines for one machine.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from ftc import __version__
+
+        print(f"ftc {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                help="Print ftc's version and exit.")] = False) -> None:
+    """ftc, the FreeToken compiler: MoE models compiled into engines for one machine."""
+
+
 @app.command()
 def compile(
     source: Annotated[Path, typer.Argument(help="Model spec YAML, or an HF checkpoint directory.")],

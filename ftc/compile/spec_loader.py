@@ -29,6 +29,7 @@ def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None)
         data, origin, checkpoint = spec_dict_from_hf(config, source), str(cfg_path), source
         data["expert_format"] = _checkpoint_format(source, config, quant)
     elif source.is_file():
+        _refuse_weights_file(source)
         try:
             data = yaml.safe_load(source.read_text())
         except yaml.YAMLError as e:
@@ -44,6 +45,17 @@ def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None)
     for item in overrides:
         _apply_override(data, item, origin)
     return checked_spec(data, source=origin), checkpoint
+
+
+def _refuse_weights_file(source: Path) -> None:
+    """A file of weights given where a spec or a checkpoint folder is expected."""
+    with source.open("rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF" or source.suffix.lower() == ".gguf":
+        raise SpecError(f"{source}: a GGUF file; ftc compiles a Hugging Face checkpoint (a folder with config.json "
+                        "and *.safetensors) or a spec YAML: give the checkpoint the GGUF was made from")
+    if source.suffix.lower() == ".safetensors":
+        raise SpecError(f"{source}: a safetensors file; give the checkpoint folder that holds it and its config.json")
 
 
 def _checkpoint_format(directory: Path, config: dict[str, Any], quant: str | None) -> str:
