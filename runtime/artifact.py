@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import stat
 import struct
@@ -45,6 +44,13 @@ MANIFEST_MAX_BYTES = 16 << 20
 MAX_NAME = 4096  # characters of a file name in `files` (Linux's PATH_MAX)
 MAX_SYMLINKS = 40  # as Linux's own limit on symlinks followed in one path (ELOOP)
 _TARGET_RATES = ("b_p", "b_h", "b_p_concurrent", "b_h_concurrent")
+# GB/s a measured link or CPU kernel can plausibly have: nothing this runs on is slower than the
+# low end, nothing faster than the high one (HBM); a figure outside is a unit slip (MB/s, TB/s).
+PLAUSIBLE_GBPS = (0.5, 10_000.0)
+
+
+def plausible_gbps(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and PLAUSIBLE_GBPS[0] <= v <= PLAUSIBLE_GBPS[1]
 
 
 class ArtifactError(ValueError):
@@ -203,8 +209,8 @@ def _check_target(target: Any, path: Path) -> None:
     _expect(isinstance(target.get("name"), str), path, "target.name", target.get("name"), "a string")
     for key in _TARGET_RATES:
         v = target.get(key)
-        ok = v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf)
-        _expect(ok, path, f"target.{key}", v, "null or a positive number of GB/s")
+        _expect(v is None or plausible_gbps(v), path, f"target.{key}", v,
+                f"null or a number of GB/s in [{PLAUSIBLE_GBPS[0]}, {PLAUSIBLE_GBPS[1]:g}]")
 
 
 def _check_kernel_check(checks: Any, path: Path) -> None:

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 import yaml
 
+from ftc_runtime.artifact import PLAUSIBLE_GBPS, plausible_gbps
 from ftc_runtime.cpu_info import gpu_engine_worker_cpus, physical_cpus
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.experts.throughput import expert_kernel_gbps, l3_bytes, torch_read_gbps
 from ftc_runtime.io.ftw import ExpertPool
-from ftc_runtime.spec import ModelSpec
+from ftc_runtime.spec import ModelSpec, short_repr
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,15 @@ class HardwareProfile:
     @classmethod
     def from_yaml(cls, path: Path) -> HardwareProfile:
         try:
-            return cls(**yaml.safe_load(path.read_text()))
+            prof = cls(**yaml.safe_load(path.read_text()))
         except (OSError, yaml.YAMLError, TypeError) as e:
             raise ValueError(f"{path}: not a hardware profile ({e})") from None
+        for name in ("host_read_gbps", "b_h", "b_p", "b_h_during_copy", "b_p_during_cpu"):
+            v = getattr(prof, name)
+            if (v is not None or name in ("host_read_gbps", "b_h")) and not plausible_gbps(v):
+                raise ValueError(f"{path}: field '{name}' = {short_repr(v)}: expected GB/s in "
+                                 f"[{PLAUSIBLE_GBPS[0]}, {PLAUSIBLE_GBPS[1]:g}]")
+        return prof
 
 
 def pinned_copy_gbps(device: torch.device, nbytes: int, seconds: float = 0.5, stop: threading.Event | None = None

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc.compile.targets import TargetError, resolve_target
@@ -37,6 +39,13 @@ def test_profile_yaml_becomes_a_target(engine_dir, tmp_path):
     (tmp_path / "bad.yaml").write_text("isa: avx2\nunknown_field: 3\n")
     with pytest.raises(TargetError, match="bad.yaml"):
         resolve_target(str(tmp_path / "bad.yaml"))
+    # a rate in the wrong unit (MB/s or TB/s read as GB/s) is refused, naming the field
+    field = random.choice(["b_h", "host_read_gbps"])
+    wrong = random.choice([prof.b_h / 1000, prof.b_h * 1e5])
+    text = (tmp_path / "hw.yaml").read_text()
+    (tmp_path / "slip.yaml").write_text(yaml.safe_dump(yaml.safe_load(text) | {field: wrong}))
+    with pytest.raises(TargetError, match=f"slip.yaml: field '{field}'"):
+        resolve_target(str(tmp_path / "slip.yaml"))
 
 
 def test_reprofile_records_the_profile_in_the_engine(engine_dir):
