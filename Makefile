@@ -28,7 +28,7 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 demo: $(VENV)/.installed
 	$(VENV)/bin/ftc compile model_specs/qwen3-moe-tiny.yaml --target auto --random-weights --force
 	$(VENV)/bin/ftc inspect build/qwen3-moe-tiny
-	$(VENV)/bin/ftc run build/qwen3-moe-tiny --prompt "The quick brown fox" --max-new-tokens 32 --ignore-eos
+	$(VENV)/bin/ftc run build/qwen3-moe-tiny --prompt "Hello!" --max-new-tokens 32
 
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/python -m pytest -q

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import pty
 import random
+import select
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+from unittest.mock import patch
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -23,9 +29,13 @@ from ftc.cli.options import server_config
 from ftc.compile.pipeline import _write_dense
 from ftc.compile.spec_loader import load_spec
 from ftc.compile.weights import RandomWeights
-from ftc_runtime import Engine, SamplingParams
+from ftc_runtime import Engine, Generation, SamplingParams
 from ftc_runtime.artifact import file_sha256
+from ftc_runtime.chat.session import ChatSession
 from ftc_runtime.chat.tokenizer import StreamDecoder
+from ftc_runtime.serve.app import default_prefix_cache_bytes
+
+from live_server import serving
 
 FTC = Path(sys.executable).parent / "ftc"
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +43,10 @@ TINY = ROOT / "model_specs" / "qwen3-moe-tiny.yaml"
 VOCAB = 512
 
 
-def ftc(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([str(FTC), *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+def ftc(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """The CLI with `stdin` as its input (none: an empty one, never the test runner's terminal)."""
+    return subprocess.run([str(FTC), *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          input=stdin if stdin is not None else "")
 
 
 def check_ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -156,14 +168,115 @@ def test_run_json_greedy_matches_the_engine_in_process(engine, loaded):
     assert {"load_s", "prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s"} <= set(out["timings"])
 
 
-def test_run_prompt_streams_the_decoded_text(engine, loaded):
-    r = ok("run", engine, "--prompt", "hello world", "--max-new-tokens", 4, "--ignore-eos")
+def test_run_raw_prompt_streams_the_decoded_text(engine, loaded):
+    r = ok("run", engine, "--raw", "--prompt", "hello world", "--max-new-tokens", 4, "--ignore-eos")
     ids = loaded.tokenizer.encode("hello world")
     decoder = StreamDecoder(loaded.tokenizer)
     expected = "".join(decoder.push(t) for t in loaded.generate(ids, 4, stop_at_eos=False))
     # Engine.load's transient progress bar leaves a blank line on stdout when it is not a terminal.
     assert r.stdout.lstrip("\n") == expected + "\n"
     assert f"{len(ids)} prompt tokens, 4 generated" in r.stderr
+
+
+def chat_text() -> str:
+    return " ".join(random.choice(["hello", "what", "is", "the", "tool", "run", "a", "fox", "?"])
+                    for _ in range(random.randint(1, 8)))
+
+
+def test_chat_turn_equals_the_servers_answer(engine, loaded):
+    """`ftc run --prompt` is one chat turn: the template's prompt, the answer the API gives."""
+    text, n = chat_text(), random.randint(4, 16)
+    out = parse_json(ftc("run", engine, "--prompt", text, "--max-new-tokens", n, "--json"))
+    ids = loaded.chat_template.render_ids(loaded.tokenizer, [{"role": "user", "content": text}])
+    assert out["prompt_tokens"] == len(ids)
+    assert out["tokens"] == list(loaded.generate(ids, n, SamplingParams(0.0)))
+    with serving(loaded) as base:
+        r = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": loaded.spec.name, "messages": [{"role": "user", "content": text}], "max_tokens": n,
+            "temperature": 0})
+    message = r.json()["choices"][0]["message"]
+    assert out["text"] == (message["content"] or "")
+    assert out["reasoning"] == message.get("reasoning_content")
+
+
+def test_chat_prompt_from_stdin_or_a_file_is_the_same_turn(engine, tmp_path):
+    text, n = chat_text(), random.randint(2, 8)
+    (tmp_path / "prompt.txt").write_text(text)
+    common = ["--max-new-tokens", n, "--json", "--ignore-eos"]
+    outs = [parse_json(r) for r in (ftc("run", engine, "--prompt", text, *common),
+                                    ftc("run", engine, *common, stdin=text),
+                                    ftc("run", engine, "--prompt-file", tmp_path / "prompt.txt", *common))]
+    for out in outs:
+        del out["timings"]
+    assert outs[0] == outs[1] == outs[2]
+    assert len(outs[0]["tokens"]) == n  # --ignore-eos: the answer runs past its end of turn
+
+
+def test_chat_answer_shows_no_control_token_and_splits_reasoning(loaded):
+    """A scripted answer: control tokens (<|im_start|> ...) anywhere in it never reach the text;
+    <think>...</think> (special tokens of this tokenizer too) comes out as reasoning, the rest as
+    the answer."""
+    tok = loaded.tokenizer
+    reasoning, answer = chat_text(), chat_text()
+    ids = tok.encode(f"<think>{reasoning}</think>{answer}")
+    control = [i for t, i in tok.special_tokens.items() if t.startswith("<|")]
+    for _ in range(random.randint(1, 5)):
+        ids.insert(random.randrange(len(ids) + 1), random.choice(control))
+    session = ChatSession(loaded)
+    with patch.object(loaded, "generate", lambda *a, **k: Generation(iter(ids))):
+        parts = list(session.reply("hi", 100))
+    text = {kind: "".join(p for k, p in parts if k == kind) for kind in ("reasoning", "content")}
+    assert text == {"reasoning": reasoning, "content": answer}
+    assert session.messages[-1] == {"role": "assistant", "content": answer}
+
+
+def test_conversation_at_a_terminal(engine):
+    """stdin a terminal: turns read at a prompt, each answered with the conversation so far (as
+    an in-process session with the same prefix cache answers them), /clear, /exit."""
+    turns, n = [chat_text(), chat_text()], random.randint(3, 8)
+    reference = Engine.load(engine)
+    kv = default_prefix_cache_bytes(reference)
+    reference.enable_prefix_cache(kv, kv)
+    session = ChatSession(reference)
+    answers = ["".join(p for k, p in session.reply(t, n) if k == "content") for t in turns]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([str(FTC), "run", str(engine), "--max-new-tokens", str(n)], stdin=slave, stdout=slave,
+                            stderr=slave, cwd=ROOT, env=os.environ | {"TERM": "dumb"})
+    os.close(slave)
+    try:
+        screen = read_until(master, ">>> ")
+        assert "random weights" in screen and "/exit" in screen
+        for turn, answer in zip(turns, answers, strict=True):
+            os.write(master, turn.encode() + b"\n")
+            screen = read_until(master, ">>> ")
+            assert answer.replace("\r", "") in screen.replace("\r", ""), (answer, screen)
+        os.write(master, b"/clear\n")
+        assert "cleared" in read_until(master, ">>> ")
+        os.write(master, b"/exit\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+
+
+def read_until(fd: int, marker: str, timeout: float = 120.0) -> str:
+    """What the terminal shows until `marker` appears (its last occurrence ends the read)."""
+    out, deadline = b"", time.time() + timeout
+    while marker.encode() not in out:
+        assert time.time() < deadline, f"no {marker!r} on the terminal: {out[-2000:]!r}"
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if ready:
+            out += os.read(fd, 65536)
+    return out.decode("utf-8", "replace")
+
+
+def test_run_prompt_errors_before_the_engine_loads(engine, tmp_path):
+    for args, says in [(["--prompt", "a", "--prompt-file", tmp_path / "x"], "--prompt and --prompt-file"),
+                       (["--raw", "--system", "be brief", "--prompt", "a"], "--system"),
+                       (["--raw"], "stdin is empty"),
+                       (["--prompt-file", tmp_path / "missing.txt"], "missing.txt")]:
+        r = ftc("run", engine, *args)
+        assert r.returncode == 1 and r.stderr.startswith("error: ") and says in r.stderr, (args, r.stderr)
 
 
 def test_sampling_is_reproducible_by_seed_and_varies_across_seeds(engine, loaded):
@@ -283,7 +396,7 @@ def error_cases(engine: Path, tmp_path: Path) -> dict[str, tuple[list, list[str]
         "bad_target": (["compile", TINY, "--random-weights", "--target", "bogus", "-o", tmp_path / "o"],
                        ["'bogus'", "unknown"]),
         "not_an_engine": (["run", tmp_path, "--prompt-ids", "1"], ["not an ftc engine", "engine.json"]),
-        "both_prompts": (["run", engine, "--prompt", "hi", "--prompt-ids", "1,2"], ["exactly one of --prompt"]),
+        "both_prompts": (["run", engine, "--prompt", "hi", "--prompt-ids", "1,2"], ["give one prompt"]),
         "bad_ids": (["run", engine, "--prompt-ids", "a,b"], ["--prompt-ids 'a,b'", "integers"]),
         "id_too_large": (["run", engine, "--prompt-ids", f"1,{big}"], [f"token id {big}", f"[0, {VOCAB})"]),
         "bench_spec_needs_random_weights": (["bench", "decode", TINY, "--device", "cpu"], ["--random-weights"]),

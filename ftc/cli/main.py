@@ -41,6 +41,7 @@ from ftc.cli.options import (
     output_file,
     prompt_ids_for,
     reprofile_engine,
+    run_prompt,
     server_config,
     size,
 )
@@ -110,13 +111,18 @@ def inspect(
 
 
 @app.command()
-# Longer than 50 lines only by its signature: the 30 options are typer's parameters, one per line.
 def run(
     ctx: typer.Context,
     engine: Annotated[Path, typer.Argument(help="Engine directory.")],
-    prompt: Annotated[str | None, typer.Option(help="Prompt text.")] = None,
-    prompt_ids: Annotated[str | None, typer.Option(help="Prompt as token ids: 1,2,3.")] = None,
-    max_new_tokens: Annotated[int, typer.Option(min=0, help="Tokens to generate at most (0: none).")] = 64,
+    prompt: Annotated[str | None, typer.Option(help="One chat turn with this text (without a prompt: a "
+                                               "conversation at a terminal, or stdin's text).")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="The prompt's text from this file.")] = None,
+    prompt_ids: Annotated[str | None, typer.Option(help="A raw prompt as token ids: 1,2,3.")] = None,
+    system: Annotated[str | None, typer.Option(help="The chat's system prompt.")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Continue the prompt's text as it is: no chat "
+                                      "template.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(min=0, help="Tokens to generate at most per answer "
+                                                "(0: none).")] = 1024,
     temperature: Annotated[float, typer.Option(parser=number_in(0), help="0 is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(parser=number_in(0, 1, low_open=True), help="Nucleus sampling mass, in "
                                          "(0, 1].")] = 1.0,
@@ -146,8 +152,9 @@ def run(
     max_tokens: MaxTokensArg = 8192,
     prefix_cache: PrefixCacheArg = "auto",
 ) -> None:
-    """Generate from a prompt, streaming the text (or one JSON object with --json); or, with
-    --serve, answer the OpenAI and Anthropic APIs over HTTP."""
+    """Chat with an engine: one turn (--prompt, --prompt-file, or stdin's text), or a conversation
+    when stdin is a terminal; --raw or --prompt-ids continue a prompt as it is. With --serve, answer
+    the OpenAI and Anthropic APIs over HTTP."""
     from ftc_runtime import SamplingParams
 
     try:
@@ -156,30 +163,66 @@ def run(
         if serve:
             config = server_config(host, api_key, api_keys_file, allowed_hosts, max_body_bytes=max_body_bytes,
                                    max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_tokens)
-        elif (prompt is None) == (prompt_ids is None):
-            raise ValueError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-        given_ids = prompt_ids_for(prompt_ids, engine) if prompt_ids is not None else None
+        else:
+            text, given_ids = run_prompt(engine, prompt, prompt_file, prompt_ids, raw, system, as_json)
     except user_errors() as e:
         fail(e)
     if serve:
         _serve(engine, offload, prefill_chunk, host, port, config, prefix_cache)
         return
-    _generate(engine, offload, prefill_chunk, reprofile, given_ids, prompt, max_new_tokens,
-              SamplingParams(temperature, top_p, seed), not ignore_eos, as_json)
+    sampling = SamplingParams(temperature, top_p, seed)
+    if raw or given_ids is not None:
+        _generate(engine, offload, prefill_chunk, reprofile, given_ids, text, max_new_tokens, sampling,
+                  not ignore_eos, as_json)
+    else:
+        _chat(engine, offload, prefill_chunk, reprofile, text, system, max_new_tokens, sampling, not ignore_eos,
+              as_json)
+
+
+def _load(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, quiet: bool):
+    """The engine for `ftc run` (and its load time), reprofiled if asked."""
+    from ftc_runtime import Engine
+
+    t0 = time.perf_counter()
+    eng = Engine.load(engine, show_progress=not quiet, offload=offload, prefill_chunk=prefill_chunk)
+    load_s = time.perf_counter() - t0
+    if reprofile:
+        reprofile_engine(engine, eng, offload)
+    return eng, load_s
+
+
+def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, text: str | None, system: str | None,
+          max_new_tokens: int, sampling, stop_at_eos: bool, as_json: bool) -> None:
+    """One chat turn (`text`), or a conversation at the terminal (`text` None)."""
+    from ftc.cli.chat import note_random_weights, print_json, print_turn, repl, turn_json
+    from ftc_runtime.chat.session import ChatSession
+    from ftc_runtime.serve.app import default_prefix_cache_bytes
+
+    try:
+        eng, load_s = _load(engine, offload, prefill_chunk, reprofile, as_json)
+        session = ChatSession(eng, system, stop_at_eos)
+        if not as_json:
+            note_random_weights(eng)
+        if as_json:
+            print_json(turn_json(session, text, max_new_tokens, sampling, load_s))
+        elif text is not None:
+            print_turn(session, text, max_new_tokens, sampling)
+        else:  # each turn resumes from the cached conversation, not from its first token
+            kv_bytes = default_prefix_cache_bytes(eng)
+            if kv_bytes:
+                eng.enable_prefix_cache(kv_bytes, kv_bytes)
+            repl(eng, session, max_new_tokens, sampling)
+    except user_errors() as e:
+        fail(e)
 
 
 def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, given_ids: list[int] | None,
               prompt: str | None, max_new_tokens: int, sampling, stop_at_eos: bool, as_json: bool) -> None:
     """Loads the engine and generates, streaming the text (or printing one JSON object at the end)."""
-    from ftc_runtime import Engine
     from ftc_runtime.chat.tokenizer import StreamDecoder
 
     try:
-        t0 = time.perf_counter()
-        eng = Engine.load(engine, show_progress=not as_json, offload=offload, prefill_chunk=prefill_chunk)
-        load_s = time.perf_counter() - t0
-        if reprofile:
-            reprofile_engine(engine, eng, offload)
+        eng, load_s = _load(engine, offload, prefill_chunk, reprofile, as_json)
         ids = given_ids if given_ids is not None else eng.tokenizer.encode(prompt)
         gen = eng.generate(ids, max_new_tokens, sampling, stop_at_eos)
         decoder = StreamDecoder(eng.tokenizer)
@@ -205,7 +248,7 @@ def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool,
         if tokens:  # --max-new-tokens 0 prints nothing, not an empty line
             sys.stdout.write("\n")
         err.print(f"[dim]{len(ids)} prompt tokens, {len(tokens)} generated; prefill {s.prefill_tok_s:.1f} tok/s, "
-                  f"decode {s.decode_tok_s:.2f} tok/s[/]")
+                  f"decode {s.decode_tok_s:.2f} tok/s[/]", soft_wrap=True)
 
 
 def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: int, config: dict,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -141,8 +142,8 @@ def offload_config(device: str | None, vram_budget: int | None, slots: int | Non
 # `ftc run` options of one mode only: given in the other, they would be silently ignored.
 SERVE_ONLY = ("host", "port", "api_key", "api_keys_file", "allowed_hosts", "max_batch", "max_prompt_tokens",
               "max_tokens", "max_body_bytes", "prefix_cache")
-GENERATE_ONLY = ("prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "as_json",
-                 "reprofile")
+GENERATE_ONLY = ("prompt", "prompt_file", "prompt_ids", "system", "raw", "max_new_tokens", "temperature", "top_p",
+                 "seed", "ignore_eos", "as_json", "reprofile")
 
 
 def check_run_mode(ctx: typer.Context, serve: bool) -> None:
@@ -201,6 +202,42 @@ def parse_ids(text: str, option: str = "--prompt-ids", low: int = 0) -> list[int
     if not ids or min(ids) < low:
         raise ValueError(f"{option} {text!r}: expected comma-separated integers >= {low}, e.g. 1,2,3")
     return ids
+
+
+def run_prompt(engine_dir: Path, prompt: str | None, prompt_file: Path | None, prompt_ids: str | None, raw: bool,
+               system: str | None, as_json: bool) -> tuple[str | None, list[int] | None]:
+    """`ftc run`'s prompt, checked before the engine loads: (text, None), (None, ids), or
+    (None, None): a conversation at the terminal."""
+    given = [name for name, v in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"give one prompt: {' and '.join(given)} were both given")
+    if system is not None and (raw or prompt_ids is not None):
+        raise ValueError("--system is the chat's: it does not go with --raw or --prompt-ids")
+    if prompt_ids is not None:
+        return None, prompt_ids_for(prompt_ids, engine_dir)
+    if prompt_file is not None:
+        return _read_prompt(prompt_file), None
+    if prompt is not None:
+        return prompt, None
+    if not sys.stdin.isatty():
+        text = sys.stdin.read()
+        if not text.strip():
+            raise ValueError("stdin is empty: give the prompt there, or --prompt TEXT")
+        return text, None
+    if raw or as_json:
+        raise ValueError(f"{'--raw' if raw else '--json'} needs a prompt: --prompt TEXT, --prompt-file PATH or "
+                         "text on stdin")
+    return None, None
+
+
+def _read_prompt(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--prompt-file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def prompt_ids_for(text: str, engine_dir: Path) -> list[int]:

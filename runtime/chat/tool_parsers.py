@@ -214,6 +214,14 @@ def tool_parser(name: str) -> ToolParser:
         raise ValueError(f"tool parser {name!r}: known parsers are {', '.join(TOOL_PARSERS)}") from None
 
 
+def hidden_token_ids(special_tokens: dict[str, int], parser: ToolParser) -> frozenset[int]:
+    """The control tokens an answer's text never shows (<|im_start|>, <|im_end|>, ...): every
+    special token but the tags that the reasoning split and the tool-call parser read (a
+    tokenizer may mark those special too)."""
+    read = {"<think>", "</think>", parser.open_tag, parser.close_tag}
+    return frozenset(i for text, i in special_tokens.items() if text not in read)
+
+
 def parse_output(text: str, parser: ToolParser, tools: list[dict[str, Any]] | None = None) -> AssistantOutput:
     """The assistant message for the model's generated `text` (without its end-of-turn token);
     tool calls only where `tools` offers some."""

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 
 from ftc_runtime.chat.tokenizer import StreamDecoder
-from ftc_runtime.chat.tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser
+from ftc_runtime.chat.tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser, hidden_token_ids, tool_parser
 from ftc_runtime.engine import Engine
 from ftc_runtime.sampling import SamplingParams
 from ftc_runtime.serve.scheduler import Request as EngineRequest
@@ -82,6 +82,7 @@ class TokenStream:
 
     async def deltas(self) -> AsyncIterator[str]:
         decoder, eos = StreamDecoder(self.engine.tokenizer), self.request.stop_ids
+        hidden = hidden_token_ids(self.engine.tokenizer.special_tokens, tool_parser(self.engine.tool_parser))
         engine_done = False
         try:
             if self.opening:
@@ -94,7 +95,7 @@ class TokenStream:
                     delta = decoder.flush()
                 else:
                     self.completion_tokens += 1
-                    if token in eos:
+                    if token in eos or token in hidden:
                         continue
                     delta = decoder.push(token)
                 text = self.stops.feed(delta)

@@ -1,0 +1,61 @@
+"""A conversation with an engine, turn by turn, as `ftc run` holds it: the chat template renders
+the history, the answer streams as ("reasoning", text) and ("content", text) parts with no control
+token in them (`hidden_token_ids`), and then joins the history."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from ftc_runtime.chat.tokenizer import StreamDecoder
+from ftc_runtime.chat.tool_parsers import ReasoningSplitter, hidden_token_ids, tool_parser
+from ftc_runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ftc_runtime.engine import Engine, Generation
+
+
+class ChatSession:
+    def __init__(self, engine: Engine, system: str | None = None, stop_at_eos: bool = True):
+        if engine.chat_template is None:
+            raise ValueError(f"{engine.manifest.root}: the engine has no chat template (compile it again, or "
+                             "give --raw for a plain completion)")
+        self.engine = engine
+        self.system, self.stop_at_eos = system, stop_at_eos
+        self.messages: list[dict[str, str]] = []
+        self.generation: Generation | None = None  # the last turn's: its stats
+        self.tokens: list[int] = []  # the last turn's answer, control tokens included
+        self.prompt_tokens = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the conversation (the system prompt stays)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reply(self, text: str, max_new_tokens: int, sampling: SamplingParams | None = None
+              ) -> Iterator[tuple[str, str]]:
+        """The answer to the user's `text`, in parts as it streams. Leaving the iteration early (an
+        interrupted turn) keeps what was said so far in the history."""
+        self.messages.append({"role": "user", "content": text})
+        tokenizer = self.engine.tokenizer
+        ids = self.engine.chat_template.render_ids(tokenizer, self.messages)
+        self.prompt_tokens = len(ids)
+        self.generation = self.engine.generate(ids, max_new_tokens, sampling, self.stop_at_eos)
+        self.tokens = []
+        hidden = hidden_token_ids(tokenizer.special_tokens, tool_parser(self.engine.tool_parser))
+        decoder, splitter, content = StreamDecoder(tokenizer), ReasoningSplitter(), []
+        try:
+            for token in self.generation:
+                self.tokens.append(token)
+                if token not in hidden:
+                    yield from self._kept(splitter.feed(decoder.push(token)), content)
+            yield from self._kept(splitter.feed(decoder.flush()) + splitter.flush(), content)
+        finally:
+            self.messages.append({"role": "assistant", "content": "".join(content)})
+
+    @staticmethod
+    def _kept(parts: list[tuple[str, str]], content: list[str]) -> Iterator[tuple[str, str]]:
+        for kind, piece in parts:
+            if kind == "content":
+                content.append(piece)
+            yield kind, piece
