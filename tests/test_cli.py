@@ -10,6 +10,7 @@ import pty
 import random
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -33,9 +34,10 @@ from ftc_runtime import Engine, Generation, SamplingParams
 from ftc_runtime.artifact import file_sha256
 from ftc_runtime.chat.session import ChatSession
 from ftc_runtime.chat.tokenizer import StreamDecoder
+from ftc_runtime.cpu_info import supported_isas
 from ftc_runtime.serve.app import default_prefix_cache_bytes
 
-from live_server import serving
+from live_server import free_port, serving
 
 FTC = Path(sys.executable).parent / "ftc"
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +108,10 @@ def test_compile_writes_an_engine_and_reports_progress_on_stderr(compiled):
     assert "dense weights" in r.stderr and "experts → FTW" in r.stderr and "kernel check" in r.stderr
     assert "engine ready" in r.stderr
     assert r.stdout == ""
+    # --target auto (the default) takes this CPU's ISA, not its core count: a 2-core build runs
+    # every core of a 16-core machine
+    plan = json.loads((engine / "engine.json").read_text())["plan"]
+    assert plan["cpu_threads"] is None and plan["isa"] in supported_isas()
 
 
 @pytest.mark.parametrize("verify", [False, True])
@@ -546,25 +552,49 @@ def test_allowed_hosts_default_by_bind_address(bind, hosts, expected):
 
 
 def test_serve_wires_its_options_into_the_server(engine, monkeypatch):
-    """`ftc run --serve` up to the point where it would listen: the server gets the options, the
-    engine the prefix cache, and the start line says its size."""
+    """`ftc run --serve` up to the point where it would listen: the port is bound, the server gets
+    the options, the engine the prefix cache, and the start line says its size."""
     started = {}
-    monkeypatch.setattr("ftc_runtime.serve.app.run_server", lambda app, host, port: started.update(
-        app=app, host=host, port=port))
-    args = ["run", engine, "--serve", "--host", "::1", "--port", "8123", "--api-key", "k", "--prefix-cache", "3MiB",
+    monkeypatch.setattr("ftc_runtime.serve.app.run_server", lambda app, sock: started.update(
+        app=app, address=sock.getsockname()[:2]) or sock.close())
+    host = "::1" if loopback_v6() else "127.0.0.1"
+    port = free_port()
+    args = ["run", engine, "--serve", "--host", host, "--port", port, "--api-key", "k", "--prefix-cache", "3MiB",
             "--max-body-bytes", "1KiB", "--allowed-hosts", "a.example,b.example", "--max-batch", "3"]
     r = CliRunner().invoke(app, list(map(str, args)))
     assert r.exit_code == 0, r.output
-    assert (started["host"], started["port"]) == ("::1", 8123)
+    assert started["address"] == (host, port)
     server = started["app"].state.server
     c = server.config
     assert (c.api_key, c.max_body_bytes, c.allowed_hosts, c.max_batch) == ("k", 1024, ("a.example", "b.example"), 3)
     assert server.engine.prefix_cache.kv_budget == 3 << 20
-    assert "http://[::1]:8123/v1 (prefix cache 3.0 MiB, API key required)" in r.stderr
+    url = f"http://[::1]:{port}/v1" if host == "::1" else f"http://127.0.0.1:{port}/v1"
+    assert f"{url} (prefix cache 3.0 MiB, API key required)" in r.stderr
+
+
+def loopback_v6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_serve_refuses_a_port_in_use_before_loading(tmp_path):
+    """The port is taken before the engine loads: with one in use, the error says so at once (the
+    directory given is no engine, which loading would have named first)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = ftc("run", tmp_path, "--serve", "--port", port)
+    assert r.returncode == 1 and r.stderr.startswith("error: "), r.stderr
+    assert f"127.0.0.1:{port}: in use" in r.stderr and "--port" in r.stderr
 
 
 def test_serve_prefix_cache_auto_and_off(engine, monkeypatch):
-    monkeypatch.setattr("ftc_runtime.serve.app.run_server", lambda app, host, port: None)
+    monkeypatch.setattr("ftc_runtime.serve.app.run_server", lambda app, sock: sock.close())
     captured = []
     monkeypatch.setattr("ftc_runtime.serve.app.default_prefix_cache_bytes", lambda eng: captured.append(eng) or 5 << 20)
     runner = CliRunner()

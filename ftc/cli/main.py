@@ -256,9 +256,10 @@ def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: in
     """Serves `engine` until SIGTERM or Ctrl-C; `prefix_cache` None: the server's default size."""
     from ftc_runtime import Engine
     from ftc_runtime.experts.vram_plan import gib
-    from ftc_runtime.serve.app import ServerConfig, create_app, default_prefix_cache_bytes, run_server
+    from ftc_runtime.serve.app import ServerConfig, bind, create_app, default_prefix_cache_bytes, run_server
 
     try:
+        sock = bind(host, port)
         eng = Engine.load(engine, show_progress=True, offload=offload, prefill_chunk=prefill_chunk)
         kv_bytes = default_prefix_cache_bytes(eng) if prefix_cache is None else prefix_cache
         if kv_bytes:
@@ -266,12 +267,13 @@ def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: in
         app = create_app(eng, ServerConfig(model_name=eng.spec.name, **config))
     except user_errors() as e:
         fail(e)
+    port = sock.getsockname()[1]  # the one the system chose for --port 0
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"  # an IPv6 address goes in brackets
     cache = f"prefix cache {gib(kv_bytes)}" if kv_bytes else "no prefix cache"
     # Plain text, as in _fail: the address must be neither wrapped nor read as markup.
     keyed = config["api_key"] is not None or bool(config["api_keys"])
     typer.echo(f"serving {eng.spec.name} on {url} ({cache}" + (", API key required)" if keyed else ")"), err=True)
-    run_server(app, host, port)
+    run_server(app, sock)
 
 
 app.add_typer(bench_app, name="bench")

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ftc_runtime.cpu_info import physical_cpus, supported_isas
+from ftc_runtime.cpu_info import supported_isas
 from ftc_runtime.profile import HardwareProfile
 
 # Token-tile sizes each kernel ISA is specialized for, largest first: what fits its registers
@@ -65,7 +65,7 @@ def resolve_target(name: str) -> Target:
         if not isas:
             raise TargetError("--target auto: this CPU supports none of the kernel ISAs "
                               "(avx512_bf16, avx2); ftc needs at least AVX2 with FMA")
-        return Target("auto", isas[0], len(physical_cpus()))
+        return Target("auto", isas[0], None)  # every core of the machine that runs it, not of this one
     try:
         return PRESETS[name]
     except KeyError:

@@ -4,7 +4,9 @@ the generation stream they read is `token_stream.TokenStream`."""
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,7 +23,7 @@ from ftc_runtime.serve.openai_api import router as openai_router
 from ftc_runtime.serve.scheduler import Scheduler
 from ftc_runtime.serve.server import Server, ServerConfig
 
-__all__ = ["ServerConfig", "create_app", "default_allowed_hosts", "default_prefix_cache_bytes", "run_server"]
+__all__ = ["ServerConfig", "bind", "create_app", "default_allowed_hosts", "default_prefix_cache_bytes", "run_server"]
 
 # Hosts a server bound to loopback answers by default: a page elsewhere that resolves its own name
 # to 127.0.0.1 (DNS rebinding) sends its own name as Host, and is refused.
@@ -45,9 +47,27 @@ def default_prefix_cache_bytes(engine: Engine) -> int:
     return min(available // 4, 8 << 30)
 
 
-def run_server(app: FastAPI, host: str, port: int) -> None:
-    """Serves until SIGTERM or Ctrl-C: the engine stops at once, in-flight requests end with an
-    error, and their connections get SHUTDOWN_S seconds to close."""
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, taken before the engine loads: a port in use is an error at once, not
+    after minutes of loading."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        why = "in use by another program: give another --port" if e.errno == errno.EADDRINUSE else e.strerror
+        raise ValueError(f"{host}:{port}: {why}") from None
+    return sock
+
+
+def run_server(app: FastAPI, sock: socket.socket) -> None:
+    """Serves on `sock` (from `bind`) until SIGTERM or Ctrl-C: the engine stops at once, in-flight
+    requests end with an error, and their connections get SHUTDOWN_S seconds to close."""
     import uvicorn
 
     class StoppingServer(uvicorn.Server):
@@ -59,8 +79,9 @@ def run_server(app: FastAPI, host: str, port: int) -> None:
                 scheduler.stop()
             super().handle_exit(sig, frame)
 
+    host, port = sock.getsockname()[:2]
     StoppingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                  timeout_graceful_shutdown=SHUTDOWN_S)).run()
+                                  timeout_graceful_shutdown=SHUTDOWN_S)).run(sockets=[sock])
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
