@@ -327,6 +327,9 @@ def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path):
         assert x["stream_layers"] > 0 and x["pcie_ceiling_s"] is None  # no PCIe link to compare with
     if has_matplotlib:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:  # refused before the benchmark runs, naming what to install
+        r = CliRunner().invoke(app, list(map(str, [*args, "--plot", plot])))
+        assert r.exit_code == 2 and "needs matplotlib: pip install 'ftc[plot]'" in _said(r), r.output
     # chunks shorter than --stream-min-tokens take decode's path: nothing streams
     r = ok("bench", "prefill", engine, "--device", "cpu", "--slots", "40", "--lengths", str(lengths[0]),
            "--prefill-chunk", "32", "--stream-min-tokens", "33")

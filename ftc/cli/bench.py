@@ -27,6 +27,7 @@ from ftc.cli.options import (
     offload_config,
     output_file,
     parse_ids,
+    plot_file,
     routing_for,
     size,
 )
@@ -42,8 +43,8 @@ EngineArg = Annotated[Path, typer.Argument(metavar="ENGINE", help="Engine direct
                                            "--random-weights.")]
 OutputArg = Annotated[Path | None, typer.Option("-o", "--output", parser=output_file, help="Also write the JSON "
                                                 "here.")]
-PlotArg = Annotated[Path | None, typer.Option(parser=output_file, help="Also draw the result as a PNG here (needs "
-                                              "matplotlib).")]
+PlotArg = Annotated[Path | None, typer.Option(parser=plot_file, help="Also draw the result as a PNG here (needs "
+                                              "matplotlib: the `plot` extra).")]
 # Where the model runs: every benchmark but `experts` measures the engine on a device.
 DeviceArg = Annotated[str, typer.Option(help="Torch device of the model and the expert slot cache: cuda, cuda:N, or "
                                         "cpu (to emulate a GPU).")]

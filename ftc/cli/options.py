@@ -72,6 +72,16 @@ def output_file(text: str | Path) -> Path:
     return path
 
 
+def plot_file(text: str | Path) -> Path:
+    """`--plot`: an output file, and matplotlib there to draw it, both checked before the benchmark runs."""
+    import importlib.util
+
+    path = output_file(text)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"{str(path)!r}: drawing it needs matplotlib: pip install 'ftc[plot]' (or leave --plot out)")
+    return path
+
+
 # The offload options that `ftc run` and `ftc bench` share (`offload_config` turns them into one).
 VramBudgetArg = Annotated[int | None, typer.Option(parser=size, metavar="SIZE", help="Cap on device memory, e.g. "
                                                    "32GiB.")]
