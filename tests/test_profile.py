@@ -41,7 +41,7 @@ def test_profile_yaml_becomes_a_target(engine_dir, tmp_path):
         resolve_target(str(tmp_path / "bad.yaml"))
     # a rate in the wrong unit (MB/s or TB/s read as GB/s) is refused, naming the field
     field = random.choice(["b_h", "host_read_gbps"])
-    wrong = random.choice([prof.b_h / 1000, prof.b_h * 1e5])
+    wrong = random.choice([random.uniform(1e-6, 0.0099), random.uniform(1e4 + 1, 1e9)])
     text = (tmp_path / "hw.yaml").read_text()
     (tmp_path / "slip.yaml").write_text(yaml.safe_dump(yaml.safe_load(text) | {field: wrong}))
     with pytest.raises(TargetError, match=f"slip.yaml: field '{field}'"):

@@ -4,7 +4,9 @@ official `openai` client and by raw HTTP for what a client library would refuse 
 from __future__ import annotations
 
 import json
+import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -216,6 +218,37 @@ def test_api_key(engine):
                                                         messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
 
 
+def test_metrics_need_the_key_unless_public(engine):
+    for public in (False, True):
+        with serving(engine, api_key=KEY, metrics_public=public) as base:
+            assert httpx.get(base + "/metrics").status_code == (200 if public else 401)
+            assert httpx.get(base + "/metrics", headers={"x-api-key": KEY}).status_code == 200
+            assert httpx.get(base + "/v1/models").status_code == 401  # only /metrics opens
+
+
+def test_metrics_histograms_and_one_log_line_per_request(engine, seed, caplog):
+    """Time to first token and between tokens as prometheus histograms, and a log line per request
+    with its prompt, reuse, tokens, TTFT and rate."""
+    rng = random.Random(seed)
+    n, new = rng.randint(2, 4), rng.randint(3, 8)
+    caplog.set_level(logging.INFO, logger="ftc.serve")
+    with serving(engine) as base:
+        for i in range(n):
+            body = {"model": engine.spec.name, "max_tokens": new, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"request {i} {rng.random()}"}]}
+            assert httpx.post(base + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        text = httpx.get(base + "/metrics").text
+    rows = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")
+    assert float(rows["ftc_time_to_first_token_seconds_count"]) == n
+    assert float(rows['ftc_time_to_first_token_seconds_bucket{le="+Inf"}']) == n
+    # a gap before every token but each request's first, which its prompt made: one per decoded token
+    assert float(rows["ftc_time_per_output_token_seconds_count"]) == float(rows["ftc_decode_tokens_total"])
+    lines = [r.getMessage() for r in caplog.records if r.name == "ftc.serve"]
+    assert len(lines) == n, lines
+    assert all(re.fullmatch(r"request \d+ (stop|length): prompt \d+ tokens \(\d+ reused\), \d+ generated, "
+                            r"TTFT \d+\.\d{3} s, (\d+\.\d tok/s|-)", line) for line in lines), lines
+
+
 def _bad_requests(model: str) -> dict[str, tuple[str, dict | str]]:
     msg = [{"role": "user", "content": "hi"}]
     return {
@@ -304,8 +337,8 @@ def test_concurrent_streams_and_a_client_that_leaves(url, engine, seed):
         t.join(timeout=300)
     assert not errors, errors[:3]
     metrics = dict(line.split() for line in httpx.get(url + "/metrics").text.splitlines() if line[0] != "#")
-    assert int(metrics["ftc_decode_tokens_total"]) > int(metrics["ftc_decode_steps_total"])  # steps were shared
-    assert int(metrics["ftc_requests_total"]) >= 47 and int(metrics["ftc_time_to_first_token_seconds_count"]) >= 47
+    assert float(metrics["ftc_decode_tokens_total"]) > float(metrics["ftc_decode_steps_total"])  # steps were shared
+    assert float(metrics["ftc_requests_total"]) >= 47 and float(metrics["ftc_time_to_first_token_seconds_count"]) >= 47
     assert float(metrics["ftc_decode_seconds_total"]) > 0 and float(metrics["ftc_prefill_seconds_total"]) > 0
     deadline = time.time() + 30
     while httpx.get(url + "/health").json()["running"]:

@@ -4,6 +4,7 @@ argument parsing and printing live here."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -23,10 +24,13 @@ from ftc.cli.options import (
     CpuExpertsArg,
     ExpertQuant,
     HostArg,
+    LogLevel,
+    LogLevelArg,
     MaxBatchArg,
     MaxBodyBytesArg,
     MaxPromptTokensArg,
     MaxTokensArg,
+    MetricsPublicArg,
     MissPolicyArg,
     PortArg,
     PrefillChunkArg,
@@ -151,6 +155,8 @@ def run(
     max_prompt_tokens: MaxPromptTokensArg = 32768,
     max_tokens: MaxTokensArg = 8192,
     prefix_cache: PrefixCacheArg = "auto",
+    metrics_public: MetricsPublicArg = False,
+    log_level: LogLevelArg = LogLevel.info,
 ) -> None:
     """Chat with an engine: one turn (--prompt, --prompt-file, or stdin's text), or a conversation
     when stdin is a terminal; --raw or --prompt-ids continue a prompt as it is. With --serve, answer
@@ -163,11 +169,14 @@ def run(
         if serve:
             config = server_config(host, api_key, api_keys_file, allowed_hosts, max_body_bytes=max_body_bytes,
                                    max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_tokens)
+            config["metrics_public"] = metrics_public
         else:
             text, given_ids = run_prompt(engine, prompt, prompt_file, prompt_ids, raw, system, as_json)
     except user_errors() as e:
         fail(e)
     if serve:
+        logging.basicConfig(level=log_level.value.upper(), stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         _serve(engine, offload, prefill_chunk, host, port, config, prefix_cache)
         return
     sampling = SamplingParams(temperature, top_p, seed)

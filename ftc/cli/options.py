@@ -107,6 +107,18 @@ MaxBodyBytesArg = Annotated[int | None, typer.Option(parser=positive_size, metav
 MaxBatchArg = Annotated[int, typer.Option(min=1, help="--serve: requests decoded together at most.")]
 MaxPromptTokensArg = Annotated[int, typer.Option(min=1, help="--serve: longest prompt accepted.")]
 MaxTokensArg = Annotated[int, typer.Option(min=1, help="--serve: most tokens one answer may have.")]
+MetricsPublicArg = Annotated[bool, typer.Option("--metrics-public", help="--serve: /metrics answers without the "
+                                                "API key.")]
+
+
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+LogLevelArg = Annotated[LogLevel, typer.Option(help="--serve: the log's level (info: one line per request).")]
 PrefixCacheArg = Annotated[int | None, typer.Option(parser=cache_size, metavar="SIZE|auto", help="--serve: memory "
                                                     "for past sequences' KV that later prompts resume from: auto "
                                                     "(an eighth of the VRAM budget on a device, else a quarter of "
@@ -151,7 +163,7 @@ def offload_config(device: str | None, vram_budget: int | None, slots: int | Non
 
 # `ftc run` options of one mode only: given in the other, they would be silently ignored.
 SERVE_ONLY = ("host", "port", "api_key", "api_keys_file", "allowed_hosts", "max_batch", "max_prompt_tokens",
-              "max_tokens", "max_body_bytes", "prefix_cache")
+              "max_tokens", "max_body_bytes", "prefix_cache", "metrics_public", "log_level")
 GENERATE_ONLY = ("prompt", "prompt_file", "prompt_ids", "system", "raw", "max_new_tokens", "temperature", "top_p",
                  "seed", "ignore_eos", "as_json", "reprofile")
 

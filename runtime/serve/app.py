@@ -12,13 +12,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from ftc_runtime.engine import Engine
 from ftc_runtime.serve.anthropic_api import router as anthropic_router
 from ftc_runtime.serve.api_types import ApiError, error_response
-from ftc_runtime.serve.guard import RequestGuard
+from ftc_runtime.serve.guard import OPEN_PATHS, RequestGuard
 from ftc_runtime.serve.openai_api import router as openai_router
 from ftc_runtime.serve.scheduler import Scheduler
 from ftc_runtime.serve.server import Server, ServerConfig
@@ -89,14 +90,15 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
-        server.scheduler = Scheduler(engine, config.max_batch)
+        server.scheduler = server.metrics.scheduler = Scheduler(engine, config.max_batch, server.metrics)
         yield
         server.scheduler.close()
 
     app = FastAPI(title="ftc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.add_middleware(RequestGuard, api_keys=config.keys, allowed_hosts=config.allowed_hosts,
-                       max_body_bytes=config.max_body_bytes)
+                       max_body_bytes=config.max_body_bytes,
+                       open_paths=OPEN_PATHS + (("/metrics",) if config.metrics_public else ()))
 
     @app.exception_handler(ApiError)
     async def apierror_response(request: Request, e: ApiError):
@@ -124,7 +126,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_metrics(server), media_type="text/plain; version=0.0.4")
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router)
     app.include_router(anthropic_router)
@@ -138,52 +140,5 @@ def _invalid(request: Request, e: RequestValidationError) -> Response:
         detail = first.get("ctx", {}).get("error", "")
         return error_response(request, 400, f"the body is not valid JSON: {detail}".strip(), None)
     return error_response(request, 400, f"{where or 'body'}: {first.get('msg', 'invalid value')}", where)
-
-
-def _metrics(server: Server) -> str:
-    """Prometheus text: the scheduler's counts and, where the engine offloads, its expert cache."""
-    s = server.scheduler
-    rows = [("ftc_requests_total", "counter", "requests admitted", s.requests),
-            ("ftc_requests_running", "gauge", "requests decoding now", len(s.running)),
-            ("ftc_requests_waiting", "gauge", "requests queued", s.waiting.qsize()),
-            ("ftc_time_to_first_token_seconds_sum", "counter", "queue + prefill time to first tokens", s.ttft_s),
-            ("ftc_time_to_first_token_seconds_count", "counter", "first tokens", s.first_tokens),
-            ("ftc_prefill_tokens_total", "counter", "prompt tokens run", s.prefill_tokens),
-            ("ftc_prefill_seconds_total", "counter", "time in prompts (prefill tok/s: their ratio)", s.prefill_s),
-            ("ftc_decode_steps_total", "counter", "decode steps run", s.decode_steps),
-            ("ftc_decode_tokens_total", "counter", "tokens those steps made (several per step when batched)",
-             s.decode_tokens),
-            ("ftc_decode_seconds_total", "counter", "time in decode steps (decode tok/s: tokens over it)",
-             s.decode_s)]
-    stats = getattr(server.engine.model.experts, "stats", None)
-    if stats is not None:
-        d = stats.to_dict()
-        rows += [("ftc_expert_hits_total", "counter", "routed experts found in the GPU cache", d["hits"]),
-                 ("ftc_expert_fills_total", "counter", "misses copied into the GPU cache", d["fills"]),
-                 ("ftc_expert_cpu_total", "counter", "misses computed on the CPU", d["cpu"])]
-    prefix = server.engine.prefix_cache
-    if prefix is not None:
-        p = prefix.stats
-        rows += [("ftc_prefix_lookups_total", "counter", "prompts looked up in the prefix cache", p.lookups),
-                 ("ftc_prefix_hits_total", "counter", "prompts that resumed after a cached prefix", p.hits),
-                 ("ftc_prefix_reused_tokens_total", "counter", "prompt tokens restored, not prefilled",
-                  p.reused_tokens),
-                 ("ftc_prefix_kv_bytes", "gauge", "keys and values the prefix cache holds", prefix.kv_used),
-                 ("ftc_prefix_checkpoints", "gauge", "recurrent-state checkpoints held", prefix.checkpoints),
-                 ("ftc_prefix_checkpoint_bytes", "gauge", "bytes of those checkpoints", prefix.checkpoint_used),
-                 ("ftc_prefix_kv_evictions_total", "counter", "cached sequence pieces evicted", p.kv_evictions),
-                 ("ftc_prefix_checkpoint_evictions_total", "counter", "checkpoints evicted",
-                  p.checkpoint_evictions)]
-    if server.engine.vram is not None:
-        rows += [(f"ftc_vram_{k}_bytes", "gauge", f"VRAM plan: {k}", getattr(server.engine.vram, k))
-                 for k in ("dense", "kv", "workspace", "slots")]
-    elastic = server.engine.elastic
-    if elastic is not None and elastic.history:
-        now = elastic.history[-1]
-        rows += [("ftc_vram_budget_now_bytes", "gauge", "the budget as other processes leave it", now["budget"]),
-                 ("ftc_vram_kv_now_bytes", "gauge", "KV caches and prefix cache at the last safe point", now["kv"]),
-                 ("ftc_vram_slots_now_bytes", "gauge", "expert slots now", now["slots"]),
-                 ("ftc_vram_slot_changes_total", "counter", "expert slot cache rebuilds", len(elastic.changes))]
-    return "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in rows)
 
 

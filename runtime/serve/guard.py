@@ -46,8 +46,8 @@ def error_body(path: str, status: int, message: str, param: str | None = None,
 
 class RequestGuard:
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], allowed_hosts: tuple[str, ...] | None,
-                 max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
+                 max_body_bytes: int, open_paths: tuple[str, ...] = OPEN_PATHS):
+        self.app, self.max_body_bytes, self.open_paths = app, max_body_bytes, open_paths
         self.keys = [k.encode("utf-8") for k in api_keys]
         self.hosts = None if allowed_hosts is None or "*" in allowed_hosts else {h.lower() for h in allowed_hosts}
 
@@ -71,7 +71,7 @@ class RequestGuard:
         if self.hosts is not None and host not in self.hosts:
             return (403, f"Host {host!r} is not one this server answers to (--allowed-hosts)", None,
                     "permission_error")
-        if self.keys and scope["path"] not in OPEN_PATHS:
+        if self.keys and scope["path"] not in self.open_paths:
             key = self._key(headers)
             if key is None:
                 return (401, "missing or wrong API key (send Authorization: Bearer KEY or x-api-key: KEY)", None,

@@ -29,6 +29,7 @@ from ftc_runtime.cache.prefix import Resume
 from ftc_runtime.engine import Engine
 from ftc_runtime.experts.vram_plan import VramError
 from ftc_runtime.sampling import Sampler, SamplingParams
+from ftc_runtime.serve.metrics import RequestMetrics
 
 # What a request's callback receives, on the engine thread: (token id, None) for each new token,
 # then (None, finish reason) once: "stop" (a stop token), "length" (max_new_tokens), "cancelled"
@@ -61,6 +62,10 @@ class Request:
     seq: list[int] = field(default_factory=list)
     checkpoints: bool = False
     error: str | None = None  # why it ended with "error", for the client
+    # For the metrics and the request's log line (engine thread).
+    reused_tokens: int = 0  # prompt tokens restored from the prefix cache
+    first_token_at: float | None = None
+    last_token_at: float | None = None
 
     def cancel(self) -> None:
         """Asks the engine thread to drop the request before its next step (any thread may call)."""
@@ -68,10 +73,12 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_batch: int = 16, prompt_chunk: int = 512):
+    def __init__(self, engine: Engine, max_batch: int = 16, metrics: RequestMetrics | None = None,
+                 prompt_chunk: int = 512):
         if max_batch < 1 or prompt_chunk < 1:
             raise ValueError(f"max_batch = {max_batch}, prompt_chunk = {prompt_chunk}: expected at least 1")
         self.engine, self.max_batch, self.prompt_chunk = engine, max_batch, prompt_chunk
+        self.metrics = metrics
         self.waiting: queue.Queue[Request | None] = queue.Queue()
         self.reading: list[Request] = []  # admitted, prompt not yet run through
         self.running: list[Request] = []
@@ -187,6 +194,7 @@ class Scheduler:
         if prefix is not None:
             r.resume = prefix.resume(r.prompt_ids, r.cache, r.namespace)
             r.prompt_done, r.seq = r.resume.length, list(r.prompt_ids[:r.resume.length])
+            r.reused_tokens = r.resume.length
             r.checkpoints = prefix.takes_checkpoints
         self.reading.append(r)
 
@@ -259,6 +267,8 @@ class Scheduler:
 
     def _accept(self, r: Request, token: int) -> None:
         r.produced += 1
+        if self.metrics is not None:
+            self.metrics.token(r)
         _notify(r, token, None)
         if token in r.stop_ids:
             self._finish(r, "stop")
@@ -280,6 +290,8 @@ class Scheduler:
             prefix.release(r.resume)
             r.resume = None
         r.cache = r.sampler = r.next_token = None  # the KV cache goes with the request
+        if self.metrics is not None:
+            self.metrics.finished(r, reason)
         _notify(r, None, reason)
 
     def _fail(self, r: Request, message: str) -> None:

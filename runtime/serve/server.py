@@ -14,6 +14,7 @@ from ftc_runtime.chat.tool_parsers import tool_parser
 from ftc_runtime.engine import Engine
 from ftc_runtime.sampling import SamplingParams
 from ftc_runtime.serve.api_types import ApiError
+from ftc_runtime.serve.metrics import RequestMetrics
 from ftc_runtime.serve.scheduler import Scheduler
 from ftc_runtime.serve.token_stream import TokenStream
 
@@ -29,6 +30,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted (None: any)
     api_keys: tuple[str, ...] = ()  # more keys besides api_key; each its own prefix-cache namespace
     keepalive_s: float = 5.0  # a stream with nothing to send sends a keep-alive line this often
+    metrics_public: bool = False  # /metrics readable without an API key (a scraper on a trusted network)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -47,6 +49,7 @@ class Server:
         self.engine, self.config = engine, config
         self.context = engine.spec.max_position_embeddings
         self.scheduler: Scheduler | None = None
+        self.metrics = RequestMetrics(engine)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
