@@ -187,7 +187,6 @@ def test_anthropic_tool_use_round_trip(engine, monkeypatch, seed):
 def test_anthropic_errors_have_anthropic_shape(url, engine):
     m = engine.spec.name
     cases = [{"model": m, "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
-             {"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
              {"model": m, "max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]},
              {"model": m, "max_tokens": 5, "temperature": 1.5, "messages": [{"role": "user", "content": "hi"}]},
              {"model": m, "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
@@ -199,8 +198,8 @@ def test_anthropic_errors_have_anthropic_shape(url, engine):
                        headers={"content-type": "application/json"})
         assert 400 <= r.status_code < 500 and r.json()["type"] == "error", (body, r.text)
         assert r.json()["error"]["message"]
-    with pytest.raises(anthropic.NotFoundError):
-        aclient(url).messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    with serving(engine, served_model_names=(m,)) as base, pytest.raises(anthropic.NotFoundError):
+        aclient(base).messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
 
 
 def test_api_key(engine):
@@ -216,6 +215,33 @@ def test_api_key(engine):
                                                          messages=[{"role": "user", "content": "hi"}])
         assert aclient(base, KEY).messages.count_tokens(model=engine.spec.name,
                                                         messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
+
+
+def test_any_model_name_or_the_served_ones(engine, seed):
+    """By default every model name is this engine (agent harnesses send their own model's name);
+    with served names, only those, the first reported in answers."""
+    rng = random.Random(seed)
+
+    def chat(base: str, model: str) -> httpx.Response:
+        return httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+
+    with serving(engine) as base:
+        for name in ("gpt-4o", f"claude-{rng.random()}", engine.spec.name):
+            r = chat(base, name)
+            assert r.status_code == 200 and r.json()["model"] == engine.spec.name, r.text
+        assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]] == [engine.spec.name]
+    names = (f"team/{rng.randrange(1000)}", "alias")
+    with serving(engine, served_model_names=names) as base:
+        for name in names:
+            r = chat(base, name)
+            assert r.status_code == 200 and r.json()["model"] == names[0], r.text
+        r = chat(base, engine.spec.name)
+        assert r.status_code == 404 and names[0] in r.json()["error"]["message"]
+        r = httpx.post(base + "/v1/messages", timeout=60, json={
+            "model": "gpt-4o", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 404 and r.json()["type"] == "error"
+        assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]] == list(names)
 
 
 def test_metrics_need_the_key_unless_public(engine):
@@ -255,7 +281,6 @@ def _bad_requests(model: str) -> dict[str, tuple[str, dict | str]]:
         "not_json": ("/v1/chat/completions", "{not json"),
         "empty_body": ("/v1/chat/completions", ""),
         "array_body": ("/v1/chat/completions", "[]"),
-        "unknown_model": ("/v1/chat/completions", {"model": "nope", "messages": msg}),
         "no_model": ("/v1/chat/completions", {"messages": msg}),
         "no_messages": ("/v1/chat/completions", {"model": model}),
         "empty_messages": ("/v1/chat/completions", {"model": model, "messages": []}),

@@ -35,6 +35,7 @@ from ftc.cli.options import (
     PortArg,
     PrefillChunkArg,
     PrefixCacheArg,
+    ServedModelNameArg,
     SlotsArg,
     VramBudgetArg,
     check_device,
@@ -46,6 +47,7 @@ from ftc.cli.options import (
     prompt_ids_for,
     reprofile_engine,
     run_prompt,
+    served_names,
     server_config,
     size,
 )
@@ -155,6 +157,7 @@ def run(
     max_prompt_tokens: MaxPromptTokensArg = 32768,
     max_tokens: MaxTokensArg = 8192,
     prefix_cache: PrefixCacheArg = "auto",
+    served_model_name: ServedModelNameArg = None,
     metrics_public: MetricsPublicArg = False,
     log_level: LogLevelArg = LogLevel.info,
 ) -> None:
@@ -169,7 +172,7 @@ def run(
         if serve:
             config = server_config(host, api_key, api_keys_file, allowed_hosts, max_body_bytes=max_body_bytes,
                                    max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_tokens)
-            config["metrics_public"] = metrics_public
+            config |= {"metrics_public": metrics_public, "served_model_names": served_names(served_model_name)}
         else:
             text, given_ids = run_prompt(engine, prompt, prompt_file, prompt_ids, raw, system, as_json)
     except user_errors() as e:
@@ -281,7 +284,10 @@ def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: in
     cache = f"prefix cache {gib(kv_bytes)}" if kv_bytes else "no prefix cache"
     # Plain text, as in _fail: the address must be neither wrapped nor read as markup.
     keyed = config["api_key"] is not None or bool(config["api_keys"])
-    typer.echo(f"serving {eng.spec.name} on {url} ({cache}" + (", API key required)" if keyed else ")"), err=True)
+    names = config.get("served_model_names") or ()
+    as_names = f" as {', '.join(names)}" if names else " (any model name)"
+    typer.echo(f"serving {eng.spec.name}{as_names} on {url} ({cache}" + (", API key required)" if keyed else ")"),
+               err=True)
     run_server(app, sock)
 
 

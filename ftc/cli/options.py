@@ -107,6 +107,8 @@ MaxBodyBytesArg = Annotated[int | None, typer.Option(parser=positive_size, metav
 MaxBatchArg = Annotated[int, typer.Option(min=1, help="--serve: requests decoded together at most.")]
 MaxPromptTokensArg = Annotated[int, typer.Option(min=1, help="--serve: longest prompt accepted.")]
 MaxTokensArg = Annotated[int, typer.Option(min=1, help="--serve: most tokens one answer may have.")]
+ServedModelNameArg = Annotated[str | None, typer.Option(help="--serve: the model names requests must give, "
+                                                      "comma-separated (default: any name is this engine).")]
 MetricsPublicArg = Annotated[bool, typer.Option("--metrics-public", help="--serve: /metrics answers without the "
                                                 "API key.")]
 
@@ -163,7 +165,7 @@ def offload_config(device: str | None, vram_budget: int | None, slots: int | Non
 
 # `ftc run` options of one mode only: given in the other, they would be silently ignored.
 SERVE_ONLY = ("host", "port", "api_key", "api_keys_file", "allowed_hosts", "max_batch", "max_prompt_tokens",
-              "max_tokens", "max_body_bytes", "prefix_cache", "metrics_public", "log_level")
+              "max_tokens", "max_body_bytes", "prefix_cache", "metrics_public", "log_level", "served_model_name")
 GENERATE_ONLY = ("prompt", "prompt_file", "prompt_ids", "system", "raw", "max_new_tokens", "temperature", "top_p",
                  "seed", "ignore_eos", "as_json", "reprofile")
 
@@ -175,6 +177,16 @@ def check_run_mode(ctx: typer.Context, serve: bool) -> None:
         source = ctx.get_parameter_source(param.name)
         if param.name in other and source is not None and source.name == "COMMANDLINE":
             raise ValueError(f"{param.opts[-1]} {'does not go with' if serve else 'needs'} --serve")
+
+
+def served_names(text: str | None) -> tuple[str, ...]:
+    """--served-model-name A,B: the names, checked."""
+    if text is None:
+        return ()
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise ValueError(f"--served-model-name {text!r}: give model names, comma-separated, none empty")
+    return names
 
 
 def server_config(host: str, api_key: str | None, api_keys_file: Path | None, allowed_hosts: str | None,

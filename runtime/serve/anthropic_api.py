@@ -140,13 +140,13 @@ async def messages(body: MessagesRequest, request: Request):
     msg_id, parser = f"msg_{uuid.uuid4().hex}", tool_parser(server.engine.tool_parser)
     if body.stream:
         ping = 'event: ping\ndata: {"type": "ping"}\n\n'
-        events = with_keepalive(_events(stream, msg_id, server.config.model_name, tools, parser), ping,
+        events = with_keepalive(_events(stream, msg_id, server.config.name, tools, parser), ping,
                                 server.config.keepalive_s)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     text = await stream.text(request)
     raise_if_failed(stream, "api_error")
     out = parse_output(text, parser, tools)
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": server.config.model_name,
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": server.config.name,
             "content": _blocks(out), "stop_reason": _stop_reason(stream, out), "stop_sequence": stream.stop_sequence,
             "usage": {"input_tokens": stream.prompt_tokens, "output_tokens": stream.completion_tokens}}
 

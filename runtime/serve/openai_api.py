@@ -133,8 +133,9 @@ class CompletionRequest(Sampling):
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
-    name = server_of(request).config.model_name
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "ftc"}]}
+    config = server_of(request).config
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "ftc"}
+                                       for name in config.served_model_names or (config.model_name,)]}
 
 
 @router.post("/v1/chat/completions")
@@ -147,7 +148,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     server.check_prompt(ids, "messages")
     limit = server.new_tokens(body.max_completion_tokens or body.max_tokens, len(ids))
     stream = server.stream(ids, limit, _sampling(body), _stops(body.stop), namespace_of(request), opening)
-    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.model_name}
+    meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.name}
     if body.stream:
         return _sse(server, _chat_chunks(stream, meta, tools, parser, _include_usage(body)))
     text = await stream.text(request)
@@ -175,7 +176,7 @@ async def completions(body: CompletionRequest, request: Request):
     server.check_prompt(ids, "prompt")
     stream = server.stream(ids, server.new_tokens(body.max_tokens, len(ids)), _sampling(body),
                          _stops(body.stop), namespace_of(request))
-    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.model_name,
+    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.name,
             "object": "text_completion"}
     if body.stream:
         async def chunks():

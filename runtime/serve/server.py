@@ -31,6 +31,14 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()  # more keys besides api_key; each its own prefix-cache namespace
     keepalive_s: float = 5.0  # a stream with nothing to send sends a keep-alive line this often
     metrics_public: bool = False  # /metrics readable without an API key (a scraper on a trusted network)
+    # The model names requests must give (the first is the one answers report); none: any name is
+    # this engine (agent harnesses send their own model's name: gpt-4o, claude-...).
+    served_model_names: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The model name answers report."""
+        return self.served_model_names[0] if self.served_model_names else self.model_name
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -60,8 +68,9 @@ class Server:
                            f"(the model's context is {self.context})", param)
 
     def check_model(self, model: str) -> None:
-        if model != self.config.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
+        names = self.config.served_model_names
+        if names and model not in names:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
                            "model", "not_found_error")
 
     def new_tokens(self, asked: int | None, prompt_tokens: int) -> int:
