@@ -72,7 +72,8 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_print_ver
 
 @app.command()
 def compile(
-    source: Annotated[Path, typer.Argument(help="Model spec YAML, or an HF checkpoint directory.")],
+    source: Annotated[Path, typer.Argument(help="Model spec YAML, an HF checkpoint directory, or a Hugging Face "
+                                           "repository ORG/NAME (fetched into the Hub cache).")],
     target: Annotated[str, typer.Option(help="Hardware target: 'auto' (this machine) or a preset name.")] = "auto",
     checkpoint: Annotated[Path | None, typer.Option(help="HF safetensors checkpoint directory.")] = None,
     random_weights: Annotated[bool, typer.Option("--random-weights", help="Deterministic random weights.")] = False,
@@ -83,6 +84,8 @@ def compile(
         help="Routed experts' format: 16/32-bit weights are rounded into it; a 4-bit checkpoint keeps its own (the "
              "default).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing engine at -o.")] = False,
+    name: Annotated[str | None, typer.Option(help="The engine's name, which the server reports (default: the "
+                                             "spec's; a checkpoint's: -o's folder, else its repository).")] = None,
 ) -> None:
     """Compile a model into an engine directory."""
     from ftc.compile.pipeline import CompileOptions, compile_engine
@@ -91,7 +94,7 @@ def compile(
         fail(ValueError("give either --checkpoint or --random-weights, not both"))
     try:
         compile_engine(CompileOptions(source, target, output, checkpoint, random_weights, seed,
-                                      tuple(override or ()), quant.value if quant else None, force), err)
+                                      tuple(override or ()), quant.value if quant else None, force, name), err)
     except user_errors() as e:
         fail(e)
 

@@ -37,6 +37,7 @@ from ftc.codegen.build import build_kernels
 from ftc.codegen.kernel_check import check_expert_kernel
 from ftc.codegen.render import render_cpu_kernels, render_triton_kernels
 from ftc.compile.ftw_writer import FtwWriter
+from ftc.compile.hub import Source, resolve_source
 from ftc.compile.spec_loader import load_spec
 from ftc.compile.targets import BATCH_BUCKETS, Target, resolve_target
 from ftc.compile.tokenizer_builder import build_byte_tokenizer
@@ -74,6 +75,7 @@ class CompileOptions:
     overrides: tuple[str, ...] = ()
     quant: str | None = None  # the experts' format (a name of ftc_runtime.formats); None: the spec's or checkpoint's
     force: bool = False  # replace an engine already at `output` (anything else there is never deleted)
+    name: str | None = None  # the engine's (and served) name; default: the spec's, a checkpoint's -o or repository
 
 
 def make_plan(target: Target, spec: ModelSpec | None = None) -> Plan:
@@ -104,6 +106,14 @@ def _weights(spec: ModelSpec, opts: CompileOptions, checkpoint: Path | None) -> 
     return CheckpointWeights(spec, checkpoint)
 
 
+def _engine_name(opts: CompileOptions, source: Source) -> str | None:
+    """A checkpoint's engine is named by --name, else by -o, else after its repository (not its
+    snapshot folder, a hash); a spec YAML's keeps the spec's name unless --name gives one."""
+    if opts.name is not None or not source.path.is_dir():
+        return opts.name
+    return opts.output.name if opts.output is not None else source.repo_name
+
+
 def compile_engine(opts: CompileOptions, console: Console | None = None) -> Path:
     return _compile(opts, console, experts_in_memory=False)[0]
 
@@ -118,7 +128,8 @@ def compile_with_experts_in_memory(opts: CompileOptions, console: Console | None
 
 def _compile(opts: CompileOptions, console: Console | None, experts_in_memory: bool) -> tuple[Path, ExpertPool | None]:
     console = console or Console(stderr=True)
-    spec, spec_checkpoint = load_spec(opts.source, list(opts.overrides), opts.quant)
+    source = resolve_source(opts.source)
+    spec, spec_checkpoint = load_spec(source.path, list(opts.overrides), opts.quant, _engine_name(opts, source))
     checkpoint = None if opts.random_weights else opts.checkpoint or spec_checkpoint
     target = resolve_target(opts.target)
     plan = make_plan(target, spec)

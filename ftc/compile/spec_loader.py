@@ -14,10 +14,12 @@ from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.spec import ModelSpec, SpecError
 
 
-def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None) -> tuple[ModelSpec, Path | None]:
+def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None,
+              name: str | None = None) -> tuple[ModelSpec, Path | None]:
     """A spec and, for an HF directory, that directory (the checkpoint). Overrides are
     `dotted.field=yaml_value` (e.g. `num_layers=4`) applied before validation. The expert format
-    is `quant`, else an HF checkpoint's own (4-bit experts stay in their format), else the spec's."""
+    is `quant`, else an HF checkpoint's own (4-bit experts stay in their format), else the spec's;
+    the name is `name`, else the spec's (an HF directory's: its folder's)."""
     if source.is_dir():
         cfg_path = source / "config.json"
         if not cfg_path.is_file():
@@ -42,6 +44,8 @@ def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None)
         raise SpecError(f"{source}: no such spec file or checkpoint directory")
     if quant is not None and isinstance(data, dict):
         data["expert_format"] = quant
+    if name is not None and isinstance(data, dict):
+        data["name"] = name
     for item in overrides:
         _apply_override(data, item, origin)
     return checked_spec(data, source=origin), checkpoint
