@@ -122,6 +122,7 @@ def test_tool_call_round_trip(engine, monkeypatch, seed):
         messages = [{"role": "user", "content": "What's the weather?"}]
         r = c.chat.completions.create(model=engine.spec.name, messages=messages, tools=tools, max_tokens=256)
         assert r.choices[0].message.tool_calls, r.choices[0].message
+        assert r.choices[0].message.content is None  # only a call: no content, as OpenAI sends it
         call = r.choices[0].message.tool_calls[0]
         assert r.choices[0].finish_reason == "tool_calls"
         assert call.function.name == "get_weather" and json.loads(call.function.arguments) == args
@@ -242,6 +243,44 @@ def test_any_model_name_or_the_served_ones(engine, seed):
             "model": "gpt-4o", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 404 and r.json()["type"] == "error"
         assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]] == list(names)
+
+
+def test_chat_template_kwargs_reach_the_template(url, engine, seed):
+    messages = [{"role": "user", "content": f"think? {random.Random(seed).random()}"}]
+    body = {"model": engine.spec.name, "messages": messages, "max_tokens": 1, "temperature": 0}
+    for kwargs in ({"enable_thinking": False}, {"enable_thinking": True}, None):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json=body | {"chat_template_kwargs": kwargs})
+        want = engine.chat_template.render_ids(engine.tokenizer, messages, **(kwargs or {}))
+        assert r.json()["usage"]["prompt_tokens"] == len(want), (kwargs, r.text)
+    no_thinking = engine.chat_template.render_ids(engine.tokenizer, messages, enable_thinking=False)
+    assert len(no_thinking) != len(engine.chat_template.render_ids(engine.tokenizer, messages))  # it matters here
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json=body | {"chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_restored(engine_dir, seed):
+    """OpenAI's prompt_tokens_details.cached_tokens and Anthropic's cache_read_input_tokens (its
+    input_tokens are the rest) are the tokens a prompt resumed after."""
+    engine = Engine.load(engine_dir)
+    engine.enable_prefix_cache(64 << 20, 64 << 20)
+    rng = random.Random(seed)
+    first = [{"role": "user", "content": " ".join(str(rng.random()) for _ in range(8))}]
+    with serving(engine) as base:
+        def chat(messages: list[dict]) -> dict:
+            return httpx.post(base + "/v1/chat/completions", timeout=60, json={
+                "model": "m", "messages": messages, "max_tokens": 4, "temperature": 0}).json()
+
+        answer = chat(first)
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        later = first + [answer["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+        again = chat(later)
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < again["usage"]["prompt_tokens"]
+        msg = httpx.post(base + "/v1/messages", timeout=60, json={
+            "model": "m", "max_tokens": 4, "temperature": 0, "messages": later}).json()
+        usage = msg["usage"]
+        assert usage["cache_read_input_tokens"] > 0
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == again["usage"]["prompt_tokens"]
 
 
 def test_metrics_need_the_key_unless_public(engine):

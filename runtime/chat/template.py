@@ -32,6 +32,10 @@ _PRIVATE_USE = re.compile("[\ue000-\uf8ff\U000f0000-\U000ffffd]")
 _PRIVATE_USE_RANGES = (range(0xE000, 0xF900), range(0xF0000, 0xFFFFE))
 
 
+# The variables `render` sets itself; options (a request's chat_template_kwargs) cannot replace them.
+TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
 class ChatTemplateError(ValueError):
     """The template could not be read or rendered; the message names the file and the cause."""
 

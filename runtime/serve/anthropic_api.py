@@ -148,7 +148,13 @@ async def messages(body: MessagesRequest, request: Request):
     out = parse_output(text, parser, tools)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": server.config.name,
             "content": _blocks(out), "stop_reason": _stop_reason(stream, out), "stop_sequence": stream.stop_sequence,
-            "usage": {"input_tokens": stream.prompt_tokens, "output_tokens": stream.completion_tokens}}
+            "usage": _usage(stream)}
+
+
+def _usage(stream: TokenStream) -> dict[str, int]:
+    """Anthropic's count: input_tokens are the prompt tokens not read from the (prefix) cache."""
+    return {"input_tokens": stream.prompt_tokens - stream.cached_tokens, "output_tokens": stream.completion_tokens,
+            "cache_read_input_tokens": stream.cached_tokens}
 
 
 async def _events(stream: TokenStream, msg_id: str, model: str, tools: list[dict], parser):
@@ -186,7 +192,7 @@ async def _events(stream: TokenStream, msg_id: str, model: str, tools: list[dict
         yield event("content_block_stop", {"index": index})
     stop_reason = "tool_use" if n_calls else _stop_reason(stream, AssistantOutput(""))
     yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stream.stop_sequence},
-                                  "usage": {"output_tokens": stream.completion_tokens}})
+                                  "usage": _usage(stream)})
     yield event("message_stop", {})
 
 

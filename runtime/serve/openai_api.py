@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator, model_validator
 
+from ftc_runtime.chat.template import TEMPLATE_NAMES
 from ftc_runtime.chat.tool_parsers import parse_output, tool_parser
 from ftc_runtime.sampling import SEED_RANGE, SamplingParams
 from ftc_runtime.serve.api_types import (
@@ -118,6 +119,16 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # Variables for the chat template (vLLM's and SGLang's extension), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_names(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or {}) & TEMPLATE_NAMES)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: the server sets these template variables itself")
+        return v
 
     @field_validator("tools")
     @classmethod
@@ -144,7 +155,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     server.check_model(body.model)
     tools, forced = _tool_choice(body)
     parser = tool_parser(server.engine.tool_parser)
-    ids, opening = await server.prompt_ids([_template_message(m) for m in body.messages], tools or None, forced)
+    ids, opening = await server.prompt_ids([_template_message(m) for m in body.messages], tools or None, forced,
+                                           **(body.chat_template_kwargs or {}))
     server.check_prompt(ids, "messages")
     limit = server.new_tokens(body.max_completion_tokens or body.max_tokens, len(ids))
     stream = server.stream(ids, limit, _sampling(body), _stops(body.stop), namespace_of(request), opening)
@@ -154,7 +166,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     text = await stream.text(request)
     raise_if_failed(stream, "server_error")
     out = parse_output(text, parser, tools)
-    message: dict[str, Any] = {"role": "assistant", "content": out.content}
+    # A reply that is only tool calls has no content: null, as OpenAI sends it.
+    message: dict[str, Any] = {"role": "assistant", "content": out.content or (None if out.tool_calls else "")}
     if out.reasoning is not None:
         message["reasoning_content"] = out.reasoning
     if out.tool_calls:
@@ -304,6 +317,7 @@ def _include_usage(body: Sampling) -> bool:
     return bool((body.stream_options or {}).get("include_usage"))
 
 
-def _usage(stream: TokenStream) -> dict[str, int]:
+def _usage(stream: TokenStream) -> dict[str, Any]:
     return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
-            "total_tokens": stream.prompt_tokens + stream.completion_tokens}
+            "total_tokens": stream.prompt_tokens + stream.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": stream.cached_tokens}}

@@ -77,6 +77,11 @@ class TokenStream:
                                      frozenset(engine.spec.eos_token_ids), namespace=namespace)
         scheduler.submit(self.request)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache restored (set when the engine admitted the request)."""
+        return self.request.reused_tokens
+
     def _on_token(self, token: int | None, reason: str | None) -> None:  # the engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, reason))
 
