@@ -431,6 +431,16 @@ def test_error_paths_exit_1_with_an_error_line(case, engine, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_compile_help_lists_the_targets_and_the_cli_starts_without_torch():
+    from ftc.compile.targets import PRESETS
+
+    said = _said(CliRunner().invoke(app, ["compile", "--help"]))
+    assert all(name in said for name in PRESETS), said
+    probe = "import sys, ftc.cli.main; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"  # --help and argument errors come at once
+
+
 def test_version_is_printed():
     from ftc import __version__
 

@@ -51,6 +51,7 @@ from ftc.cli.options import (
     server_config,
     size,
 )
+from ftc.compile.targets import PRESETS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="ftc, the FreeToken compiler: MoE models compiled into engines for one machine.")
@@ -74,7 +75,9 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_print_ver
 def compile(
     source: Annotated[Path, typer.Argument(help="Model spec YAML, an HF checkpoint directory, or a Hugging Face "
                                            "repository ORG/NAME (fetched into the Hub cache).")],
-    target: Annotated[str, typer.Option(help="Hardware target: 'auto' (this machine) or a preset name.")] = "auto",
+    target: Annotated[str, typer.Option(help="Hardware target: auto (this machine's ISA, every core of the machine "
+                                        f"that runs it), a profile .yaml from `ftc profile`, or one of "
+                                        f"{', '.join(PRESETS)}.")] = "auto",
     checkpoint: Annotated[Path | None, typer.Option(help="HF safetensors checkpoint directory.")] = None,
     random_weights: Annotated[bool, typer.Option("--random-weights", help="Deterministic random weights.")] = False,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed for --random-weights.")] = 0,

@@ -6,9 +6,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ftc_runtime.cpu_info import supported_isas
-from ftc_runtime.profile import HardwareProfile
-
 # Token-tile sizes each kernel ISA is specialized for, largest first: what fits its registers
 # (AVX-512: 32 zmm, 2·NB accumulators for gate/up; AVX2: 16 ymm).
 BATCH_BUCKETS = {"avx512_bf16": (8, 4, 2, 1), "avx2": (4, 2, 1)}
@@ -53,6 +50,10 @@ PRESETS: dict[str, Target] = {
 
 def resolve_target(name: str) -> Target:
     """`auto`, a preset name, or a profile YAML written by `ftc profile`."""
+    # Here, not at the top: the CLI imports this module for its help text, without torch.
+    from ftc_runtime.cpu_info import supported_isas
+    from ftc_runtime.profile import HardwareProfile
+
     if name.endswith((".yaml", ".yml")):
         try:
             prof = HardwareProfile.from_yaml(Path(name))
