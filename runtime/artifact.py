@@ -26,6 +26,7 @@ from ftc_runtime.chat.tokenizer import Tokenizer
 from ftc_runtime.cpu_info import ISA_FLAGS
 from ftc_runtime.io import ftw
 from ftc_runtime.models import checked_spec, family
+from ftc_runtime.sampling import check_defaults
 from ftc_runtime.spec import ModelSpec, SpecError, from_plain, short_repr
 
 FORMAT = "ftc-engine"
@@ -128,9 +129,18 @@ class EngineManifest:
         _expect(isinstance(raw.get("experts_in_memory", False), bool), path, "experts_in_memory",
                 raw.get("experts_in_memory"), "true or false")
         _check_kernel_check(raw.get("kernel_check", []), path)
+        try:
+            check_defaults(raw.get("sampling", {}))
+        except ValueError as e:
+            raise ArtifactError(f"{path}: field 'sampling': {e}") from None
         files = _field(raw, "files", path)
         _check_files(files, path)
         return cls(root, spec, plan, raw["target"], raw["weights_source"], files, raw)
+
+    @property
+    def sampling(self) -> dict[str, float | int]:
+        """The checkpoint's sampling defaults (generation_config.json): temperature, top_p, top_k."""
+        return self.raw.get("sampling", {})
 
     @property
     def experts_in_memory(self) -> bool:

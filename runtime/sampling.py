@@ -31,6 +31,29 @@ class SamplingParams:
             raise ValueError(f"top_k = {self.top_k}: expected a number >= 0 (0: no limit)")
 
 
+# The fields a checkpoint's generation_config.json gives ftc's sampling (engine.json "sampling").
+DEFAULT_FIELDS = ("temperature", "top_p", "top_k")
+
+
+def with_defaults(defaults: dict[str, float | int], seed: int, **given: float | int | None) -> SamplingParams:
+    """Sampling as asked (`given`, None: not asked), else the engine's defaults (its checkpoint's
+    generation_config.json), else SamplingParams'."""
+    chosen = {k: v for k, v in defaults.items() if k in DEFAULT_FIELDS}
+    chosen |= {k: v for k, v in given.items() if v is not None}
+    return SamplingParams(seed=seed, **chosen)
+
+
+def check_defaults(d: object) -> dict[str, float | int]:
+    """engine.json's "sampling": a mapping of DEFAULT_FIELDS that SamplingParams takes."""
+    if not isinstance(d, dict) or not set(d) <= set(DEFAULT_FIELDS):
+        raise ValueError(f"expected a mapping of {', '.join(DEFAULT_FIELDS)}")
+    for k, v in d.items():
+        if isinstance(v, bool) or not isinstance(v, int if k == "top_k" else (int, float)):
+            raise ValueError(f"{k} = {v!r}: expected a number")
+    SamplingParams(**d)  # the ranges
+    return d
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params

@@ -17,12 +17,13 @@ from safetensors.torch import load_file, save_file
 
 from ftc.compile.checkpoint import CheckpointError
 from ftc.compile.ftw_writer import FtwWriter
-from ftc.compile.pipeline import CompileOptions, compile_engine
+from ftc.compile.pipeline import CompileOptions, compile_engine, sampling_defaults
 from ftc.compile.spec_loader import load_spec
 from ftc_runtime import Engine
 from ftc_runtime.formats.base import expert_shapes
 from ftc_runtime.io.ftw import FtwHeader
 from ftc_runtime.models import family
+from ftc_runtime.spec import SpecError
 
 from hf_models import TinyShape, build_model, save_checkpoint
 
@@ -282,3 +283,19 @@ def test_failed_compile_leaves_the_previous_engine_intact(good_engine_then_faile
 def test_failed_compile_leaves_no_partial_directory(good_engine_then_failed_compile):
     out = good_engine_then_failed_compile[0]
     assert not list(out.parent.glob(f".{out.name}.partial*"))
+
+
+def test_generation_config_gives_the_engines_sampling_defaults(tmp_path):
+    """temperature, top_p and top_k of generation_config.json; do_sample false: greedy; none: no
+    defaults; a bad value or file is refused naming it."""
+    assert sampling_defaults(tmp_path) == {} and sampling_defaults(None) == {}
+    config = {"temperature": round(random.uniform(0.1, 1.5), 3), "top_p": round(random.uniform(0.5, 1), 3),
+              "top_k": random.randint(0, 100), "do_sample": True, "bos_token_id": 1, "repetition_penalty": 1.05}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    assert sampling_defaults(tmp_path) == {k: config[k] for k in ("temperature", "top_p", "top_k")}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config | {"do_sample": False}))
+    assert sampling_defaults(tmp_path) == {"temperature": 0.0}
+    for bad, says in ((config | {"top_p": 1.5}), "top_p"), ((config | {"top_k": "20"}), "top_k"), ("{oops", "JSON"):
+        (tmp_path / "generation_config.json").write_text(bad if isinstance(bad, str) else json.dumps(bad))
+        with pytest.raises(SpecError, match=f"generation_config.json: .*{says}"):
+            sampling_defaults(tmp_path)

@@ -285,6 +285,27 @@ def test_run_prompt_errors_before_the_engine_loads(engine, tmp_path):
         assert r.returncode == 1 and r.stderr.startswith("error: ") and says in r.stderr, (args, r.stderr)
 
 
+def with_sampling_defaults(engine: Path, tmp_path: Path, defaults: dict) -> Path:
+    """A copy of `engine` whose engine.json carries `defaults` as its checkpoint's sampling."""
+    copy = shutil.copytree(engine, tmp_path / "with-defaults")
+    manifest = json.loads((copy / "engine.json").read_text())
+    (copy / "engine.json").write_text(json.dumps(manifest | {"sampling": defaults}))
+    return copy
+
+
+def test_run_samples_by_the_checkpoints_defaults_unless_told(engine, loaded, tmp_path):
+    """Options left out take the engine's sampling (its generation_config.json); given, they win."""
+    defaults = {"temperature": round(random.uniform(0.5, 1.5), 2), "top_p": 0.9, "top_k": random.randint(5, 50)}
+    copy = with_sampling_defaults(engine, tmp_path, defaults)
+    ids, seed = random_ids(4), random.randrange(1000)
+    sampled = parse_json(ftc(*run_json_args(copy, ids, 12, "--ignore-eos", "--seed", seed)))["tokens"]
+    assert sampled == list(loaded.generate(ids, 12, SamplingParams(seed=seed, **defaults), stop_at_eos=False))
+    greedy = parse_json(ftc(*run_json_args(copy, ids, 12, "--ignore-eos", "--temperature", 0)))["tokens"]
+    assert greedy == list(loaded.generate(ids, 12, SamplingParams(0.0), stop_at_eos=False))
+    top_k = parse_json(ftc(*run_json_args(copy, ids, 12, "--ignore-eos", "--seed", seed, "--top-k", 1)))["tokens"]
+    assert top_k == greedy  # one candidate left: the likeliest, whatever the temperature
+
+
 def test_sampling_is_reproducible_by_seed_and_varies_across_seeds(engine, loaded):
     ids = random_ids(4)
     sample = ["--temperature", "0.8", "--ignore-eos"]

@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -281,6 +282,23 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_restored(engine_dir, se
         usage = msg["usage"]
         assert usage["cache_read_input_tokens"] > 0
         assert usage["input_tokens"] + usage["cache_read_input_tokens"] == again["usage"]["prompt_tokens"]
+
+
+def test_requests_sample_by_the_engines_defaults_unless_they_say(engine_dir, tmp_path, seed):
+    """A request that leaves sampling out gets the checkpoint's defaults (engine.json "sampling"),
+    not the API's temperature 1; what it gives wins."""
+    copy = shutil.copytree(engine_dir, tmp_path / "e")
+    manifest = json.loads((copy / "engine.json").read_text())
+    defaults = {"temperature": 0.5, "top_p": 0.8, "top_k": 7}
+    (copy / "engine.json").write_text(json.dumps(manifest | {"sampling": defaults}))
+    rng = random.Random(seed)
+    body = {"model": "m", "prompt": [rng.randrange(256) for _ in range(5)], "max_tokens": 24, "seed": rng.randrange(99)}
+    with serving(Engine.load(copy)) as base:
+        def text(**sampling) -> str:
+            return httpx.post(base + "/v1/completions", json=body | sampling, timeout=60).json()["choices"][0]["text"]
+
+        assert text() == text(**defaults)
+        assert text() != text(temperature=1.0, top_p=1.0, top_k=0)
 
 
 def test_metrics_need_the_key_unless_public(engine):

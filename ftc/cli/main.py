@@ -135,9 +135,12 @@ def run(
                                       "template.")] = False,
     max_new_tokens: Annotated[int, typer.Option(min=0, help="Tokens to generate at most per answer "
                                                 "(0: none).")] = 1024,
-    temperature: Annotated[float, typer.Option(parser=number_in(0), help="0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(parser=number_in(0, 1, low_open=True), help="Nucleus sampling mass, in "
-                                         "(0, 1].")] = 1.0,
+    temperature: Annotated[float | None, typer.Option(parser=number_in(0), help="0 is greedy (default: the "
+                                                      "checkpoint's generation_config.json, else 0).")] = None,
+    top_p: Annotated[float | None, typer.Option(parser=number_in(0, 1, low_open=True), help="Nucleus sampling mass, "
+                                                "in (0, 1] (default: the checkpoint's, else 1).")] = None,
+    top_k: Annotated[int | None, typer.Option(min=0, help="Sample among the k likeliest tokens; 0: all (default: "
+                                              "the checkpoint's, else 0).")] = None,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Sampling seed.")] = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (tokens, text, timings).")] = False,
@@ -170,8 +173,6 @@ def run(
     """Chat with an engine: one turn (--prompt, --prompt-file, or stdin's text), or a conversation
     when stdin is a terminal; --raw or --prompt-ids continue a prompt as it is. With --serve, answer
     the OpenAI and Anthropic APIs over HTTP."""
-    from ftc_runtime import SamplingParams
-
     try:
         check_run_mode(ctx, serve)
         offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts)
@@ -188,7 +189,7 @@ def run(
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         _serve(engine, offload, prefill_chunk, host, port, config, prefix_cache)
         return
-    sampling = SamplingParams(temperature, top_p, seed)
+    sampling = {"seed": seed, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     if raw or given_ids is not None:
         _generate(engine, offload, prefill_chunk, reprofile, given_ids, text, max_new_tokens, sampling,
                   not ignore_eos, as_json)
@@ -197,27 +198,29 @@ def run(
               as_json)
 
 
-def _load(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, quiet: bool):
-    """The engine for `ftc run` (and its load time), reprofiled if asked."""
+def _load(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, quiet: bool, asked: dict):
+    """The engine for `ftc run`, its load time, reprofiled if asked, and the sampling: what the
+    options ask, else the engine's defaults (its checkpoint's generation_config.json)."""
     from ftc_runtime import Engine
+    from ftc_runtime.sampling import with_defaults
 
     t0 = time.perf_counter()
     eng = Engine.load(engine, show_progress=not quiet, offload=offload, prefill_chunk=prefill_chunk)
     load_s = time.perf_counter() - t0
     if reprofile:
         reprofile_engine(engine, eng, offload)
-    return eng, load_s
+    return eng, load_s, with_defaults(eng.manifest.sampling, **asked)
 
 
 def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, text: str | None, system: str | None,
-          max_new_tokens: int, sampling, stop_at_eos: bool, as_json: bool) -> None:
+          max_new_tokens: int, sampling: dict, stop_at_eos: bool, as_json: bool) -> None:
     """One chat turn (`text`), or a conversation at the terminal (`text` None)."""
     from ftc.cli.chat import note_random_weights, print_json, print_turn, repl, turn_json
     from ftc_runtime.chat.session import ChatSession
     from ftc_runtime.serve.app import default_prefix_cache_bytes
 
     try:
-        eng, load_s = _load(engine, offload, prefill_chunk, reprofile, as_json)
+        eng, load_s, sampling = _load(engine, offload, prefill_chunk, reprofile, as_json, sampling)
         session = ChatSession(eng, system, stop_at_eos)
         if not as_json:
             note_random_weights(eng)
@@ -235,12 +238,12 @@ def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, tex
 
 
 def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, given_ids: list[int] | None,
-              prompt: str | None, max_new_tokens: int, sampling, stop_at_eos: bool, as_json: bool) -> None:
+              prompt: str | None, max_new_tokens: int, sampling: dict, stop_at_eos: bool, as_json: bool) -> None:
     """Loads the engine and generates, streaming the text (or printing one JSON object at the end)."""
     from ftc_runtime.chat.tokenizer import StreamDecoder
 
     try:
-        eng, load_s = _load(engine, offload, prefill_chunk, reprofile, as_json)
+        eng, load_s, sampling = _load(engine, offload, prefill_chunk, reprofile, as_json, sampling)
         ids = given_ids if given_ids is not None else eng.tokenizer.encode(prompt)
         gen = eng.generate(ids, max_new_tokens, sampling, stop_at_eos)
         decoder = StreamDecoder(eng.tokenizer)

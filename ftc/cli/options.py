@@ -167,7 +167,7 @@ def offload_config(device: str | None, vram_budget: int | None, slots: int | Non
 SERVE_ONLY = ("host", "port", "api_key", "api_keys_file", "allowed_hosts", "max_batch", "max_prompt_tokens",
               "max_tokens", "max_body_bytes", "prefix_cache", "metrics_public", "log_level", "served_model_name")
 GENERATE_ONLY = ("prompt", "prompt_file", "prompt_ids", "system", "raw", "max_new_tokens", "temperature", "top_p",
-                 "seed", "ignore_eos", "as_json", "reprofile")
+                 "top_k", "seed", "ignore_eos", "as_json", "reprofile")
 
 
 def check_run_mode(ctx: typer.Context, serve: bool) -> None:

@@ -60,6 +60,7 @@ from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.formats import expert_format
 from ftc_runtime.io.ftw import ExpertPool, FtwHeader, read_header
 from ftc_runtime.models import family
+from ftc_runtime.sampling import DEFAULT_FIELDS, check_defaults
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec, SpecError
 
@@ -186,11 +187,33 @@ def _build_engine(spec: ModelSpec, target: Target, plan: Plan, weights: WeightSo
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "name": spec.name, "spec": spec.to_dict(), "target": target.to_dict(), "plan": plan.to_dict(),
         "weights_source": weights.description, "kernels": kernels, "kernel_check": checks,
-        "experts_in_memory": experts_in_memory, "files": describe_files(staging, files, hashes),
+        "experts_in_memory": experts_in_memory, "sampling": sampling_defaults(checkpoint),
+        "files": describe_files(staging, files, hashes),
     }
     # allow_nan=False: the runtime refuses NaN and Infinity, which are not JSON.
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False) + "\n")
     return pool
+
+
+def sampling_defaults(checkpoint: Path | None) -> dict[str, float | int]:
+    """The checkpoint's generation_config.json as ftc samples: its temperature, top_p and top_k,
+    or greedy where it says do_sample false; nothing without one."""
+    path = checkpoint / "generation_config.json" if checkpoint is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise SpecError(f"{path}: expected a JSON object")
+    if config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    defaults = {k: config[k] for k in DEFAULT_FIELDS if config.get(k) is not None}
+    try:
+        return check_defaults(defaults)
+    except ValueError as e:
+        raise SpecError(f"{path}: {e}") from None
 
 
 def _write_dense(weights: WeightSource, staging: Path, progress: Progress, spec: ModelSpec) -> None:

@@ -14,7 +14,6 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator, model_validator
 
 from ftc_runtime.chat.tool_parsers import AssistantOutput, parse_output, tool_parser
-from ftc_runtime.sampling import SamplingParams
 from ftc_runtime.serve.api_types import (
     MAX_TOKENS,
     ApiBody,
@@ -113,9 +112,9 @@ class CountRequest(ApiBody):
 class MessagesRequest(CountRequest):
     max_tokens: int = Field(ge=1, le=MAX_TOKENS)
     stream: bool = False
-    temperature: float = Field(1.0, ge=0.0, le=1.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=MAX_TOKENS)
+    temperature: float | None = Field(None, ge=0.0, le=1.0)  # left out: the engine's defaults, else the API's
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOKENS)
     stop_sequences: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] | None = Field(None, max_length=MAX_STOPS)
 
 
@@ -133,7 +132,7 @@ async def messages(body: MessagesRequest, request: Request):
     ids, opening = await _prompt_ids(server, body)
     server.check_prompt(ids, "messages")
     limit = server.new_tokens(body.max_tokens, len(ids))
-    sampling = SamplingParams(body.temperature, body.top_p, secrets.randbits(63), body.top_k)
+    sampling = server.sampling(secrets.randbits(63), temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     stream = server.stream(ids, limit, sampling, list(body.stop_sequences or []), namespace_of(request),
                          opening)
     tools = _tools(body)

@@ -82,9 +82,10 @@ class Tool(ApiBody):
 class Sampling(ApiBody):
     model: str
     stream: bool = False
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=MAX_TOKENS)  # an extension (vLLM and others take it too); 0: no limit
+    # Left out: the engine's defaults (its checkpoint's generation_config.json), else the API's.
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOKENS)  # an extension (vLLM and others take it too); 0: no limit
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream_options: dict[str, Any] | None = None
@@ -159,7 +160,7 @@ async def chat_completions(body: ChatRequest, request: Request):
                                            **(body.chat_template_kwargs or {}))
     server.check_prompt(ids, "messages")
     limit = server.new_tokens(body.max_completion_tokens or body.max_tokens, len(ids))
-    stream = server.stream(ids, limit, _sampling(body), _stops(body.stop), namespace_of(request), opening)
+    stream = server.stream(ids, limit, _sampling(server, body), _stops(body.stop), namespace_of(request), opening)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.name}
     if body.stream:
         return _sse(server, _chat_chunks(stream, meta, tools, parser, _include_usage(body)))
@@ -187,7 +188,7 @@ async def completions(body: CompletionRequest, request: Request):
     if bad:
         raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
     server.check_prompt(ids, "prompt")
-    stream = server.stream(ids, server.new_tokens(body.max_tokens, len(ids)), _sampling(body),
+    stream = server.stream(ids, server.new_tokens(body.max_tokens, len(ids)), _sampling(server, body),
                          _stops(body.stop), namespace_of(request))
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.name,
             "object": "text_completion"}
@@ -298,10 +299,10 @@ def _call_out(call) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
 
 
-def _sampling(body: Sampling) -> SamplingParams:
+def _sampling(server: Server, body: Sampling) -> SamplingParams:
     """Without a seed every request draws its own (the same seed repeats a sampled answer)."""
-    return SamplingParams(body.temperature, body.top_p, body.seed if body.seed is not None else secrets.randbits(63),
-                          body.top_k)
+    return server.sampling(body.seed if body.seed is not None else secrets.randbits(63), temperature=body.temperature,
+                           top_p=body.top_p, top_k=body.top_k)
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:

@@ -21,6 +21,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -29,7 +30,6 @@ from ftc_runtime.cache.prefix import Resume
 from ftc_runtime.engine import Engine
 from ftc_runtime.experts.vram_plan import VramError
 from ftc_runtime.sampling import Sampler, SamplingParams
-from ftc_runtime.serve.metrics import RequestMetrics
 
 # What a request's callback receives, on the engine thread: (token id, None) for each new token,
 # then (None, finish reason) once: "stop" (a stop token), "length" (max_new_tokens), "cancelled"
@@ -72,8 +72,16 @@ class Request:
         self.cancelled.set()
 
 
+class RequestObserver(Protocol):
+    """Told of each token and each finished request, on the engine thread (`metrics.RequestMetrics`)."""
+
+    def token(self, r: Request) -> None: ...
+
+    def finished(self, r: Request, reason: str) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, max_batch: int = 16, metrics: RequestMetrics | None = None,
+    def __init__(self, engine: Engine, max_batch: int = 16, metrics: RequestObserver | None = None,
                  prompt_chunk: int = 512):
         if max_batch < 1 or prompt_chunk < 1:
             raise ValueError(f"max_batch = {max_batch}, prompt_chunk = {prompt_chunk}: expected at least 1")

@@ -12,7 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 from ftc_runtime.chat.template import ChatTemplateError
 from ftc_runtime.chat.tool_parsers import tool_parser
 from ftc_runtime.engine import Engine
-from ftc_runtime.sampling import SamplingParams
+from ftc_runtime.sampling import SamplingParams, with_defaults
 from ftc_runtime.serve.api_types import ApiError
 from ftc_runtime.serve.metrics import RequestMetrics
 from ftc_runtime.serve.scheduler import Scheduler
@@ -45,6 +45,9 @@ class ServerConfig:
         return ((self.api_key,) if self.api_key is not None else ()) + self.api_keys
 
 
+API_SAMPLING = {"temperature": 1.0}  # OpenAI's and Anthropic's default where neither request nor engine says
+
+
 class Server:
     def __init__(self, engine: Engine, config: ServerConfig):
         for name in ("max_batch", "max_prompt_tokens", "max_new_tokens", "max_body_bytes"):
@@ -72,6 +75,10 @@ class Server:
         if names and model not in names:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
                            "model", "not_found_error")
+
+    def sampling(self, seed: int, **asked: float | int | None) -> SamplingParams:
+        """A request's sampling: what it asks, else the engine's defaults, else the APIs' (temperature 1)."""
+        return with_defaults(API_SAMPLING | self.engine.manifest.sampling, seed, **asked)
 
     def new_tokens(self, asked: int | None, prompt_tokens: int) -> int:
         """Tokens to generate at most: what the request asks (default: the server's limit), within
