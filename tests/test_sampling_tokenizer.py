@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,26 @@ def test_stream_decoder_deltas_add_up_to_the_whole_decode(tmp_path: Path, seed: 
         stream = StreamDecoder(tok)
         text = "".join(stream.push(i) for i in ids) + stream.flush()
         assert text == tok.decode(ids), ids
+
+
+def test_stream_decoder_time_grows_linearly(tmp_path: Path, seed: int):
+    """Each step decodes a short window, not the whole answer again: 8x the tokens take about 8x
+    the time (a re-decode of everything per token would take 64x)."""
+    spec, _ = load_spec(SPEC)
+    build_byte_tokenizer(spec, tmp_path / "tokenizer.json")
+    tok = Tokenizer(tmp_path / "tokenizer.json")
+    rng = random.Random(seed)
+    text_ids = tok.encode(" ".join(str(rng.random()) for _ in range(2000)))
+
+    def seconds(n: int) -> float:
+        best = float("inf")
+        for _ in range(3):
+            stream = StreamDecoder(tok)
+            t0 = time.perf_counter()
+            for i in text_ids[:n]:
+                stream.push(i)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    short, long = seconds(1000), seconds(8000)
+    assert len(text_ids) >= 8000 and long / short < 24, (short, long)
