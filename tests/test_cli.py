@@ -205,6 +205,25 @@ def test_chat_turn_equals_the_servers_answer(engine, loaded):
     assert out["reasoning"] == message.get("reasoning_content")
 
 
+def stop_from(text: str) -> str | None:
+    """Two printable characters from the middle of `text` (a command-line argument holds no NUL)."""
+    spots = [i for i in range(len(text) // 4, len(text) - 2)
+             if text[i:i + 2].isprintable() and text[i:i + 2].isascii() and not text[i].isspace() and text[i] != "-"]
+    return text[spots[len(spots) // 2]:][:2] if spots else None
+
+
+@pytest.mark.parametrize("mode", [["--raw", "--prompt", "the fox"], ["--prompt", "the fox"]])
+def test_stop_strings_end_the_answer_before_them(engine, mode):
+    common = [*mode, "--max-new-tokens", 48, "--ignore-eos", "--temperature", 0, "--json"]
+    full = parse_json(ftc("run", engine, *common))
+    stop = stop_from(full["text"])
+    if stop is None:
+        pytest.skip(f"no printable stretch in {full['text']!r}")
+    out = parse_json(ftc("run", engine, *common, "--stop", stop, "--stop", "\u2603 never"))
+    assert out["text"] == full["text"][:full["text"].index(stop)]
+    assert out["tokens"] == full["tokens"][:len(out["tokens"])] and len(out["tokens"]) < 48
+
+
 def test_chat_prompt_from_stdin_or_a_file_is_the_same_turn(engine, tmp_path):
     text, n = chat_text(), random.randint(2, 8)
     (tmp_path / "prompt.txt").write_text(text)

@@ -143,6 +143,7 @@ def run(
                                               "the checkpoint's, else 0).")] = None,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Sampling seed.")] = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence.")] = False,
+    stop: Annotated[list[str] | None, typer.Option(help="End the answer before this text (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (tokens, text, timings).")] = False,
     device: Annotated[str | None, typer.Option(help="Run the model on this torch device with an expert slot "
                                                "cache there ('cuda', or 'cpu' to emulate one).")] = None,
@@ -192,10 +193,10 @@ def run(
     sampling = {"seed": seed, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     if raw or given_ids is not None:
         _generate(engine, offload, prefill_chunk, reprofile, given_ids, text, max_new_tokens, sampling,
-                  not ignore_eos, as_json)
+                  not ignore_eos, stop or [], as_json)
     else:
         _chat(engine, offload, prefill_chunk, reprofile, text, system, max_new_tokens, sampling, not ignore_eos,
-              as_json)
+              stop or [], as_json)
 
 
 def _load(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, quiet: bool, asked: dict):
@@ -213,7 +214,7 @@ def _load(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, qui
 
 
 def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, text: str | None, system: str | None,
-          max_new_tokens: int, sampling: dict, stop_at_eos: bool, as_json: bool) -> None:
+          max_new_tokens: int, sampling: dict, stop_at_eos: bool, stop: list[str], as_json: bool) -> None:
     """One chat turn (`text`), or a conversation at the terminal (`text` None)."""
     from ftc.cli.chat import note_random_weights, print_json, print_turn, repl, turn_json
     from ftc_runtime.chat.session import ChatSession
@@ -221,7 +222,7 @@ def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, tex
 
     try:
         eng, load_s, sampling = _load(engine, offload, prefill_chunk, reprofile, as_json, sampling)
-        session = ChatSession(eng, system, stop_at_eos)
+        session = ChatSession(eng, system, stop_at_eos, stop)
         if not as_json:
             note_random_weights(eng)
         if as_json:
@@ -238,30 +239,38 @@ def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, tex
 
 
 def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, given_ids: list[int] | None,
-              prompt: str | None, max_new_tokens: int, sampling: dict, stop_at_eos: bool, as_json: bool) -> None:
-    """Loads the engine and generates, streaming the text (or printing one JSON object at the end)."""
+              prompt: str | None, max_new_tokens: int, sampling: dict, stop_at_eos: bool, stop: list[str],
+              as_json: bool) -> None:
+    """Loads the engine and generates, streaming the text (or printing one JSON object at the end)
+    up to the first `stop` string."""
+    from ftc_runtime.chat.stop_strings import StopMatcher
     from ftc_runtime.chat.tokenizer import StreamDecoder
+
+    def show(piece: str) -> None:
+        pieces.append(piece)
+        if not as_json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
 
     try:
         eng, load_s, sampling = _load(engine, offload, prefill_chunk, reprofile, as_json, sampling)
         ids = given_ids if given_ids is not None else eng.tokenizer.encode(prompt)
         gen = eng.generate(ids, max_new_tokens, sampling, stop_at_eos)
-        decoder = StreamDecoder(eng.tokenizer)
-        tokens = []
+        decoder, stops, tokens, pieces = StreamDecoder(eng.tokenizer), StopMatcher(stop), [], []
         for token in gen:
             tokens.append(token)
-            delta = decoder.push(token)
-            if not as_json:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+            show(stops.feed(decoder.push(token)))
+            if stops.hit is not None:
+                break
+        else:
+            show(stops.feed(decoder.flush()) + stops.flush())
     except user_errors() as e:
         fail(e)
     s = gen.stats
     timings = {"load_s": round(load_s, 4), "prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4),
                "prefill_tok_s": round(s.prefill_tok_s, 2), "decode_tok_s": round(s.decode_tok_s, 2)}
     if as_json:
-        result = {"tokens": tokens, "text": eng.tokenizer.decode(tokens), "prompt_tokens": len(ids),
-                  "timings": timings}
+        result = {"tokens": tokens, "text": "".join(pieces), "prompt_tokens": len(ids), "timings": timings}
         if eng.vram is not None:
             result["offload"] = {"vram": eng.vram.to_dict(), "experts": eng.model.experts.stats.to_dict()}
         print(json.dumps(result))

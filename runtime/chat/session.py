@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ftc_runtime.chat.stop_strings import StopMatcher
 from ftc_runtime.chat.tokenizer import StreamDecoder
 from ftc_runtime.chat.tool_parsers import ReasoningSplitter, hidden_token_ids, tool_parser
 from ftc_runtime.sampling import SamplingParams
@@ -16,12 +17,13 @@ if TYPE_CHECKING:
 
 
 class ChatSession:
-    def __init__(self, engine: Engine, system: str | None = None, stop_at_eos: bool = True):
+    def __init__(self, engine: Engine, system: str | None = None, stop_at_eos: bool = True, stop: list[str] = ()):
         if engine.chat_template is None:
             raise ValueError(f"{engine.manifest.root}: the engine has no chat template (compile it again, or "
                              "give --raw for a plain completion)")
         self.engine = engine
         self.system, self.stop_at_eos = system, stop_at_eos
+        self.stop = list(stop)  # an answer ends before the first of these strings
         self.messages: list[dict[str, str]] = []
         self.generation: Generation | None = None  # the last turn's: its stats
         self.tokens: list[int] = []  # the last turn's answer, control tokens included
@@ -34,8 +36,9 @@ class ChatSession:
 
     def reply(self, text: str, max_new_tokens: int, sampling: SamplingParams | None = None
               ) -> Iterator[tuple[str, str]]:
-        """The answer to the user's `text`, in parts as it streams. Leaving the iteration early (an
-        interrupted turn) keeps what was said so far in the history."""
+        """The answer to the user's `text`, in parts as it streams, ending before the first stop
+        string. Leaving the iteration early (an interrupted turn) keeps what was said so far in the
+        history."""
         self.messages.append({"role": "user", "content": text})
         tokenizer = self.engine.tokenizer
         ids = self.engine.chat_template.render_ids(tokenizer, self.messages)
@@ -43,13 +46,17 @@ class ChatSession:
         self.generation = self.engine.generate(ids, max_new_tokens, sampling, self.stop_at_eos)
         self.tokens = []
         hidden = hidden_token_ids(tokenizer.special_tokens, tool_parser(self.engine.tool_parser))
-        decoder, splitter, content = StreamDecoder(tokenizer), ReasoningSplitter(), []
+        decoder, stops, splitter, content = StreamDecoder(tokenizer), StopMatcher(self.stop), ReasoningSplitter(), []
         try:
             for token in self.generation:
                 self.tokens.append(token)
                 if token not in hidden:
-                    yield from self._kept(splitter.feed(decoder.push(token)), content)
-            yield from self._kept(splitter.feed(decoder.flush()) + splitter.flush(), content)
+                    yield from self._kept(splitter.feed(stops.feed(decoder.push(token))), content)
+                if stops.hit is not None:
+                    break
+            else:
+                yield from self._kept(splitter.feed(stops.feed(decoder.flush()) + stops.flush()), content)
+            yield from self._kept(splitter.flush(), content)
         finally:
             self.messages.append({"role": "assistant", "content": "".join(content)})
 

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ftc_runtime.chat.stop_strings import partial_suffix
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -69,7 +71,7 @@ class ReasoningSplitter:
         if self.mode == "reasoning":
             end = text.find("</think>")
             if end < 0:
-                keep = _partial_suffix(text, "</think>")
+                keep = partial_suffix(text, "</think>")
                 if text[:len(text) - keep]:
                     out.append(("reasoning", text[:len(text) - keep]))
                 self.held = text[len(text) - keep:]
@@ -89,14 +91,6 @@ class ReasoningSplitter:
         return [("reasoning" if self.mode == "reasoning" else "content", held)] if held else []
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ToolCallStream:
     """Streamed content split into ("content", text) and ("tool_call", ToolCall) pieces as it
     arrives: text outside the parser's blocks passes at once (a possible start of a tag is held
@@ -114,7 +108,7 @@ class ToolCallStream:
             if not self.in_block:
                 start = self.held.find(open_tag)
                 if start < 0:
-                    keep = _partial_suffix(self.held, open_tag)
+                    keep = partial_suffix(self.held, open_tag)
                     _content(out, self.held[:len(self.held) - keep])
                     self.held = self.held[len(self.held) - keep:]
                     return out

@@ -1,6 +1,6 @@
-"""`TokenStream`: one request's text as the engine thread produces it, which every route reads;
-`StopMatcher` (stop strings, matched on the text's tail only); `with_keepalive` (SSE lines while a
-stream has nothing to say, so that no client's idle watchdog fires during a long prefill)."""
+"""`TokenStream`: one request's text as the engine thread produces it, which every route reads,
+cut at its stop strings (`StopMatcher`); `with_keepalive` (SSE lines while a stream has nothing to
+say, so that no client's idle watchdog fires during a long prefill)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
+from ftc_runtime.chat.stop_strings import StopMatcher
 from ftc_runtime.chat.tokenizer import StreamDecoder
 from ftc_runtime.chat.tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser, hidden_token_ids, tool_parser
 from ftc_runtime.engine import Engine
@@ -20,40 +21,6 @@ from ftc_runtime.serve.scheduler import Scheduler
 
 MAX_STOPS = 16  # stop strings per request
 MAX_STOP_CHARS = 512  # characters of one stop string
-
-
-class StopMatcher:
-    """Text deltas in, the text to pass on out, until a stop string appears; matching looks at the
-    held-back tail and the new delta only, so its cost does not grow with the answer."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.held = ""  # the end of the text so far that may begin a stop string
-        self.hit: str | None = None
-
-    def feed(self, delta: str) -> str:
-        """What of `delta` can be passed on; once a stop string is found (`hit`), the text before it."""
-        window = self.held + delta
-        found = [(i, s) for i, s in ((window.find(s), s) for s in self.stops) if i >= 0]
-        if found:
-            cut, self.hit = min(found)
-            self.held = ""
-            return window[:cut]
-        keep = max((_partial_suffix(window, s) for s in self.stops), default=0)
-        self.held = window[len(window) - keep:]
-        return window[:len(window) - keep]
-
-    def flush(self) -> str:
-        held, self.held = self.held, ""
-        return held
-
-
-def _partial_suffix(text: str, stop: str) -> int:
-    """The length of the longest end of `text` that is a proper beginning of `stop`."""
-    for k in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:k]):
-            return k
-    return 0
 
 
 class TokenStream:
