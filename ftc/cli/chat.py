@@ -3,14 +3,13 @@ conversation at a terminal. The answer goes to stdout; reasoning, notes and timi
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import TYPE_CHECKING
 
 from ftc.cli.options import err
 
 if TYPE_CHECKING:
-    from ftc_runtime import Engine, SamplingParams
+    from ftc_runtime import Engine, GenerationStats, SamplingParams
     from ftc_runtime.chat.session import ChatSession
 
 REPL_HELP = "/exit or Ctrl-D leaves, /clear forgets the conversation, Ctrl-C stops an answer"
@@ -31,7 +30,7 @@ def print_turn(session: ChatSession, text: str, max_new_tokens: int, sampling: S
         sys.stdout.flush()
     sys.stdout.write("\n")
     s = session.generation.stats
-    err.print(f"[dim]{session.prompt_tokens} prompt tokens ({s.reused_tokens} reused), {s.new_tokens} generated; "
+    err.print(f"[dim]{s.prompt_tokens} prompt tokens ({s.reused_tokens} reused), {s.new_tokens} generated; "
               f"prefill {s.prefill_tok_s:.1f} tok/s, decode {s.decode_tok_s:.2f} tok/s[/]", soft_wrap=True)
 
 
@@ -43,10 +42,13 @@ def turn_json(session: ChatSession, text: str, max_new_tokens: int, sampling: Sa
         parts[kind].append(piece)
     s = session.generation.stats
     return {"text": "".join(parts["content"]), "reasoning": "".join(parts["reasoning"]) or None,
-            "tokens": session.tokens, "prompt_tokens": session.prompt_tokens,
-            "timings": {"load_s": round(load_s, 4), "prefill_s": round(s.prefill_s, 4),
-                        "decode_s": round(s.decode_s, 4), "prefill_tok_s": round(s.prefill_tok_s, 2),
-                        "decode_tok_s": round(s.decode_tok_s, 2)}}
+            "tokens": session.tokens, "prompt_tokens": s.prompt_tokens, "timings": timings(load_s, s)}
+
+
+def timings(load_s: float, s: GenerationStats) -> dict[str, float]:
+    """`--json`'s timings of one answer, chat or raw."""
+    return {"load_s": round(load_s, 4), "prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4),
+            "prefill_tok_s": round(s.prefill_tok_s, 2), "decode_tok_s": round(s.decode_tok_s, 2)}
 
 
 def repl(eng: Engine, session: ChatSession, max_new_tokens: int, sampling: SamplingParams) -> None:
@@ -81,7 +83,3 @@ def note_random_weights(eng: Engine) -> None:
     if eng.manifest.weights_source.startswith("random"):
         err.print(f"note: {eng.spec.name} has {eng.manifest.weights_source}: its answers are gibberish",
                   markup=False, soft_wrap=True)
-
-
-def print_json(result: dict) -> None:
-    print(json.dumps(result))

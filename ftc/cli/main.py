@@ -216,7 +216,7 @@ def _load(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, qui
 def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, text: str | None, system: str | None,
           max_new_tokens: int, sampling: dict, stop_at_eos: bool, stop: list[str], as_json: bool) -> None:
     """One chat turn (`text`), or a conversation at the terminal (`text` None)."""
-    from ftc.cli.chat import note_random_weights, print_json, print_turn, repl, turn_json
+    from ftc.cli.chat import note_random_weights, print_turn, repl, turn_json
     from ftc_runtime.chat.session import ChatSession
     from ftc_runtime.serve.app import default_prefix_cache_bytes
 
@@ -226,7 +226,7 @@ def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, tex
         if not as_json:
             note_random_weights(eng)
         if as_json:
-            print_json(turn_json(session, text, max_new_tokens, sampling, load_s))
+            print(json.dumps(turn_json(session, text, max_new_tokens, sampling, load_s)))
         elif text is not None:
             print_turn(session, text, max_new_tokens, sampling)
         else:  # each turn resumes from the cached conversation, not from its first token
@@ -243,6 +243,7 @@ def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool,
               as_json: bool) -> None:
     """Loads the engine and generates, streaming the text (or printing one JSON object at the end)
     up to the first `stop` string."""
+    from ftc.cli.chat import timings
     from ftc_runtime.chat.stop_strings import StopMatcher
     from ftc_runtime.chat.tokenizer import StreamDecoder
 
@@ -267,10 +268,8 @@ def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool,
     except user_errors() as e:
         fail(e)
     s = gen.stats
-    timings = {"load_s": round(load_s, 4), "prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4),
-               "prefill_tok_s": round(s.prefill_tok_s, 2), "decode_tok_s": round(s.decode_tok_s, 2)}
     if as_json:
-        result = {"tokens": tokens, "text": "".join(pieces), "prompt_tokens": len(ids), "timings": timings}
+        result = {"tokens": tokens, "text": "".join(pieces), "prompt_tokens": len(ids), "timings": timings(load_s, s)}
         if eng.vram is not None:
             result["offload"] = {"vram": eng.vram.to_dict(), "experts": eng.model.experts.stats.to_dict()}
         print(json.dumps(result))

@@ -25,9 +25,8 @@ class ChatSession:
         self.system, self.stop_at_eos = system, stop_at_eos
         self.stop = list(stop)  # an answer ends before the first of these strings
         self.messages: list[dict[str, str]] = []
-        self.generation: Generation | None = None  # the last turn's: its stats
+        self.generation: Generation | None = None  # the last turn's: its stats (prompt tokens, timings)
         self.tokens: list[int] = []  # the last turn's answer, control tokens included
-        self.prompt_tokens = 0
         self.reset()
 
     def reset(self) -> None:
@@ -42,7 +41,6 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         tokenizer = self.engine.tokenizer
         ids = self.engine.chat_template.render_ids(tokenizer, self.messages)
-        self.prompt_tokens = len(ids)
         self.generation = self.engine.generate(ids, max_new_tokens, sampling, self.stop_at_eos)
         self.tokens = []
         hidden = hidden_token_ids(tokenizer.special_tokens, tool_parser(self.engine.tool_parser))
