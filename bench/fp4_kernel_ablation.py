@@ -41,11 +41,42 @@ EDITS: dict[str, list[tuple[str, str]]] = {
     # the codes prefetched non-temporally (into L1 only), or not at all
     "pf_nta": [(PREFETCH, PREFETCH.replace("_MM_HINT_T0", "_MM_HINT_NTA"))],
     "pf_none": [(PREFETCH, "")],
-    # mxfp4: every group's scales applied to the partial sums in fp32, none folded into the tables
-    "nofold": [("    if (outside) return false;", "    if (outside || n > 0) return false;")],
     # one phase left out (its bytes still counted: compare ms, not GB/s)
     "nodown": [("constexpr int n_down = (H + DOWN_CHUNK - 1) / DOWN_CHUNK;", "constexpr int n_down = 0;")],
     "nogateup": [("const int n_gate_up = c.n_experts * items_per_expert;", "const int n_gate_up = 0;")],
+    # every row read is one of the first two of its matrix: the same instructions on data in L1,
+    # the kernel's ceiling when memory costs nothing
+    "l1": [("codes + r * CODES, scales + r * SCALES, codes + pf * CODES, scales + pf * SCALES",
+            "codes + (r & 1) * CODES, scales + (r & 1) * SCALES, codes + (pf & 1) * CODES, scales + (pf & 1) * SCALES"),
+           ("{codes + (r + I) * CODES, scales + (r + I) * SCALES, codes + (pf + I) * CODES, scales + (pf + I) * SCALES",
+            "{codes + ((r & 1) + I) * CODES, scales + ((r & 1) + I) * SCALES, codes + ((pf & 1) + I) * CODES, "
+            "scales + ((pf & 1) + I) * SCALES"),
+           ("codes + h * CODES, scales + h * SCALES, codes + pf * CODES, scales + pf * SCALES",
+            "codes + (h & 1) * CODES, scales + (h & 1) * SCALES, "
+            "codes + (pf & 1) * CODES, scales + (pf & 1) * SCALES")],
+    # smaller work items (the plan's are 32 rows): a shorter tail at each phase's end
+    "gu16": [("constexpr int GU_CHUNK = 32;", "constexpr int GU_CHUNK = 16;")],
+    "down16": [("constexpr int DOWN_CHUNK = 32;", "constexpr int DOWN_CHUNK = 16;")],
+    "down8": [("constexpr int DOWN_CHUNK = 32;", "constexpr int DOWN_CHUNK = 8;")],
+    # rows prefetched ahead within a work item (the plan's: 4)
+    "pf2": [("constexpr int PREFETCH_ROWS = 4;", "constexpr int PREFETCH_ROWS = 2;")],
+    "pf8": [("constexpr int PREFETCH_ROWS = 4;", "constexpr int PREFETCH_ROWS = 8;")],
+    # the nibbles looked up by vpermb in the 16-entry table repeated 4 times (bits 4-5 of the
+    # index do not matter): no masking, one op less per nibble half
+    "vpermb": [("static_assert(H % 64 == 0 && I % 64 == 0",
+                '#pragma GCC target("avx512vbmi")\nstatic_assert(H % 64 == 0 && I % 64 == 0'),
+               ("  const __m512i m = _mm512_set1_epi8(15);\n"
+                "  wlo = _mm512_shuffle_epi8(table, _mm512_and_si512(b, m));\n"
+                "  whi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b, 4), m));",
+                "  wlo = _mm512_permutexvar_epi8(b, table);\n"
+                "  whi = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 4), table);")],
+    # one horizontal sum per (row, token): the block offsets added to the lanes first
+    "onereduce": [("out[r][t] = (_mm512_reduce_add_ps(sum) / 256.0f + "
+                   "_mm512_reduce_add_ps(offset[r][t])) * rows[r].ts;",
+                   "out[r][t] = _mm512_reduce_add_ps(_mm512_fmadd_ps(sum, _mm512_set1_ps(1.0f / 256.0f), "
+                   "offset[r][t])) * rows[r].ts;")],
+    # twice the independent accumulator chains per (row, token)
+    "acc8": [("return rows * nb >= 4 ? 1 : 4 / (rows * nb);", "return rows * nb >= 8 ? 1 : 8 / (rows * nb);")],
 }
 
 

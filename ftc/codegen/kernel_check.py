@@ -10,8 +10,9 @@ from ftc_runtime.experts.base import group_by_expert
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.io.ftw import ExpertPool
 
-# Relative error bounds: the AVX-512 kernel rounds activations to bf16 (8 significant bits);
-# the AVX2 kernel keeps them fp32, so only fp32 summation order differs from the reference.
+# Relative error bounds: the AVX-512 kernels round activations to bf16 (8 significant bits; the
+# 4-bit ones: two int8 parts per 32 columns, about 15 bits); the AVX2 kernels keep them fp32, so
+# only fp32 summation order differs from the reference.
 TOLERANCE = {"avx512_bf16": 1e-2, "avx2": 1e-4}
 
 
