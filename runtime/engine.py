@@ -203,7 +203,7 @@ class Engine:
         def tokens() -> Iterator[int]:
             if max_new_tokens == 0:
                 return
-            cache, sample, prefix = self.model.new_cache(), Sampler(sampling), self.prefix_cache
+            cache, sample, prefix = self.model.new_cache(), Sampler(sampling, prompt_ids), self.prefix_cache
             resume = prefix.resume(prompt_ids, cache) if prefix is not None else None
             checkpoints = prefix is not None and prefix.takes_checkpoints
             seq = list(prompt_ids)  # the tokens whose keys and values the cache holds, once run

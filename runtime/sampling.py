@@ -1,8 +1,10 @@
 """Next-token choice: greedy at temperature 0 (or below `MIN_TEMPERATURE`), else temperature and
-nucleus (top-p) sampling."""
+nucleus (top-p) sampling; before either, the repetition, presence and frequency penalties of the
+tokens the sequence holds (`Penalties`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +13,10 @@ import torch
 # inf - inf = NaN probabilities, and what remains is the argmax anyway.
 MIN_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence_penalty and frequency_penalty
+# The repetition penalty's upper limit: past a few it bans every token the text holds (1.1-1.3 are
+# the usual values), and an upper limit keeps infinity out.
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,13 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     top_k: int = 0  # sample among the k likeliest tokens only; 0: all
+    # OpenAI's: subtracted from the logit of every token the answer has produced so far, once
+    # (presence) or once per time it was produced (frequency); negative values favour repeats.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Hugging Face's (llama.cpp's repeat penalty): the logit of every token in the prompt or the
+    # answer is divided by it where positive, multiplied by it where negative; 1: off.
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -29,10 +42,26 @@ class SamplingParams:
             raise ValueError(f"seed = {self.seed}: expected an integer in [-2^63, 2^64 - 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k = {self.top_k}: expected a number >= 0 (0: no limit)")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:  # NaN fails too
+                raise ValueError(f"{name} = {value}: expected a number in [-2, 2] (0: off)")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty = {self.repetition_penalty}: expected a number in "
+                             f"(0, {MAX_REPETITION_PENALTY:g}] (1: off)")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (else the sampler keeps no history)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 # The fields a checkpoint's generation_config.json gives ftc's sampling (engine.json "sampling").
-DEFAULT_FIELDS = ("temperature", "top_p", "top_k")
+PENALTY_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+DEFAULT_FIELDS = ("temperature", "top_p", "top_k", *PENALTY_FIELDS)
 
 
 def with_defaults(defaults: dict[str, float | int], seed: int, **given: float | int | None) -> SamplingParams:
@@ -54,13 +83,63 @@ def check_defaults(d: object) -> dict[str, float | int]:
     return d
 
 
+class Penalties:
+    """One sequence's history as per-vocab tensors on its logits' device, each updated in O(1) per
+    token (no re-count of the history): `seen`, the tokens of the prompt and the answer (the
+    repetition penalty's set, as in HF and vLLM), and `counts`, the answer's tokens alone (OpenAI's
+    presence and frequency penalties count what the model said, not what it was told)."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int]):
+        self.params = params
+        # Kept as ids until the first logits say the vocabulary size and the device.
+        self.prompt = list(prompt_ids) if params.repetition_penalty != 1 else []
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The penalized logits [vocab] fp32, a new tensor (`logits` may be a row of a batch)."""
+        logits = logits.float()
+        if self.counts is None:
+            self._start(logits)
+        p = self.params
+        if p.repetition_penalty != 1:
+            scaled = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            logits = torch.where(self.seen, scaled, logits)
+        if p.presence_penalty != 0 or p.frequency_penalty != 0:
+            logits = logits - p.frequency_penalty * self.counts - p.presence_penalty * (self.counts > 0)
+        return logits
+
+    def add(self, token: int) -> None:
+        """Records a generated token."""
+        self.counts[token] += 1
+        self.seen[token] = True
+
+    def _start(self, logits: torch.Tensor) -> None:
+        self.counts = torch.zeros_like(logits)
+        self.seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        self.seen[torch.tensor(self.prompt, dtype=torch.long, device=logits.device)] = True
+        self.prompt = []
+
+
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    """The next-token choice of one sequence. With a penalty on it keeps that sequence's history,
+    the prompt given here and then every token it returns, so each request (each chat turn) has
+    a Sampler of its own; without one it keeps nothing."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed)
+        self.penalties = Penalties(params, prompt_ids) if params.penalized else None
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """logits: [vocab] fp32."""
+        """logits: [vocab] fp32. The token chosen is recorded as generated."""
+        if self.penalties is None:
+            return self._pick(logits)
+        token = self._pick(self.penalties.apply(logits))
+        self.penalties.add(token)
+        return token
+
+    def _pick(self, logits: torch.Tensor) -> int:
         if self.params.temperature < MIN_TEMPERATURE:
             return int(torch.argmax(logits))
         logits = logits.float()

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fp4_reference import dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4, quantize_nvfp4
+from hf_tokenizer import save_tokenizer
 
 LAYOUTS = ("mxfp4_gptoss", "mxfp4_dsv4", "nvfp4_modelopt", "nvfp4_ct")
 # The 4-bit formats pack the codes of 64 columns together: hidden and expert intermediate sizes must
@@ -215,7 +216,7 @@ def _rename(key: str, nested: bool) -> str:
 def save_quantized_checkpoint(model: torch.nn.Module, directory: Path, layout: str, nested: bool = False) -> Path:
     """Quantizes the model's routed experts (gate, up and down of each separately) in the layout's
     format, overwrites them in the model with their dequantized values, and writes the checkpoint:
-    model.safetensors (other tensors bf16, experts in the layout) and config.json. `nested`: Qwen3.5
+    model.safetensors (other tensors bf16, experts in the layout), config.json and tokenizer.json. `nested`: Qwen3.5
     as the image-text model's language model (`model.language_model.`, config under `text_config`)."""
     if layout not in LAYOUTS:
         raise ValueError(layout)
@@ -234,6 +235,7 @@ def save_quantized_checkpoint(model: torch.nn.Module, directory: Path, layout: s
     state = {_rename(k, nested): v for k, v in state.items()}
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     _write_configs(model, directory, layout, nested)
+    save_tokenizer(directory)
     return directory
 
 

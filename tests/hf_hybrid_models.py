@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
 
 from hf_models import expert_layout
+from hf_tokenizer import save_tokenizer
 
 VOCAB = 320
 
@@ -53,7 +54,7 @@ def build_hybrid(family: str, seed: int) -> torch.nn.Module:
 
 def save_hybrid_checkpoint(model: torch.nn.Module, directory: Path, layout: str, nested: bool = False) -> Path:
     """layout 'fused' (experts.gate_up_proj [E, 2I, H]) or 'per_expert'; `nested`: Qwen3.5 as the
-    image-text model's language model."""
+    image-text model's language model. With config.json and tokenizer.json (hf_tokenizer.py)."""
     directory.mkdir(parents=True, exist_ok=True)
     state = expert_layout({k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()},
                           layout)
@@ -64,5 +65,6 @@ def save_hybrid_checkpoint(model: torch.nn.Module, directory: Path, layout: str,
         config = {"model_type": "qwen3_5_moe", "tie_word_embeddings": False, "text_config": config}
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config))
+    save_tokenizer(directory)
     return directory
 

@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from hf_tokenizer import save_tokenizer
+
 
 @dataclass(frozen=True)
 class TinyShape:
@@ -60,7 +62,8 @@ def build_model(shape: TinyShape, seed: int) -> Qwen3MoeForCausalLM:
 
 def save_checkpoint(model: Qwen3MoeForCausalLM, directory: Path, layout: str, shards: int,
                     dtype: torch.dtype = torch.bfloat16) -> Path:
-    """layout 'fused' (experts.gate_up_proj [E, 2I, H]) or 'per_expert'; shards ≥ 1."""
+    """layout 'fused' (experts.gate_up_proj [E, 2I, H]) or 'per_expert'; shards ≥ 1. With config.json and
+    tokenizer.json (hf_tokenizer.py)."""
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
@@ -78,6 +81,7 @@ def save_checkpoint(model: Qwen3MoeForCausalLM, directory: Path, layout: str, sh
             weight_map |= {k: fname for k in part}
         (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     model.config.save_pretrained(directory)
+    save_tokenizer(directory)
     return directory
 
 

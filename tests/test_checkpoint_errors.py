@@ -1,5 +1,6 @@
 """Broken checkpoints are refused with a CheckpointError that names the file or tensor at fault (non-finite
-weights included); both fused expert layouts compile to the same bytes; a failed compile leaves the engine
+weights included); a checkpoint without a readable tokenizer.json of its vocabulary is refused before any
+weight is read; both fused expert layouts compile to the same bytes; a failed compile leaves the engine
 already in place."""
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
 
+from ftc.cli.main import app
 from ftc.compile.checkpoint import CheckpointError
 from ftc.compile.ftw_writer import FtwWriter
 from ftc.compile.pipeline import CompileOptions, compile_engine, sampling_defaults
@@ -26,6 +30,7 @@ from ftc_runtime.models import family
 from ftc_runtime.spec import SpecError
 
 from hf_models import TinyShape, build_model, save_checkpoint
+from hf_tokenizer import save_tokenizer
 
 # hidden != 2 * intermediate and != intermediate, so a transposed fused tensor has another shape; both
 # are multiples of 32, as the kernels need.
@@ -286,16 +291,84 @@ def test_failed_compile_leaves_no_partial_directory(good_engine_then_failed_comp
 
 
 def test_generation_config_gives_the_engines_sampling_defaults(tmp_path):
-    """temperature, top_p and top_k of generation_config.json; do_sample false: greedy; none: no
-    defaults; a bad value or file is refused naming it."""
+    """temperature, top_p, top_k and the penalties of generation_config.json; do_sample false:
+    greedy, penalties kept (HF's greedy search applies them); none: no defaults; a bad value or file
+    is refused naming it."""
     assert sampling_defaults(tmp_path) == {} and sampling_defaults(None) == {}
     config = {"temperature": round(random.uniform(0.1, 1.5), 3), "top_p": round(random.uniform(0.5, 1), 3),
-              "top_k": random.randint(0, 100), "do_sample": True, "bos_token_id": 1, "repetition_penalty": 1.05}
+              "top_k": random.randint(0, 100), "do_sample": True, "bos_token_id": 1, "repetition_penalty": 1.05,
+              "presence_penalty": round(random.uniform(-2, 2), 3), "frequency_penalty": None}
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
-    assert sampling_defaults(tmp_path) == {k: config[k] for k in ("temperature", "top_p", "top_k")}
+    kept = ("temperature", "top_p", "top_k", "repetition_penalty", "presence_penalty")
+    assert sampling_defaults(tmp_path) == {k: config[k] for k in kept}
     (tmp_path / "generation_config.json").write_text(json.dumps(config | {"do_sample": False}))
-    assert sampling_defaults(tmp_path) == {"temperature": 0.0}
-    for bad, says in ((config | {"top_p": 1.5}), "top_p"), ((config | {"top_k": "20"}), "top_k"), ("{oops", "JSON"):
+    assert sampling_defaults(tmp_path) == {"temperature": 0.0, "repetition_penalty": 1.05,
+                                           "presence_penalty": config["presence_penalty"]}
+    bads = [(config | {"top_p": 1.5}, "top_p"), (config | {"top_k": "20"}, "top_k"), ("{oops", "JSON"),
+            (config | {"repetition_penalty": 0}, "repetition_penalty"),
+            (config | {"frequency_penalty": 2.5}, "frequency_penalty")]
+    for bad, says in bads:
         (tmp_path / "generation_config.json").write_text(bad if isinstance(bad, str) else json.dumps(bad))
         with pytest.raises(SpecError, match=f"generation_config.json: .*{says}"):
             sampling_defaults(tmp_path)
+
+
+# -- the checkpoint's tokenizer.json: checked before any weight is read ------------------------------------
+
+ROUTES = ["folder", "spec_and_checkpoint_option", "spec_naming_the_checkpoint"]
+
+
+def _compile_args(ckpt: Path, route: str, tmp_path: Path) -> list[str]:
+    """`ftc compile` of the checkpoint given as the model (a folder), or as a spec YAML of its model
+    with --checkpoint, or as a spec that names it (its `checkpoint` field)."""
+    if route == "folder":
+        return [str(ckpt)]
+    data = load_spec(ckpt)[0].to_dict()
+    data["checkpoint"] = str(ckpt) if route == "spec_naming_the_checkpoint" else None
+    spec = tmp_path / "model.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    return [str(spec)] + (["--checkpoint", str(ckpt)] if route == "spec_and_checkpoint_option" else [])
+
+
+def _refused(args: list[str], out: Path) -> str:
+    """The one `error:` line of a compile that must stop before it starts: exit status 1, no traceback,
+    nothing at -o or beside it (no staging directory)."""
+    r = CliRunner().invoke(app, ["compile", *args, "-o", str(out)])
+    assert r.exit_code == 1, (r.exit_code, r.output)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}.*"))
+    return lines[0]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_checkpoint_without_tokenizer_is_refused_before_its_weights_are_read(tmp_path, route, seed):
+    ckpt = _checkpoint(tmp_path, random.Random(seed))
+    args = _compile_args(ckpt, route, tmp_path)
+    (ckpt / "tokenizer.json").unlink()
+    (ckpt / "model.safetensors").write_bytes(b"not read")  # a read weights file would be the error
+    line = _refused(args, tmp_path / "build" / "engine")
+    assert f"error: {ckpt}: no tokenizer.json" in line and "save_pretrained" in line, line
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_tokenizer_larger_than_the_vocabulary_is_refused_with_both_sizes(tmp_path, route, seed):
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng)
+    args = _compile_args(ckpt, route, tmp_path)
+    extra = rng.randint(SHAPE.vocab, 2 * SHAPE.vocab)  # after the specials: those stay within the vocabulary
+    save_tokenizer(ckpt, extra_tokens=extra)
+    top = 256 + 3 + extra - 1
+    line = _refused(args, tmp_path / "build" / "engine")
+    assert f"error: {ckpt / 'tokenizer.json'}: {top + 1} tokens with ids up to {top}" in line, line
+    assert f"vocab_size is {SHAPE.vocab}" in line, line
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("content", [b"{oops", b"{}", b'{"model": {"type": "BPE"}}', b"\xff\xfe\x00"])
+def test_unreadable_tokenizer_is_refused_naming_it(tmp_path, route, content, seed):
+    ckpt = _checkpoint(tmp_path, random.Random(seed))
+    args = _compile_args(ckpt, route, tmp_path)
+    (ckpt / "tokenizer.json").write_bytes(content)
+    line = _refused(args, tmp_path / "build" / "engine")
+    assert line.startswith(f"error: {ckpt / 'tokenizer.json'}: not a readable tokenizer ("), line

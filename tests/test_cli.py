@@ -337,6 +337,46 @@ def test_sampling_is_reproducible_by_seed_and_varies_across_seeds(engine, loaded
     assert len({tuple(o) for o in outs}) >= 2
 
 
+def test_run_penalty_options_reach_the_sampler(engine, loaded, tmp_path, seed):
+    """--repeat-penalty, --presence-penalty and --frequency-penalty decode as SamplingParams'
+    penalties, raw and in a chat turn; left out, they take the engine's defaults (its checkpoint's
+    generation_config.json)."""
+    rng, n = random.Random(seed), 12
+    ids, text = [rng.randrange(VOCAB) for _ in range(4)], " ".join(rng.choice(["a", "fox", "runs"]) for _ in range(4))
+    asked = {"repetition_penalty": round(rng.uniform(1.5, 10), 2), "presence_penalty": round(rng.uniform(-2, 2), 2),
+             "frequency_penalty": round(rng.uniform(-2, 2), 2)}
+    flags = ["--repeat-penalty", asked["repetition_penalty"], "--presence-penalty", asked["presence_penalty"],
+             "--frequency-penalty", asked["frequency_penalty"], "--temperature", 0, "--ignore-eos"]
+    penalized = SamplingParams(0.0, **asked)
+    raw = parse_json(ftc(*run_json_args(engine, ids, n, *flags)))["tokens"]
+    assert raw == list(loaded.generate(ids, n, penalized, stop_at_eos=False))
+    chat = parse_json(ftc("run", engine, "--prompt", text, "--max-new-tokens", n, "--json", *flags))["tokens"]
+    prompt = loaded.chat_template.render_ids(loaded.tokenizer, [{"role": "user", "content": text}])
+    assert chat == list(loaded.generate(prompt, n, penalized, stop_at_eos=False))
+    copy = with_sampling_defaults(engine, tmp_path, {"temperature": 0.0, "repetition_penalty": 4.0})
+    default = parse_json(ftc(*run_json_args(copy, ids, n, "--ignore-eos")))["tokens"]
+    assert default == list(loaded.generate(ids, n, SamplingParams(0.0, repetition_penalty=4.0), stop_at_eos=False))
+    off = parse_json(ftc(*run_json_args(copy, ids, n, "--ignore-eos", "--repeat-penalty", 1)))["tokens"]
+    assert off == list(loaded.generate(ids, n, SamplingParams(0.0), stop_at_eos=False))
+
+
+def test_each_chat_turn_penalizes_the_conversation_so_far(engine, loaded, seed):
+    """Turns of a conversation resumed from the prefix cache, as at the terminal: each turn's sampler
+    penalizes the whole rendered conversation and that turn's answer, nothing older (each turn gets
+    what Engine.generate gives its prompt alone)."""
+    rng, n = random.Random(seed), 10
+    sampling = SamplingParams(0.0, repetition_penalty=rng.uniform(1.5, 5), frequency_penalty=rng.uniform(0, 2))
+    cached = Engine.load(engine)
+    kv = default_prefix_cache_bytes(cached)
+    cached.enable_prefix_cache(kv, kv)
+    session = ChatSession(cached)
+    for _ in range(3):
+        list(session.reply(" ".join(rng.choice(["what", "is", "the", "fox", "?"]) for _ in range(5)), n, sampling))
+        prompt = loaded.chat_template.render_ids(loaded.tokenizer, session.messages[:-1])
+        assert session.tokens == list(loaded.generate(prompt, n, sampling))
+    assert session.generation.stats.reused_tokens > 0 or not kv
+
+
 # -- bench ----------------------------------------------------------------------------------------------------
 
 
@@ -536,6 +576,8 @@ def bad_option_cases(engine: Path, tmp: Path) -> list[tuple[str, list, str]]:
         (["run", engine, "--prompt", "hi"], "--port", ["9000"]),
         (gen, "--max-new-tokens", ["-1"]), (gen, "--seed", ["-1", str(2**64)]), (gen, "--temperature", ["-1", "nan"]),
         (gen, "--temperature", ["inf"]), (gen, "--top-p", ["0", "1.5", "nan"]), (gen, "--slots", ["-1"]),
+        (gen, "--repeat-penalty", ["0", "-1", "10.5", "nan", "inf"]), (gen, "--presence-penalty", ["2.5", "-3", "nan"]),
+        (gen, "--frequency-penalty", ["3", "-inf"]), (serve, "--repeat-penalty", ["1.1"]),
         (gen, "--prefill-chunk", ["0"]), (["run", engine], "--prompt-ids", ["1,-2", f"1,{VOCAB}", "1," + "9" * 30,
                                                                          ",", "a,b"]),
         (["compile", TINY, "--random-weights", "-o", tmp / "e"], "--seed", ["-1"]),

@@ -370,6 +370,10 @@ def _bad_requests(model: str) -> dict[str, tuple[str, dict | str]]:
         "json_schema": ("/v1/chat/completions", {"model": model, "messages": msg, "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
         "negative_top_k": ("/v1/chat/completions", {"model": model, "messages": msg, "top_k": -1}),
+        "presence_penalty_high": ("/v1/chat/completions", {"model": model, "messages": msg, "presence_penalty": 2.5}),
+        "frequency_penalty_string": ("/v1/completions", {"model": model, "prompt": "a", "frequency_penalty": "1"}),
+        "repetition_penalty_zero": ("/v1/chat/completions", {"model": model, "messages": msg,
+                                                             "repetition_penalty": 0}),
     }
 
 
@@ -488,5 +492,88 @@ def test_a_long_prompt_does_not_stall_decoding(engine, seed):
         assert sum(during_b) >= 3  # a's tokens kept coming while b's prompt was being read
         for name, prompt, n in (("a", short_prompt, 40), ("b", long_prompt, 4)):
             assert tokens[name] == list(engine.generate(prompt, n, greedy, stop_at_eos=False))
+    finally:
+        scheduler.close()
+
+
+
+def _served_tokens(engine: Engine, ids: list[int], n: int, sampling: SamplingParams) -> list[int]:
+    """The tokens a completion of `ids` shows, from the engine itself: up to end of sequence,
+    control tokens left out."""
+    from ftc_runtime.chat.tool_parsers import hidden_token_ids, tool_parser
+
+    unseen = hidden_token_ids(engine.tokenizer.special_tokens, tool_parser(engine.tool_parser))
+    unseen |= set(engine.spec.eos_token_ids)
+    return [t for t in engine.generate(ids, n, sampling, stop_at_eos=True) if t not in unseen]
+
+
+def test_penalties_reach_the_sampler_and_out_of_range_ones_are_400(url, engine, seed):
+    """presence_penalty and frequency_penalty (OpenAI's) and repetition_penalty (vLLM's extension)
+    decode as the engine does with them; a value out of range is a 400 that names its field, on
+    both OpenAI routes."""
+    rng = random.Random(seed)
+    for _ in range(100):  # a prompt whose greedy answer repeats a token, which the penalties then avoid
+        ids = [rng.randrange(256) for _ in range(rng.randrange(3, 10))]
+        plain = _served_tokens(engine, ids, 16, SamplingParams(0.0))
+        if len(set(plain)) < len(plain):
+            break
+    asked = {"presence_penalty": round(rng.uniform(0.5, 2), 2), "frequency_penalty": round(rng.uniform(0, 2), 2),
+             "repetition_penalty": round(rng.uniform(2, 10), 2)}
+    want = _served_tokens(engine, ids, 16, SamplingParams(0.0, **asked))
+    assert want != plain
+    body = {"model": "m", "prompt": ids, "max_tokens": 16, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body | asked, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == engine.tokenizer.decode(want), r.text
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    assert httpx.post(url + "/v1/chat/completions", json=chat | asked, timeout=60).status_code == 200
+    bad = {"presence_penalty": [-2.01, 3, 1e9], "frequency_penalty": [2.5, -3],
+           "repetition_penalty": [0, -1.5, 10.5, 1e6]}
+    for route, base in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        for field, values in bad.items():
+            for value in values:
+                r = httpx.post(url + route, json=base | {field: value}, timeout=60)
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["param"] == field and field in error["message"], r.text
+
+
+def _run_together(scheduler, batch: list[tuple[list[int], SamplingParams]], n: int) -> list[tuple]:
+    """The requests of `batch` submitted at once (decoded in shared steps): each with its tokens."""
+    from ftc_runtime.serve.scheduler import Request
+
+    done, got = [threading.Event() for _ in batch], [[] for _ in batch]
+
+    def collector(i: int):
+        return lambda token, reason: got[i].append(token) if token is not None else done[i].set()
+
+    requests = [Request(ids, n, sampling, collector(i)) for i, (ids, sampling) in enumerate(batch)]
+    for r in requests:
+        scheduler.submit(r)
+    assert all(d.wait(120) for d in done)
+    return list(zip(requests, got, strict=True))
+
+
+def test_batched_requests_penalize_each_their_own_history(engine_dir, engine, seed):
+    """Requests decoded in shared steps, one resumed from the prefix cache, each penalize their own
+    prompt (the part restored from the cache included) and their own answer: each gets what
+    Engine.generate gives it alone, without a cache."""
+    from ftc_runtime.serve.scheduler import Scheduler
+
+    cached = Engine.load(engine_dir)
+    cached.enable_prefix_cache(64 << 20, 64 << 20)
+    rng, n = random.Random(seed), 20
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 12))] for _ in range(4)]
+    samplings = [SamplingParams(0.0, repetition_penalty=rng.uniform(1.5, 10)),
+                 SamplingParams(0.0, presence_penalty=rng.uniform(0.5, 2), frequency_penalty=rng.uniform(0, 2)),
+                 SamplingParams(0.0),
+                 SamplingParams(0.0, repetition_penalty=rng.uniform(1.1, 3), frequency_penalty=-1.0)]
+    scheduler = Scheduler(cached, max_batch=4)
+    try:
+        first = _run_together(scheduler, list(zip(prompts, samplings, strict=True)), n)
+        # the first prompt again with its answer and more after it: resumed from the cache
+        longer = prompts[0] + first[0][1] + [rng.randrange(256) for _ in range(3)]
+        second = _run_together(scheduler, [(longer, samplings[0]), (prompts[1], samplings[3])], n)
+        assert second[0][0].reused_tokens >= len(prompts[0])
+        for r, tokens in first + second:
+            assert tokens == list(engine.generate(r.prompt_ids, n, r.sampling, stop_at_eos=False)), r.sampling
     finally:
         scheduler.close()

@@ -113,6 +113,10 @@ def post(label: str, path: str, body: Any, expect: str = "4xx", **kw: Any) -> Ca
 # Valid bodies, and the JSON kinds each path accepts
 
 
+# OpenAI's presence and frequency penalties and vLLM's repetition penalty, in both OpenAI routes' bodies.
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.1}
+
+
 def chat_base(model: str) -> Body:
     call_args = json.dumps({"tz": "UTC"})
     return {"model": model, "messages": [
@@ -125,12 +129,12 @@ def chat_base(model: str) -> Body:
         "tools": [{"type": "function", "function": {"name": "get_time", "description": "The time", "parameters": {
             "type": "object", "properties": {"tz": {"type": "string"}}}}}],
         "tool_choice": "auto", "max_tokens": 2, "temperature": 0, "top_p": 0.9, "top_k": 40, "seed": 7,
-        "stop": ["\n\n"], "stream": False, "n": 1}
+        "stop": ["\n\n"], "stream": False, "n": 1, **PENALTIES}
 
 
 def completion_base(model: str) -> Body:
     return {"model": model, "prompt": "The quick brown fox", "max_tokens": 2, "temperature": 0, "top_p": 0.9,
-            "top_k": 40, "seed": 7, "stop": ["\n\n"], "stream": False, "n": 1}
+            "top_k": 40, "seed": 7, "stop": ["\n\n"], "stream": False, "n": 1, **PENALTIES}
 
 
 def count_base(model: str) -> Body:
@@ -163,7 +167,8 @@ def _p(path: str, kinds: str, required: bool = False) -> tuple[JsonPath, set[str
 
 OPENAI_SAMPLING = [_p("model", "str", True), _p("max_tokens", "int"), _p("temperature", "number"),
                    _p("top_p", "number"), _p("top_k", "int"), _p("seed", "int"), _p("stop", "str list"),
-                   _p("stop.0", "str", True), _p("stream", "bool"), _p("n", "int")]
+                   _p("stop.0", "str", True), _p("stream", "bool"), _p("n", "int"),
+                   *[_p(name, "number") for name in PENALTIES]]
 CHAT_PATHS = OPENAI_SAMPLING + [
     _p("messages", "list", True), *[_p(f"messages.{i}", "dict", True) for i in range(5)],
     *[_p(f"messages.{i}.role", "str", True) for i in range(5)],
@@ -267,7 +272,9 @@ def type_mutations(paths: list[tuple[JsonPath, set[str], bool]], rng: random.Ran
 def openai_ranges() -> list[tuple[str, Mutation]]:
     values = {"temperature": [-1, 3, 2.5, -0.001], "top_p": [0, 2, -0.5, 1.001], "top_k": [-1, -100],
               "max_tokens": [0, -1, 10**12], "n": [2, 0, -1], "seed": [2**64, -(2**63) - 1],
-              "stop": [["x"] * 1000, "s" * 100_000, ["s" * 100_000], list("abcde")]}
+              "stop": [["x"] * 1000, "s" * 100_000, ["s" * 100_000], list("abcde")],
+              "presence_penalty": [-2.5, 2.001, 100], "frequency_penalty": [3, -2.001],
+              "repetition_penalty": [0, -1, 10.001, 10**6]}
     out = [(f"range:{k}={_short(v)}", adder((k,), v)) for k, vs in values.items() for v in vs]
     out += [(f"range:response_format={t}", adder(("response_format",), {"type": t}))
             for t in ("json_object", "json_schema", "oops")]

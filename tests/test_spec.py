@@ -19,6 +19,7 @@ from ftc_runtime.spec import ModelSpec, SpecError
 
 from field_edits import DELETE, set_field
 from hf_models import TinyShape, build_model, save_checkpoint
+from hf_tokenizer import TOKENIZER_TOKENS
 
 SPECS = Path(__file__).resolve().parents[1] / "model_specs"
 TINY = SPECS / "qwen3-moe-tiny.yaml"
@@ -405,7 +406,7 @@ def _random_shape(rng: random.Random) -> TinyShape:
     return TinyShape(
         hidden=rng.choice([32, 48, 64]), intermediate=8 * rng.randint(2, 6), layers=layers, heads=heads,
         kv_heads=rng.choice([k for k in (1, 2, 3, 4) if heads % k == 0]), head_dim=rng.choice([8, 16, 24]),
-        experts=experts, top_k=rng.randint(1, experts), vocab=rng.randint(256, 400),
+        experts=experts, top_k=rng.randint(1, experts), vocab=rng.randint(TOKENIZER_TOKENS, 400),
         norm_topk_prob=rng.random() < 0.5, mlp_only_layers=tuple(sorted(rng.sample(range(layers), 1))),
         dense_intermediate=8 * rng.randint(4, 12), tie_embeddings=rng.random() < 0.5)
 

@@ -47,6 +47,7 @@ from ftc.cli.options import (
     prompt_ids_for,
     reprofile_engine,
     run_prompt,
+    sampling_penalties,
     served_names,
     server_config,
     size,
@@ -142,6 +143,16 @@ def run(
     top_k: Annotated[int | None, typer.Option(min=0, help="Sample among the k likeliest tokens; 0: all (default: "
                                               "the checkpoint's, else 0).")] = None,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Sampling seed.")] = 0,
+    repeat_penalty: Annotated[float | None, typer.Option(help="Divide the logits of tokens the prompt or answer "
+                                                         "holds by this (multiply where negative; HF's "
+                                                         "repetition_penalty), in (0, 10]; 1: off (default: the "
+                                                         "checkpoint's, else 1).")] = None,
+    presence_penalty: Annotated[float | None, typer.Option(help="Subtract this from the logits of tokens the answer "
+                                                           "holds, in [-2, 2] (default: the checkpoint's, else "
+                                                           "0).")] = None,
+    frequency_penalty: Annotated[float | None, typer.Option(help="Subtract this times its count in the answer from "
+                                                            "each token's logit, in [-2, 2] (default: the "
+                                                            "checkpoint's, else 0).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Do not stop at end-of-sequence.")] = False,
     stop: Annotated[list[str] | None, typer.Option(help="End the answer before this text (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (tokens, text, timings).")] = False,
@@ -177,6 +188,7 @@ def run(
     try:
         check_run_mode(ctx, serve)
         offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts)
+        penalties = sampling_penalties(repeat_penalty, presence_penalty, frequency_penalty)
         if serve:
             config = server_config(host, api_key, api_keys_file, allowed_hosts, max_body_bytes=max_body_bytes,
                                    max_batch=max_batch, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_tokens)
@@ -190,7 +202,7 @@ def run(
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         _serve(engine, offload, prefill_chunk, host, port, config, prefix_cache)
         return
-    sampling = {"seed": seed, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    sampling = {"seed": seed, "temperature": temperature, "top_p": top_p, "top_k": top_k, **penalties}
     if raw or given_ids is not None:
         _generate(engine, offload, prefill_chunk, reprofile, given_ids, text, max_new_tokens, sampling,
                   not ignore_eos, stop or [], as_json)

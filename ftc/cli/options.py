@@ -167,7 +167,25 @@ def offload_config(device: str | None, vram_budget: int | None, slots: int | Non
 SERVE_ONLY = ("host", "port", "api_key", "api_keys_file", "allowed_hosts", "max_batch", "max_prompt_tokens",
               "max_tokens", "max_body_bytes", "prefix_cache", "metrics_public", "log_level", "served_model_name")
 GENERATE_ONLY = ("prompt", "prompt_file", "prompt_ids", "system", "raw", "max_new_tokens", "temperature", "top_p",
-                 "top_k", "seed", "ignore_eos", "as_json", "reprofile")
+                 "top_k", "seed", "repeat_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "as_json",
+                 "reprofile")
+
+
+def sampling_penalties(repeat: float | None, presence: float | None, frequency: float | None) -> dict:
+    """--repeat-penalty, --presence-penalty and --frequency-penalty as SamplingParams' fields (None:
+    the engine's default), checked before the engine loads: a bad one is one error line naming it."""
+    from ftc_runtime.sampling import MAX_REPETITION_PENALTY, PENALTY_RANGE
+
+    options = {"repetition_penalty": ("--repeat-penalty", repeat, number_in(0, MAX_REPETITION_PENALTY, True)),
+               "presence_penalty": ("--presence-penalty", presence, number_in(*PENALTY_RANGE)),
+               "frequency_penalty": ("--frequency-penalty", frequency, number_in(*PENALTY_RANGE))}
+    out = {}
+    for field, (option, value, parse) in options.items():
+        try:
+            out[field] = None if value is None else parse(value)
+        except ValueError as e:
+            raise ValueError(f"{option} {e}") from None
+    return out
 
 
 def check_run_mode(ctx: typer.Context, serve: bool) -> None:

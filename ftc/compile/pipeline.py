@@ -1,5 +1,6 @@
 """`ftc compile`: spec + target + weights → an engine directory.
 
+A checkpoint's tokenizer is checked first, before any weight is read (checkpoint_tokenizer.py).
 Stages: dense weights → experts.ftw (streamed, one expert at a time) → tokenizer → kernel sources
 → kernel build → kernel check against torch on the engine's own experts → engine.json. The engine is
 assembled in a staging directory and moved into place only when every stage has passed, so a failed
@@ -36,6 +37,7 @@ from ftc import __version__
 from ftc.codegen.build import build_kernels
 from ftc.codegen.kernel_check import check_expert_kernel
 from ftc.codegen.render import render_cpu_kernels, render_triton_kernels
+from ftc.compile.checkpoint_tokenizer import check_checkpoint_tokenizer
 from ftc.compile.ftw_writer import FtwWriter
 from ftc.compile.hub import Source, resolve_source
 from ftc.compile.spec_loader import load_spec
@@ -60,7 +62,7 @@ from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.formats import expert_format
 from ftc_runtime.io.ftw import ExpertPool, FtwHeader, read_header
 from ftc_runtime.models import family
-from ftc_runtime.sampling import DEFAULT_FIELDS, check_defaults
+from ftc_runtime.sampling import DEFAULT_FIELDS, PENALTY_FIELDS, check_defaults
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec, SpecError
 
@@ -132,6 +134,8 @@ def _compile(opts: CompileOptions, console: Console | None, experts_in_memory: b
     source = resolve_source(opts.source)
     spec, spec_checkpoint = load_spec(source.path, list(opts.overrides), opts.quant, _engine_name(opts, source))
     checkpoint = None if opts.random_weights else opts.checkpoint or spec_checkpoint
+    if checkpoint is not None:
+        check_checkpoint_tokenizer(spec, checkpoint)
     target = resolve_target(opts.target)
     plan = make_plan(target, spec)
     weights = _weights(spec, opts, checkpoint)
@@ -196,8 +200,9 @@ def _build_engine(spec: ModelSpec, target: Target, plan: Plan, weights: WeightSo
 
 
 def sampling_defaults(checkpoint: Path | None) -> dict[str, float | int]:
-    """The checkpoint's generation_config.json as ftc samples: its temperature, top_p and top_k,
-    or greedy where it says do_sample false; nothing without one."""
+    """The checkpoint's generation_config.json as ftc samples: its temperature, top_p, top_k and
+    penalties, or greedy (with its penalties, as HF's greedy search applies them) where it says
+    do_sample false; nothing without one."""
     path = checkpoint / "generation_config.json" if checkpoint is not None else None
     if path is None or not path.is_file():
         return {}
@@ -207,9 +212,10 @@ def sampling_defaults(checkpoint: Path | None) -> dict[str, float | int]:
         raise SpecError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise SpecError(f"{path}: expected a JSON object")
+    fields = PENALTY_FIELDS if config.get("do_sample") is False else DEFAULT_FIELDS
+    defaults = {k: config[k] for k in fields if config.get(k) is not None}
     if config.get("do_sample") is False:
-        return {"temperature": 0.0}
-    defaults = {k: config[k] for k in DEFAULT_FIELDS if config.get(k) is not None}
+        defaults["temperature"] = 0.0
     try:
         return check_defaults(defaults)
     except ValueError as e:
@@ -262,7 +268,8 @@ def _experts_in_memory(weights: WeightSource, spec: ModelSpec, progress: Progres
 
 
 def _write_tokenizer(spec: ModelSpec, checkpoint: Path | None, staging: Path) -> None:
-    if checkpoint is not None and (checkpoint / TOKENIZER_FILE).is_file():
+    """The checkpoint's tokenizer.json (checked when the compile began); random weights get a byte-level one."""
+    if checkpoint is not None:
         shutil.copyfile(checkpoint / TOKENIZER_FILE, staging / TOKENIZER_FILE)
     else:
         build_byte_tokenizer(spec, staging / TOKENIZER_FILE)

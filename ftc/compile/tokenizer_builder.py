@@ -1,4 +1,4 @@
-"""A byte-level tokenizer for engines without one (random weights, bare checkpoints).
+"""A byte-level tokenizer for engines of random weights (a checkpoint must bring its own: checkpoint_tokenizer.py).
 
 Ids 0-255 are the bytes, the spec's special tokens sit at their ids, and every other id of the
 vocabulary decodes to a visible `<|reserved_N|>`, so any id the model emits can be shown.

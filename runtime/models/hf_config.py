@@ -3,9 +3,10 @@ parameters and the dense (non-MoE) layers, each error naming the file and the fi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer
 
 from ftc_runtime.spec import MAX_LAYERS, SpecError
 
@@ -68,8 +69,18 @@ class HfConfig:
         eos = [eos] if isinstance(eos, int) else list(eos)
         tok_json = self.where.parent / "tokenizer.json"
         if tok_json.is_file():
-            added = json.loads(tok_json.read_text()).get("added_tokens", [])
-            special = {t["content"]: t["id"] for t in added if t.get("special")}
+            added = read_tokenizer(tok_json).get_added_tokens_decoder()
+            special = {t.content: i for i, t in added.items() if t.special}
             by_id = {v: k for k, v in special.items()}
             return {"special": special, "eos": [by_id[i] for i in eos if i in by_id]}
         return {"special": {f"<|special_{i}|>": i for i in eos}, "eos": [f"<|special_{i}|>" for i in eos]}
+
+
+def read_tokenizer(path: Path) -> Tokenizer:
+    """A checkpoint's tokenizer.json as the engine will read it (through `tokenizers`), or a
+    SpecError naming the file: a damaged one must not surface later as a library traceback."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exception for every parse error
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecError(f"{path}: not a readable tokenizer ({reason})") from None

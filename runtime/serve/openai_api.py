@@ -16,7 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ftc_runtime.chat.template import TEMPLATE_NAMES
 from ftc_runtime.chat.tool_parsers import parse_output, tool_parser
-from ftc_runtime.sampling import SEED_RANGE, SamplingParams
+from ftc_runtime.sampling import MAX_REPETITION_PENALTY, PENALTY_RANGE, SEED_RANGE, SamplingParams
 from ftc_runtime.serve.api_types import (
     MAX_TOKENS,
     ApiBody,
@@ -87,6 +87,10 @@ class Sampling(ApiBody):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=MAX_TOKENS)  # an extension (vLLM and others take it too); 0: no limit
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    presence_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    # An extension, as in vLLM: Hugging Face's multiplicative penalty of prompt and answer tokens; 1: off.
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     stop: str | list[str] | None = None
     stream_options: dict[str, Any] | None = None
     # Asked for but not served: refused rather than ignored.
@@ -302,7 +306,8 @@ def _call_out(call) -> dict[str, Any]:
 def _sampling(server: Server, body: Sampling) -> SamplingParams:
     """Without a seed every request draws its own (the same seed repeats a sampled answer)."""
     return server.sampling(body.seed if body.seed is not None else secrets.randbits(63), temperature=body.temperature,
-                           top_p=body.top_p, top_k=body.top_k)
+                           top_p=body.top_p, top_k=body.top_k, presence_penalty=body.presence_penalty,
+                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:

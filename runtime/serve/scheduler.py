@@ -196,8 +196,9 @@ class Scheduler:
                 self._fail(r, f"the request could not start: {e}")
 
     def _start(self, r: Request) -> None:
-        """A new sequence for r: its cache and sampler, resumed after its longest cached prefix."""
-        r.cache, r.sampler = self.engine.model.new_cache(), Sampler(r.sampling)
+        """A new sequence for r: its cache and sampler (which penalizes repeats of the whole prompt,
+        restored from the prefix cache or not), resumed after its longest cached prefix."""
+        r.cache, r.sampler = self.engine.model.new_cache(), Sampler(r.sampling, r.prompt_ids)
         prefix = self.engine.prefix_cache
         if prefix is not None:
             r.resume = prefix.resume(r.prompt_ids, r.cache, r.namespace)
