@@ -58,23 +58,25 @@ EDITS: dict[str, list[tuple[str, str]]] = {
     "gu16": [("constexpr int GU_CHUNK = 32;", "constexpr int GU_CHUNK = 16;")],
     "down16": [("constexpr int DOWN_CHUNK = 32;", "constexpr int DOWN_CHUNK = 16;")],
     "down8": [("constexpr int DOWN_CHUNK = 32;", "constexpr int DOWN_CHUNK = 8;")],
+    # larger work items: fewer item starts, whose first rows are not prefetched
+    "gu64": [("constexpr int GU_CHUNK = 32;", "constexpr int GU_CHUNK = 64;")],
+    "down128": [("constexpr int DOWN_CHUNK = 32;", "constexpr int DOWN_CHUNK = 128;")],
     # rows prefetched ahead within a work item (the plan's: 4)
     "pf2": [("constexpr int PREFETCH_ROWS = 4;", "constexpr int PREFETCH_ROWS = 2;")],
     "pf8": [("constexpr int PREFETCH_ROWS = 4;", "constexpr int PREFETCH_ROWS = 8;")],
-    # the nibbles looked up by vpermb in the 16-entry table repeated 4 times (bits 4-5 of the
-    # index do not matter): no masking, one op less per nibble half
-    "vpermb": [("static_assert(H % 64 == 0 && I % 64 == 0",
-                '#pragma GCC target("avx512vbmi")\nstatic_assert(H % 64 == 0 && I % 64 == 0'),
-               ("  const __m512i m = _mm512_set1_epi8(15);\n"
-                "  wlo = _mm512_shuffle_epi8(table, _mm512_and_si512(b, m));\n"
-                "  whi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b, 4), m));",
-                "  wlo = _mm512_permutexvar_epi8(b, table);\n"
-                "  whi = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 4), table);")],
-    # one horizontal sum per (row, token): the block offsets added to the lanes first
-    "onereduce": [("out[r][t] = (_mm512_reduce_add_ps(sum) / 256.0f + "
-                   "_mm512_reduce_add_ps(offset[r][t])) * rows[r].ts;",
-                   "out[r][t] = _mm512_reduce_add_ps(_mm512_fmadd_ps(sum, _mm512_set1_ps(1.0f / 256.0f), "
-                   "offset[r][t])) * rows[r].ts;")],
+    # the nibbles masked to 4 bits and looked up within 128-bit lanes (vpshufb), as version 5 did
+    "shuf": [("  wlo = _mm512_permutexvar_epi8(b, table);\n"
+              "  whi = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 4), table);",
+              "  const __m512i m = _mm512_set1_epi8(15);\n"
+              "  wlo = _mm512_shuffle_epi8(table, _mm512_and_si512(b, m));\n"
+              "  whi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b, 4), m));")],
+    # activations as one int8 part per 32 columns (no low part): one vpdpbusd per 64 weights, not two
+    "q8": [("  return _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), w, _mm512_loadu_si512(lo));",
+            "  return h;")],
+    # no work item claimed ahead, nor its first rows prefetched (the last rows of an item prefetch nothing)
+    "noahead": [("  if (next.load(std::memory_order_relaxed) + n_threads > n) return n;", "  return n;"),
+                ("  if (next.expert == nullptr) return {expert, r};\n"
+                 "  return {next.expert, next.row + r + PREFETCH_ROWS - r1};", "  return {expert, r};")],
     # twice the independent accumulator chains per (row, token)
     "acc8": [("return rows * nb >= 4 ? 1 : 4 / (rows * nb);", "return rows * nb >= 8 ? 1 : 8 / (rows * nb);")],
 }

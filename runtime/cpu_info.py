@@ -8,7 +8,7 @@ from pathlib import Path
 
 # The kernel ISAs that ftc generates, best first, with the cpuinfo flags each one needs.
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
-    "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
+    "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx512_bf16"),
     "avx2": ("avx2", "fma"),
 }
 

@@ -19,7 +19,7 @@ CSRC_DIR = Path(str(files("ftc_runtime") / "csrc"))
 RUNTIME_SOURCES = ("worker_pool.h", "worker_pool.cpp", "token_plan.cpp")
 # The compiler flags of each ISA; which template a kernel comes from is its expert format's choice.
 ISA_COMPILE_FLAGS = {
-    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
+    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi", "-mfma"],
     "avx2": ["-mavx2", "-mfma"],
 }
 
