@@ -92,22 +92,26 @@ class LayerStream:
         slots = self.store.cache.slot_of[layers.start * e:layers.stop * e]
         return slots[slots >= 0]
 
-    def forward(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                host_ids: np.ndarray) -> torch.Tensor:
+    def forward(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """MoE layer j for the chunk's T tokens: x [T, hidden] fp32, ids/weights [T, k] on the
-        device, host_ids the same ids (int64) on the host."""
+        device. The host never waits for the routing: every expert of the layer is resident, so
+        its slot table is known here, and the host queues copies and kernels ahead of the device."""
         cache, e = self.store.cache, self.store.num_experts
         t, k = ids.shape
         if j not in self.loaded:
             self.load(j, np.empty(0, dtype=np.int64), j)
-        # The slots this layer reads count as used now: decode's LRU after the chunk sees them.
-        cache.touch(np.unique(cache.slot_of[j * e + host_ids.reshape(-1)]))
+        # The layer's slots count as used now (a streamed chunk is long enough to route to nearly
+        # every expert): decode's LRU after the chunk sees them.
+        layer_slots = cache.slot_of[j * e:(j + 1) * e]
+        cache.touch(layer_slots)
         if self.overlap:
             self.load_ahead(j)  # the next uncached layer crosses PCIe while this one computes
-        slot_table = torch.from_numpy(cache.slot_of[j * e:(j + 1) * e].astype(np.int32)).to(x.device)
-        flat_slot = slot_table[ids.reshape(-1)]
+        slot_table = torch.from_numpy(layer_slots.astype(np.int32))
+        if self.on_gpu:  # pinned, so that the copy does not wait for the device's queue
+            slot_table = slot_table.pin_memory()
+        flat_slot = slot_table.to(x.device, non_blocking=True)[ids.reshape(-1)]
         order = torch.argsort(flat_slot, stable=True)
-        tokens = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)
+        tokens = torch.arange(t * k, device=x.device, dtype=torch.int32) // k
         pairs = torch.stack([flat_slot[order], tokens[order], weights.reshape(-1).float()[order].view(torch.int32)])
         out = torch.zeros_like(x)
         if self.on_gpu and j in self.ready:

@@ -124,12 +124,11 @@ class OffloadedExperts(ExpertBackend):
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 first_position: int = 0) -> torch.Tensor:
         if self._stream is not None and ids.shape[0] > 1:
-            # The stream needs the ids on the host (the cache's bookkeeping), so the hook sees them here.
-            host_ids = ids.cpu().numpy().astype(np.int64)
-            if self.routing is not None:
-                host_ids, host_w = self.routed(moe_layer, first_position, host_ids, weights.float().cpu().numpy())
+            if self.routing is not None:  # the hook sees the router's choice on the host (a sync)
+                host_ids, host_w = self.routed(moe_layer, first_position, ids.cpu().numpy().astype(np.int64),
+                                               weights.float().cpu().numpy())
                 ids, weights = torch.from_numpy(host_ids).to(x.device), torch.from_numpy(host_w).to(x.device)
-            out = self._stream.forward(moe_layer, x, ids, weights, host_ids)
+            out = self._stream.forward(moe_layer, x, ids, weights)
             if moe_layer == self.pool.header.num_moe_layers - 1:
                 self._stream = None  # the chunk's last MoE layer
             return out

@@ -77,14 +77,19 @@ class SlotStore:
         self.copy_rows_now(slots, ids)
 
     def copy_rows_now(self, slots: np.ndarray, ids: np.ndarray) -> None:
-        """Queues the copies of FTW rows `ids` into `slots` on the current stream."""
+        """Queues the copies of FTW rows `ids` into `slots` on the current stream: one copy per
+        run of consecutive slots that takes consecutive rows (a streamed layer is one or a few),
+        since each copy costs the host several µs to queue."""
         if not slots.size:
             return
         if not self.on_gpu:
             self.slots[torch.from_numpy(slots)] = self.host_rows[torch.from_numpy(ids)]
             return
-        for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
-            self.slots[s].copy_(self.host_rows[i], non_blocking=True)
+        starts = np.flatnonzero(np.r_[True, (np.diff(slots) != 1) | (np.diff(ids) != 1)])
+        ends = np.r_[starts[1:], slots.size]
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            s, i = int(slots[a]), int(ids[a])
+            self.slots[s:s + b - a].copy_(self.host_rows[i:i + b - a], non_blocking=True)
 
     def experts_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
         """out += the pairs' experts ([3, P] int32: slot, token, weight bits) with the decode kernel

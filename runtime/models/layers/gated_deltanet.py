@@ -99,8 +99,9 @@ def gated_deltanet(x: torch.Tensor, w: DeltaNetWeights, shape: DeltaNetShape, st
     after each token index in `capture` (ascending), without cutting x there)."""
     q, k, v, g, beta, inputs, conv = project(x, *w.projections(), state.conv, shape.heads)
     out, recurrent, taken = delta_rule(q, k, v, g, beta, state.recurrent, capture)
-    # The convolution's state after token i: its last K − 1 inputs up to i.
-    seq = torch.cat([state.conv.to(inputs.dtype), inputs.t()], dim=1)
+    # The convolution's state after token i: its last K − 1 inputs up to i (a prompt without
+    # captures skips the copy of its whole input).
+    seq = torch.cat([state.conv.to(inputs.dtype), inputs.t()], dim=1) if capture else None
     convs = [seq[:, i + 1:i + shape.conv_kernel].clone() for i in capture]
     return (finish(out, x, *w.outputs(), shape.eps), DeltaNetState(conv, recurrent),
             [DeltaNetState(c, r) for c, r in zip(convs, taken, strict=True)])
