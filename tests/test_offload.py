@@ -392,3 +392,32 @@ def test_a_chunk_abandoned_between_layers_leaves_the_sequence_and_the_cache_as_t
     step = rng.randrange(256)
     a, b = off.model.forward(torch.tensor([step]), got), cpu_engine.model.forward(torch.tensor([step]), want)
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("run", range(4))
+def test_fills_copy_runs_of_consecutive_slots_and_rows_as_one(cpu_engine, run, seed):
+    """`copy_rows_now` copies each run where slots and FTW rows both go up by one as one copy:
+    random fills (runs of random lengths in random order, a free slot between two runs) leave
+    every slot filled with its row's bytes and every other slot untouched, and the runs found are
+    exactly the fill's."""
+    from ftc_runtime.experts.slots import SlotStore, consecutive_runs
+
+    rng = np.random.default_rng(seed)
+    pool = cpu_engine.model.experts.pool
+    n = pool.header.num_rows
+    store = SlotStore(pool, torch.device("cpu"), n)
+    runs, slot0 = [], 0
+    while slot0 < n:
+        length = int(min(rng.integers(1, 6), n - slot0))
+        runs.append((slot0, int(rng.integers(0, n - length + 1)), length))
+        slot0 += length + 1
+    runs = [runs[j] for j in rng.permutation(len(runs))]
+    slots = np.concatenate([np.arange(s, s + k) for s, _, k in runs])
+    ids = np.concatenate([np.arange(i, i + k) for _, i, k in runs])
+    assert consecutive_runs(slots, ids) == runs
+    store.slots.zero_()
+    store.copy_rows_now(slots, ids)
+    for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
+        assert torch.equal(store.slots[s], store.host_rows[i]), (s, i)
+    untouched = torch.from_numpy(np.setdiff1d(np.arange(n), slots))
+    assert not store.slots[untouched].any()

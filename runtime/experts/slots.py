@@ -27,6 +27,15 @@ from ftc_runtime.io.host_memory import pin_in_place
 DeviceKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+def consecutive_runs(slots: np.ndarray, ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first slot, first id, length) of each run where both slots and ids go up by one."""
+    if not slots.size:
+        return []
+    starts = np.flatnonzero(np.r_[True, (np.diff(slots) != 1) | (np.diff(ids) != 1)])
+    lengths = np.diff(np.r_[starts, slots.size])
+    return list(zip(slots[starts].tolist(), ids[starts].tolist(), lengths.tolist(), strict=True))
+
+
 class SlotStore:
     """n_slots expert slots on `device` over the host pool `pool`. `device_kernel` serves a few
     tokens per expert (pairs with a negative slot skipped), `grouped_kernel` many (pairs sorted by
@@ -80,16 +89,8 @@ class SlotStore:
         """Queues the copies of FTW rows `ids` into `slots` on the current stream: one copy per
         run of consecutive slots that takes consecutive rows (a streamed layer is one or a few),
         since each copy costs the host several µs to queue."""
-        if not slots.size:
-            return
-        if not self.on_gpu:
-            self.slots[torch.from_numpy(slots)] = self.host_rows[torch.from_numpy(ids)]
-            return
-        starts = np.flatnonzero(np.r_[True, (np.diff(slots) != 1) | (np.diff(ids) != 1)])
-        ends = np.r_[starts[1:], slots.size]
-        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-            s, i = int(slots[a]), int(ids[a])
-            self.slots[s:s + b - a].copy_(self.host_rows[i:i + b - a], non_blocking=True)
+        for s, i, n in consecutive_runs(slots, ids):
+            self.slots[s:s + n].copy_(self.host_rows[i:i + n], non_blocking=self.on_gpu)
 
     def experts_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
         """out += the pairs' experts ([3, P] int32: slot, token, weight bits) with the decode kernel
