@@ -99,6 +99,28 @@ def test_chat_plain_and_streamed_equal_the_engine(url, engine, seed):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_tokens_become_text_on_the_engine_thread(engine, monkeypatch, seed):
+    """Detokenizing never runs on the event loop that serves every request: each streamed
+    request's tokens are decoded on the engine's thread, and the streamed text is the engine's."""
+    from ftc_runtime.chat.tokenizer import StreamDecoder
+
+    threads: list[str] = []
+    push = StreamDecoder.push
+
+    def recording_push(self, token):
+        threads.append(threading.current_thread().name)
+        return push(self, token)
+
+    monkeypatch.setattr(StreamDecoder, "push", recording_push)
+    messages = [{"role": "user", "content": f"Tell {random.Random(seed).random()}"}]
+    with serving(engine) as base:
+        chunks = list(client(base).chat.completions.create(model=engine.spec.name, messages=messages,
+                                                           max_tokens=12, temperature=0, stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text.strip() == _expected(engine, messages, 12).strip()
+    assert threads and set(threads) == {"ftc-engine"}, set(threads)
+
+
 def test_completions_equal_the_engine(url, engine):
     prompt = "The quick brown fox"
     ids = engine.tokenizer.encode(prompt)
@@ -390,6 +412,77 @@ def test_malformed_requests_get_4xx_in_openai_shape_and_the_server_stays_up(url,
     r = client(url).chat.completions.create(model=engine.spec.name, messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=4, temperature=0)
     assert r.choices[0].message is not None
+
+
+def test_sampling_fields_not_served_are_refused_unless_neutral(url, engine, seed):
+    """Every field that would change the answer is honoured or refused: one this server does not
+    serve is a 400 naming it, unless it asks for nothing (null or its neutral value)."""
+    from ftc_runtime.serve.openai_api import NOT_SERVED
+
+    rng = random.Random(seed)
+    msg = [{"role": "user", "content": "hi"}]
+    asking = {"logit_bias": {"5": 10}, "top_logprobs": 3, "prompt_logprobs": 1, "best_of": 2, "echo": True,
+              "suffix": "end", "min_p": 0.1, "min_tokens": 4, "ignore_eos": True, "stop_token_ids": [3],
+              "typical_p": 0.5, "length_penalty": 2.0, "prediction": {"type": "content", "content": "x"},
+              "logits_processors": ["p"], "guided_json": {"type": "object"}, "guided_regex": "a+",
+              "guided_choice": ["a"], "guided_grammar": "root ::= \"a\""}
+    assert set(asking) == set(NOT_SERVED)
+    for name in rng.sample(sorted(asking), 6):
+        for route, body in (("/v1/chat/completions", {"model": "m", "messages": msg}),
+                            ("/v1/completions", {"model": "m", "prompt": "hi"})):
+            r = httpx.post(url + route, json=body | {"max_tokens": 2, name: asking[name]}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == name, (route, name, r.text)
+            for neutral in (None, *NOT_SERVED[name]):
+                ok = httpx.post(url + route, json=body | {"max_tokens": 2, name: neutral}, timeout=60)
+                assert ok.status_code == 200, (route, name, neutral, ok.text)
+
+
+def test_one_tool_call_when_parallel_calls_are_off(engine, monkeypatch, seed):
+    """The model answers with two tool calls: both reach the client by default; with OpenAI's
+    parallel_tool_calls false, or Anthropic's disable_parallel_tool_use, only the first does,
+    streamed or not."""
+    tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}} for n in ("get_weather", "get_time")]
+    rng = random.Random(seed)
+    calls = [{"type": "function", "function": {"name": n, "arguments": {"city": rng.choice(["Oslo", "Lima"])}}}
+             for n in ("get_weather", "get_time")]
+    turn = {"role": "assistant", "content": "", "tool_calls": calls}
+    rendered = engine.chat_template.render([{"role": "user", "content": "q"}, turn], tools,
+                                           add_generation_prompt=False)
+    script = engine.tokenizer.encode(rendered.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n"))
+    script.append(engine.spec.eos_token_ids[0])
+    position: dict[int, int] = {}
+
+    def scripted(self, logits):
+        i = position.setdefault(id(self), 0)
+        position[id(self)] = i + 1
+        return script[min(i, len(script) - 1)]
+
+    monkeypatch.setattr(Sampler, "__call__", scripted)
+    messages = [{"role": "user", "content": "Weather and time?"}]
+    names = [c["function"]["name"] for c in calls]
+    atools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in tools]
+    with serving(engine) as base:
+        c = client(base)
+        for parallel, want in ((True, names), (False, names[:1])):
+            position.clear()
+            r = c.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=256,
+                                          parallel_tool_calls=parallel)
+            assert [t.function.name for t in r.choices[0].message.tool_calls] == want
+            position.clear()
+            streamed = list(c.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=256,
+                                                      parallel_tool_calls=parallel, stream=True))
+            assert [d.function.name for ch in streamed for d in ch.choices[0].delta.tool_calls or []] == want
+            choice = {"type": "auto", "disable_parallel_tool_use": not parallel}
+            position.clear()
+            m = aclient(base).messages.create(model="m", max_tokens=256, messages=messages, tools=atools,
+                                              tool_choice=choice)
+            assert [b.name for b in m.content if b.type == "tool_use"] == want and m.stop_reason == "tool_use"
+            position.clear()
+            with aclient(base).messages.stream(model="m", max_tokens=256, messages=messages, tools=atools,
+                                               tool_choice=choice) as s:
+                final = s.get_final_message()
+            assert [b.name for b in final.content if b.type == "tool_use"] == want
 
 
 def test_concurrent_streams_and_a_client_that_leaves(url, engine, seed):

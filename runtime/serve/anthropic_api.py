@@ -4,6 +4,7 @@ template's messages: text, thinking (reasoning), tool_use (tool calls), tool_res
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import uuid
@@ -139,12 +140,14 @@ async def messages(body: MessagesRequest, request: Request):
     msg_id, parser = f"msg_{uuid.uuid4().hex}", tool_parser(server.engine.tool_parser)
     if body.stream:
         ping = 'event: ping\ndata: {"type": "ping"}\n\n'
-        events = with_keepalive(_events(stream, msg_id, server.config.name, tools, parser), ping,
+        events = with_keepalive(_events(stream, msg_id, server.config.name, tools, parser, _one_call(body)), ping,
                                 server.config.keepalive_s)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     text = await stream.text(request)
     raise_if_failed(stream, "api_error")
     out = parse_output(text, parser, tools)
+    if _one_call(body):
+        out = dataclasses.replace(out, tool_calls=out.tool_calls[:1])
     return {"id": msg_id, "type": "message", "role": "assistant", "model": server.config.name,
             "content": _blocks(out), "stop_reason": _stop_reason(stream, out), "stop_sequence": stream.stop_sequence,
             "usage": _usage(stream)}
@@ -156,7 +159,12 @@ def _usage(stream: TokenStream) -> dict[str, int]:
             "cache_read_input_tokens": stream.cached_tokens}
 
 
-async def _events(stream: TokenStream, msg_id: str, model: str, tools: list[dict], parser):
+def _one_call(body: CountRequest) -> bool:
+    """tool_choice's disable_parallel_tool_use: the answer keeps its first tool_use block only."""
+    return body.tool_choice is not None and bool(body.tool_choice.disable_parallel_tool_use)
+
+
+async def _events(stream: TokenStream, msg_id: str, model: str, tools: list[dict], parser, one_call: bool):
     def event(kind: str, data: dict) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
@@ -170,6 +178,8 @@ async def _events(stream: TokenStream, msg_id: str, model: str, tools: list[dict
         if block != open_kind and open_kind is not None:
             yield event("content_block_stop", {"index": index})
             open_kind = None
+        if block == "tool_use" and n_calls and one_call:
+            continue
         if block == "tool_use":  # whole: known once its block closed
             index, n_calls = index + 1, n_calls + 1
             use = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": value.name, "input": {}}

@@ -4,6 +4,7 @@ answers follow OpenAI's shapes, errors included (`app.ApiError`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
@@ -79,6 +80,16 @@ class Tool(ApiBody):
     function: FunctionDef
 
 
+# Request fields of OpenAI's API (and vLLM's extensions) that would change the answer and are not
+# served: refused unless they ask for nothing (null or their neutral value), never silently ignored.
+NOT_SERVED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},), "top_logprobs": (0,), "prompt_logprobs": (0,), "best_of": (1,), "echo": (False,),
+    "suffix": ("",), "min_p": (0, 0.0), "min_tokens": (0,), "ignore_eos": (False,), "stop_token_ids": ([],),
+    "typical_p": (1, 1.0), "length_penalty": (1, 1.0), "prediction": (), "logits_processors": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+}
+
+
 class Sampling(ApiBody):
     model: str
     stream: bool = False
@@ -124,6 +135,7 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: the answer keeps its first tool call only
     # Variables for the chat template (vLLM's and SGLang's extension), e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -167,10 +179,12 @@ async def chat_completions(body: ChatRequest, request: Request):
     stream = server.stream(ids, limit, _sampling(server, body), _stops(body.stop), namespace_of(request), opening)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.config.name}
     if body.stream:
-        return _sse(server, _chat_chunks(stream, meta, tools, parser, _include_usage(body)))
+        return _sse(server, _chat_chunks(stream, meta, tools, parser, _include_usage(body), body.parallel_tool_calls))
     text = await stream.text(request)
     raise_if_failed(stream, "server_error")
     out = parse_output(text, parser, tools)
+    if not body.parallel_tool_calls:
+        out = dataclasses.replace(out, tool_calls=out.tool_calls[:1])
     # A reply that is only tool calls has no content: null, as OpenAI sends it.
     message: dict[str, Any] = {"role": "assistant", "content": out.content or (None if out.tool_calls else "")}
     if out.reasoning is not None:
@@ -214,7 +228,8 @@ async def completions(body: CompletionRequest, request: Request):
             "choices": [{"index": 0, "text": text, "finish_reason": stream.finish_reason, "logprobs": None}]}
 
 
-async def _chat_chunks(stream: TokenStream, meta: dict, tools: list[dict], parser, include_usage: bool):
+async def _chat_chunks(stream: TokenStream, meta: dict, tools: list[dict], parser, include_usage: bool,
+                       parallel_calls: bool):
     base = {**meta, "object": "chat.completion.chunk"}
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
@@ -224,6 +239,8 @@ async def _chat_chunks(stream: TokenStream, meta: dict, tools: list[dict], parse
     n_calls = 0
     async for kind, value in message_parts(stream, parser, tools):
         if kind == "tool_call":
+            if n_calls and not parallel_calls:
+                continue
             yield chunk({"tool_calls": [{"index": n_calls, **_call_out(value)}]})
             n_calls += 1
         else:
@@ -305,6 +322,10 @@ def _call_out(call) -> dict[str, Any]:
 
 def _sampling(server: Server, body: Sampling) -> SamplingParams:
     """Without a seed every request draws its own (the same seed repeats a sampled answer)."""
+    for name, value in (body.model_extra or {}).items():
+        if name in NOT_SERVED and value is not None and not any(value == v and type(value) is type(v)
+                                                                 for v in NOT_SERVED[name]):
+            raise ApiError(400, f"{name}: not served by this server (leave it out)", name)
     return server.sampling(body.seed if body.seed is not None else secrets.randbits(63), temperature=body.temperature,
                            top_p=body.top_p, top_k=body.top_k, presence_penalty=body.presence_penalty,
                            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)

@@ -28,13 +28,17 @@ class TokenStream:
     `error` (its message) and `completion_tokens` are set by then. Stop strings end it early (the
     text is cut before them). Leaving the iteration early cancels the request. `opening` is text
     the prompt already ends with on the answer's behalf (a forced tool call's tag): it leads the
-    deltas."""
+    deltas. Tokens become text on the engine thread, as they come, so that detokenizing never
+    holds the event loop that serves every other request."""
 
     def __init__(self, engine: Engine, scheduler: Scheduler, prompt_ids: list[int], max_new_tokens: int,
                  sampling: SamplingParams, stop: list[str], namespace: str = "", opening: str = ""):
         self.engine, self.stops, self.opening = engine, StopMatcher(stop), opening
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[tuple[int | None, str | None]] = asyncio.Queue()
+        # (token or None at the end, its text, the end's reason), put by the engine thread
+        self.queue: asyncio.Queue[tuple[int | None, str, str | None]] = asyncio.Queue()
+        self.decoder = StreamDecoder(engine.tokenizer)
+        self.hidden = hidden_token_ids(engine.tokenizer.special_tokens, tool_parser(engine.tool_parser))
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None  # the stop string that ended the text, if one did
         self.error: str | None = None
@@ -50,26 +54,28 @@ class TokenStream:
         return self.request.reused_tokens
 
     def _on_token(self, token: int | None, reason: str | None) -> None:  # the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, reason))
+        if token is None:
+            delta = self.decoder.flush()
+        elif token in self.request.stop_ids or token in self.hidden:
+            delta = ""  # end-of-sequence and control tokens count, but show no text
+        else:
+            delta = self.decoder.push(token)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, delta, reason))
 
     async def deltas(self) -> AsyncIterator[str]:
-        decoder, eos = StreamDecoder(self.engine.tokenizer), self.request.stop_ids
-        hidden = hidden_token_ids(self.engine.tokenizer.special_tokens, tool_parser(self.engine.tool_parser))
         engine_done = False
         try:
             if self.opening:
                 yield self.opening
             while True:
-                token, reason = await self.queue.get()
+                token, delta, reason = await self.queue.get()
                 if token is None:
                     engine_done = True
                     self._ended(reason)
-                    delta = decoder.flush()
                 else:
                     self.completion_tokens += 1
-                    if token in eos or token in hidden:
+                    if not delta:
                         continue
-                    delta = decoder.push(token)
                 text = self.stops.feed(delta)
                 if self.stops.hit is not None:
                     self.stop_sequence, self.finish_reason = self.stops.hit, "stop"
@@ -104,7 +110,7 @@ class TokenStream:
         while not await http.is_disconnected():
             await asyncio.sleep(0.25)
         self.request.cancel()
-        self.queue.put_nowait((None, "cancelled"))
+        self.queue.put_nowait((None, "", "cancelled"))
 
 
 async def message_parts(stream: TokenStream, parser: ToolParser,
