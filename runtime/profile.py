@@ -27,6 +27,8 @@ from ftc_runtime.experts.throughput import expert_kernel_gbps, l3_bytes, torch_r
 from ftc_runtime.io.ftw import ExpertPool
 from ftc_runtime.spec import ModelSpec, short_repr
 
+RATES = ("host_read_gbps", "b_h", "b_p", "b_h_during_copy", "b_p_during_cpu")  # GB/s
+
 
 @dataclass(frozen=True)
 class HardwareProfile:
@@ -51,7 +53,7 @@ class HardwareProfile:
             prof = cls(**yaml.safe_load(path.read_text()))
         except (OSError, yaml.YAMLError, TypeError) as e:
             raise ValueError(f"{path}: not a hardware profile ({e})") from None
-        for name in ("host_read_gbps", "b_h", "b_p", "b_h_during_copy", "b_p_during_cpu"):
+        for name in RATES:
             v = getattr(prof, name)
             if (v is not None or name in ("host_read_gbps", "b_h")) and not plausible_gbps(v):
                 raise ValueError(f"{path}: field '{name}' = {short_repr(v)}: expected GB/s in "
@@ -81,7 +83,20 @@ def pinned_copy_gbps(device: torch.device, nbytes: int, seconds: float = 0.5, st
 
 def measure_profile(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, device: str | None,
                     seconds: float = 2.0) -> HardwareProfile:
-    """Measures this machine with the engine's own kernel and pool (and `device`, a CUDA GPU)."""
+    """Measures this machine with the engine's own kernel and pool (and `device`, a CUDA GPU); a
+    rate no machine has (cores held by other processes slow the kernel's spinning workers a
+    hundredfold) is refused rather than written."""
+    prof = _measure(spec, pool, kernel, device, seconds)
+    for name, v in asdict(prof).items():
+        if name in RATES and v is not None and not plausible_gbps(v):
+            raise ValueError(f"ftc profile measured {name} = {v} GB/s, outside what a machine has "
+                             f"[{PLAUSIBLE_GBPS[0]}, {PLAUSIBLE_GBPS[1]:g}]: were its cores busy with other "
+                             "processes? Measure again on an idle machine")
+    return prof
+
+
+def _measure(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, device: str | None,
+             seconds: float) -> HardwareProfile:
     gpu = device is not None and torch.device(device).type == "cuda"
     cpus = physical_cpus()
     if gpu and len(cpus) > 1 and not kernel.background:  # the GPU engine's workers (see above)

@@ -288,7 +288,7 @@ for _name, _dotted, _value in [
     ("target_without_name", "target.name", DELETE),
     ("target_rate_not_positive", "target.b_p", lambda rng: rng.choice([-1.0, 0, "fast", True, [1]])),
     ("target_rate_implausible", "target.b_h",
-     lambda rng: rng.choice([rng.uniform(1e-6, 0.0099), rng.uniform(1e4 + 1, 1e9)])),
+     lambda rng: rng.choice([rng.choice([0.07, rng.uniform(1e-6, 0.099)]), rng.uniform(1e4 + 1, 1e9)])),
     ("weights_source_a_number", "weights_source", 42), ("experts_in_memory_a_string", "experts_in_memory", "yes"),
     ("kernel_check_garbage", "kernel_check", lambda rng: rng.choice(["ok", [{"tokens": "four"}], [7], {}])),
     ("files_missing", "files", DELETE), ("files_a_list", "files", ["experts.ftw"]),

@@ -41,11 +41,23 @@ def test_profile_yaml_becomes_a_target(engine_dir, tmp_path):
         resolve_target(str(tmp_path / "bad.yaml"))
     # a rate in the wrong unit (MB/s or TB/s read as GB/s) is refused, naming the field
     field = random.choice(["b_h", "host_read_gbps"])
-    wrong = random.choice([random.uniform(1e-6, 0.0099), random.uniform(1e4 + 1, 1e9)])
+    wrong = random.choice([random.choice([0.07, random.uniform(1e-6, 0.099)]), random.uniform(1e4 + 1, 1e9)])
     text = (tmp_path / "hw.yaml").read_text()
     (tmp_path / "slip.yaml").write_text(yaml.safe_dump(yaml.safe_load(text) | {field: wrong}))
     with pytest.raises(TargetError, match=f"slip.yaml: field '{field}'"):
         resolve_target(str(tmp_path / "slip.yaml"))
+
+
+def test_a_measured_rate_no_machine_has_is_refused(engine_dir, monkeypatch, seed):
+    """Cores that other processes hold slow the kernel's spinning workers a hundredfold: a B_H
+    measured below any machine's is an error that says so, not a profile (nor a target)."""
+    import ftc_runtime.profile as profile
+
+    rate = random.Random(seed).uniform(1e-4, 0.099)
+    monkeypatch.setattr(profile, "expert_kernel_gbps", lambda *a, **k: {"gbps": rate})
+    eng = Engine.load(engine_dir)
+    with pytest.raises(ValueError, match=r"measured b_h = .* GB/s.*busy"):
+        profile.measure_profile(eng.spec, eng.pool, eng.model.experts.kernel, None, 0.1)
 
 
 def test_reprofile_records_the_profile_in_the_engine(engine_dir):
