@@ -391,7 +391,7 @@ def test_bench_experts_prints_positive_throughputs(engine):
     assert ("note" in result) == cached == ("not memory bandwidth" in r.stderr), (result, r.stderr)
 
 
-def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path):
+def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path, monkeypatch):
     """The CPU standing in for the GPU: both modes stream the layers of every long enough chunk
     (16 experts per layer, 40 slots: two buffers fit); the plot is a PNG."""
     lengths = sorted(random.sample(range(12, 90), 2))
@@ -407,9 +407,15 @@ def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path):
         assert x["stream_layers"] > 0 and x["pcie_ceiling_s"] is None  # no PCIe link to compare with
     if has_matplotlib:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    else:  # refused before the benchmark runs, naming what to install
-        r = CliRunner().invoke(app, list(map(str, [*args, "--plot", plot])))
-        assert r.exit_code == 2 and "needs matplotlib: pip install 'ftc[plot]'" in _said(r), r.output
+    # without matplotlib, refused before the benchmark runs in one line naming what to install
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else
+                        find_spec(name, *a))
+    for bench in (["bench", "prefill", "/nonexistent/engine"], ["bench", "agent", "/nonexistent/engine"]):
+        r = CliRunner().invoke(app, list(map(str, [*bench, "--device", "cpu", "--plot", tmp_path / "x.png"])))
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 1 and len(lines) == 1 and "needs matplotlib: pip install 'ftc[plot]'" in lines[0], \
+            r.output
     # chunks shorter than --stream-min-tokens take decode's path: nothing streams
     r = ok("bench", "prefill", engine, "--device", "cpu", "--slots", "40", "--lengths", str(lengths[0]),
            "--prefill-chunk", "32", "--stream-min-tokens", "33")

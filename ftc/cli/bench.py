@@ -21,13 +21,13 @@ from ftc.cli.options import (
     PrefillChunkArg,
     SlotsArg,
     VramBudgetArg,
+    check_plot,
     engine_in_memory,
     err,
     number_in,
     offload_config,
     output_file,
     parse_ids,
-    plot_file,
     routing_for,
     size,
 )
@@ -43,7 +43,7 @@ EngineArg = Annotated[Path, typer.Argument(metavar="ENGINE", help="Engine direct
                                            "--random-weights.")]
 OutputArg = Annotated[Path | None, typer.Option("-o", "--output", parser=output_file, help="Also write the JSON "
                                                 "here.")]
-PlotArg = Annotated[Path | None, typer.Option(parser=plot_file, help="Also draw the result as a PNG here (needs "
+PlotArg = Annotated[Path | None, typer.Option(parser=output_file, help="Also draw the result as a PNG here (needs "
                                               "matplotlib: the `plot` extra).")]
 # Where the model runs: every benchmark but `experts` measures the engine on a device.
 DeviceArg = Annotated[str, typer.Option(help="Torch device of the model and the expert slot cache: cuda, cuda:N, or "
@@ -179,6 +179,7 @@ def prefill(
     from ftc.bench.prefill import bench_prefill, plot_prefill
 
     with failing_on_user_errors():
+        check_plot(plot)
         offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
                                  stream_min_tokens)
         prompt_lengths = parse_ids(lengths, "--lengths", low=1)
@@ -229,6 +230,7 @@ def agent(
     from ftc.bench.agent import bench_agent, plot_agent
 
     with failing_on_user_errors():
+        check_plot(plot)
         offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
                                  stream_min_tokens)
         modes = (["cache", "no-checkpoints", "no-prefix-cache"] if compare else

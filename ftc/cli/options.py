@@ -72,14 +72,13 @@ def output_file(text: str | Path) -> Path:
     return path
 
 
-def plot_file(text: str | Path) -> Path:
-    """`--plot`: an output file, and matplotlib there to draw it, both checked before the benchmark runs."""
+def check_plot(path: Path | None) -> None:
+    """`--plot`: matplotlib must be there to draw it; checked before the benchmark runs."""
     import importlib.util
 
-    path = output_file(text)
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ValueError(f"{str(path)!r}: drawing it needs matplotlib: pip install 'ftc[plot]' (or leave --plot out)")
-    return path
+    if path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"--plot {str(path)!r}: drawing it needs matplotlib: pip install 'ftc[plot]' "
+                         "(or leave --plot out)")
 
 
 # The offload options that `ftc run` and `ftc bench` share (`offload_config` turns them into one).
