@@ -34,6 +34,7 @@ from ftc_runtime import Engine, Generation, SamplingParams
 from ftc_runtime.artifact import file_sha256
 from ftc_runtime.chat.session import ChatSession
 from ftc_runtime.chat.tokenizer import StreamDecoder
+from ftc_runtime.chat.tool_parsers import hidden_token_ids, tool_parser
 from ftc_runtime.cpu_info import supported_isas
 from ftc_runtime.serve.app import default_prefix_cache_bytes
 
@@ -170,15 +171,21 @@ def test_run_json_greedy_matches_the_engine_in_process(engine, loaded):
     assert out["tokens"] == list(loaded.generate(ids, 8, SamplingParams(0.0), stop_at_eos=False))
     assert len(out["tokens"]) == 8 and all(isinstance(t, int) for t in out["tokens"])
     assert out["prompt_tokens"] == len(ids)
-    assert out["text"] == loaded.tokenizer.decode(out["tokens"])
+    assert out["text"] == loaded.tokenizer.decode([t for t in out["tokens"] if t not in unshown(loaded)])
     assert {"load_s", "prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s"} <= set(out["timings"])
+
+
+def unshown(loaded) -> set[int]:
+    """The tokens a completion's text never shows: end-of-sequence and control tokens."""
+    return set(hidden_token_ids(loaded.tokenizer.special_tokens, tool_parser(loaded.tool_parser))) | set(
+        loaded.spec.eos_token_ids)
 
 
 def test_run_raw_prompt_streams_the_decoded_text(engine, loaded):
     r = ok("run", engine, "--raw", "--prompt", "hello world", "--max-new-tokens", 4, "--ignore-eos")
     ids = loaded.tokenizer.encode("hello world")
     decoder = StreamDecoder(loaded.tokenizer)
-    expected = "".join(decoder.push(t) for t in loaded.generate(ids, 4, stop_at_eos=False))
+    expected = "".join(decoder.push(t) for t in loaded.generate(ids, 4, stop_at_eos=False) if t not in unshown(loaded))
     # Engine.load's transient progress bar leaves a blank line on stdout when it is not a terminal.
     assert r.stdout.lstrip("\n") == expected + "\n"
     assert f"{len(ids)} prompt tokens, 4 generated" in r.stderr
@@ -253,6 +260,23 @@ def test_chat_answer_shows_no_control_token_and_splits_reasoning(loaded):
     text = {kind: "".join(p for k, p in parts if k == kind) for kind in ("reasoning", "content")}
     assert text == {"reasoning": reasoning, "content": answer}
     assert session.messages[-1] == {"role": "assistant", "content": answer}
+
+
+def test_raw_completion_shows_no_control_token(engine, loaded):
+    """--raw and --prompt-ids continue a prompt as it is, yet a control token the model emits
+    (<|im_start|> ...) is listed in --json's tokens and never shown in the text."""
+    tok = loaded.tokenizer
+    words = chat_text()
+    ids = tok.encode(words)
+    control = [i for t, i in tok.special_tokens.items() if t.startswith("<|")]
+    for _ in range(random.randint(1, 5)):
+        ids.insert(random.randrange(len(ids) + 1), random.choice(control))
+    with patch.object(Engine, "generate", lambda *a, **k: Generation(iter(ids))):
+        streamed = CliRunner().invoke(app, ["run", str(engine), "--raw", "--prompt", "x", "--max-new-tokens", "99"])
+        as_json = CliRunner().invoke(app, ["run", str(engine), "--prompt-ids", "1,2", "--json"])
+    assert streamed.exit_code == 0 and words in streamed.stdout and "<|" not in streamed.stdout, streamed.output
+    out = json.loads(as_json.stdout.strip().splitlines()[-1])
+    assert out["tokens"] == ids and out["text"] == words
 
 
 def test_conversation_at_a_terminal(engine):
@@ -499,22 +523,38 @@ def error_cases(engine: Path, tmp_path: Path) -> dict[str, tuple[list, list[str]
         "gguf_file": (["compile", gguf, "-o", tmp_path / "o"], [f"{gguf}: a GGUF file", "Hugging Face checkpoint"]),
         "bare_safetensors": (["compile", weights, "-o", tmp_path / "o"],
                              [f"{weights}: a safetensors file", "checkpoint folder"]),
+        "stop_with_serve": (["run", engine, "--serve", "--stop", "x"], ["--stop does not go with --serve"]),
+        "host_without_serve": (["run", engine, "--prompt-ids", "1", "--host", "0.0.0.0"], ["--host needs --serve"]),
     }
 
 
 @pytest.mark.parametrize("case", ["missing_spec", "bad_field", "bad_target", "not_an_engine", "both_prompts",
                                   "bad_ids", "id_too_large", "bench_spec_needs_random_weights",
-                                  "bench_load_of_a_spec", "gguf_file", "bare_safetensors"])
+                                  "bench_load_of_a_spec", "gguf_file", "bare_safetensors", "stop_with_serve",
+                                  "host_without_serve"])
 def test_error_paths_exit_1_with_an_error_line(case, engine, tmp_path):
     args, says = error_cases(engine, tmp_path)[case]
     r = ftc(*args)
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
-    assert r.stderr.startswith("error: "), r.stderr
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     flat = " ".join(r.stderr.split())
     for text in says:
         assert text in flat, r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_every_run_option_belongs_to_a_mode_or_both():
+    """An option of `ftc run` that one mode ignores must be refused in it: each option is listed
+    as serve-only, generate-only or shared, so that a new one cannot be silently ignored."""
+    from typer.main import get_command
+
+    from ftc.cli.options import GENERATE_ONLY, RUN_SHARED, SERVE_ONLY
+
+    run = get_command(app).commands["run"]
+    names = [p.name for p in run.params]
+    listed = [*SERVE_ONLY, *GENERATE_ONLY, *RUN_SHARED]
+    assert sorted(names) == sorted(listed) and len(set(listed)) == len(listed)
 
 
 def test_compile_help_lists_the_targets_and_the_cli_starts_without_torch():

@@ -162,12 +162,15 @@ def offload_config(device: str | None, vram_budget: int | None, slots: int | Non
                          stream_min_tokens=stream_min_tokens)
 
 
-# `ftc run` options of one mode only: given in the other, they would be silently ignored.
+# `ftc run` options of one mode only: given in the other, they would be silently ignored. Every
+# other option of `ftc run` is in RUN_SHARED (a test holds the three to the command's options).
 SERVE_ONLY = ("host", "port", "api_key", "api_keys_file", "allowed_hosts", "max_batch", "max_prompt_tokens",
               "max_tokens", "max_body_bytes", "prefix_cache", "metrics_public", "log_level", "served_model_name")
 GENERATE_ONLY = ("prompt", "prompt_file", "prompt_ids", "system", "raw", "max_new_tokens", "temperature", "top_p",
-                 "top_k", "seed", "repeat_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "as_json",
-                 "reprofile")
+                 "top_k", "seed", "repeat_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "stop",
+                 "as_json", "reprofile")
+RUN_SHARED = ("engine", "device", "vram_budget", "slots", "miss_policy", "cache_policy", "cpu_experts",
+              "prefill_chunk", "serve")
 
 
 def sampling_penalties(repeat: float | None, presence: float | None, frequency: float | None) -> dict:
