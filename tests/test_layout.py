@@ -144,3 +144,22 @@ def test_a_cpu_engine_starts_without_dynamo_or_triton(engine_dir):
              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton' or m.startswith('torch._dynamo')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert ast.literal_eval(out.strip().splitlines()[-1]) == []
+
+
+def test_a_cpu_hybrid_engine_never_imports_flash_linear_attention(tmp_path):
+    """flash-linear-attention (and Triton under it) are for GPU calls only: a hybrid engine on the
+    CPU, prompt and decode, never imports them, even where they are installed. A stand-in `fla`
+    package on the path shows any import of it."""
+    from ftc.compile.pipeline import CompileOptions, compile_engine
+
+    spec = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3.6-moe-tiny.yaml"
+    engine = compile_engine(CompileOptions(source=spec, target="cpu", random_weights=True, output=tmp_path / "e"))
+    (tmp_path / "site" / "fla").mkdir(parents=True)
+    (tmp_path / "site" / "fla" / "__init__.py").write_text("")
+    probe = ("import sys; from ftc_runtime import Engine; "
+             f"e = Engine.load({str(engine)!r}); e.generate([1, 2, 3, 4], max_new_tokens=3); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fla', 'triton')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path / "site")}).stdout
+    assert ast.literal_eval(out.strip().splitlines()[-1]) == []
+

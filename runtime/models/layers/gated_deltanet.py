@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ftc_runtime.models.layers.fla_delta_rule import fla_delta_rule
+from ftc_runtime.models.layers.fla_delta_rule import fla_available, fla_delta_rule
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     beta [T, v heads] from `state` [v heads, k dim, v dim] fp32: (outputs [T, v heads, v dim], the
     final state, the states after each token index in `capture`). On a GPU with
     flash-linear-attention installed its Triton kernels run it; elsewhere the torch code below."""
-    if q.is_cuda and fla_delta_rule is not None:
+    if q.is_cuda and fla_available():
         return fla_delta_rule(q, k, v, g, beta, state, capture)
     group = v.shape[1] // q.shape[1]
     q = _l2norm(q.float()).repeat_interleave(group, dim=1) * q.shape[-1] ** -0.5
