@@ -304,6 +304,16 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_restored(engine_dir, se
         usage = msg["usage"]
         assert usage["cache_read_input_tokens"] > 0
         assert usage["input_tokens"] + usage["cache_read_input_tokens"] == again["usage"]["prompt_tokens"]
+        # streamed: OpenAI's last chunk, and Anthropic's message_delta (which its SDK's final message takes)
+        chunks = list(client(base).chat.completions.create(model="m", messages=later, max_tokens=4, temperature=0,
+                                                           stream=True, stream_options={"include_usage": True}))
+        streamed = chunks[-1].usage
+        assert 0 < streamed.prompt_tokens_details.cached_tokens < streamed.prompt_tokens == again["usage"][
+            "prompt_tokens"]
+        with aclient(base).messages.stream(model="m", max_tokens=4, messages=later) as s:
+            final = s.get_final_message().usage
+        assert final.cache_read_input_tokens > 0
+        assert final.input_tokens + final.cache_read_input_tokens == again["usage"]["prompt_tokens"]
 
 
 def test_requests_sample_by_the_engines_defaults_unless_they_say(engine_dir, tmp_path, seed):
