@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import pty
 import random
@@ -210,6 +211,17 @@ def test_chat_turn_equals_the_servers_answer(engine, loaded):
     message = r.json()["choices"][0]["message"]
     assert out["text"] == (message["content"] or "")
     assert out["reasoning"] == message.get("reasoning_content")
+
+
+def test_system_prompt_leads_the_conversation(engine, loaded):
+    """--system is the conversation's first turn: the prompt is the template's rendering of the
+    system and the user turn, and the answer the engine's for it."""
+    system, text, n = chat_text(), chat_text(), random.randint(2, 8)
+    out = parse_json(ftc("run", engine, "--system", system, "--prompt", text, "--max-new-tokens", n, "--json"))
+    ids = loaded.chat_template.render_ids(loaded.tokenizer, [{"role": "system", "content": system},
+                                                             {"role": "user", "content": text}])
+    assert out["prompt_tokens"] == len(ids)
+    assert out["tokens"] == list(loaded.generate(ids, n, SamplingParams(0.0)))
 
 
 def stop_from(text: str) -> str | None:
@@ -700,14 +712,23 @@ def test_serve_wires_its_options_into_the_server(engine, monkeypatch):
         app=app, address=sock.getsockname()[:2]) or sock.close())
     host = "::1" if loopback_v6() else "127.0.0.1"
     port = free_port()
+    names = random.sample(["gpt-4o", "claude-sonnet", "local", "qwen3"], 2)
+    level = random.choice(["debug", "warning", "error"])
     args = ["run", engine, "--serve", "--host", host, "--port", port, "--api-key", "k", "--prefix-cache", "3MiB",
-            "--max-body-bytes", "1KiB", "--allowed-hosts", "a.example,b.example", "--max-batch", "3"]
+            "--max-body-bytes", "1KiB", "--allowed-hosts", "a.example,b.example", "--max-batch", "3",
+            "--max-prompt-tokens", "300", "--max-tokens", "40", "--served-model-name", ",".join(names),
+            "--metrics-public", "--log-level", level]
+    monkeypatch.setattr(logging.root, "handlers", [])  # basicConfig configures a root without handlers
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
     r = CliRunner().invoke(app, list(map(str, args)))
     assert r.exit_code == 0, r.output
     assert started["address"] == (host, port)
     server = started["app"].state.server
     c = server.config
     assert (c.api_key, c.max_body_bytes, c.allowed_hosts, c.max_batch) == ("k", 1024, ("a.example", "b.example"), 3)
+    assert (c.max_prompt_tokens, c.max_new_tokens, c.served_model_names, c.metrics_public) == (300, 40, tuple(names),
+                                                                                              True)
+    assert logging.getLogger().level == getattr(logging, level.upper())
     assert server.engine.prefix_cache.kv_budget == 3 << 20
     url = f"http://[::1]:{port}/v1" if host == "::1" else f"http://127.0.0.1:{port}/v1"
     assert f"{url} (prefix cache 3.0 MiB, API key required)" in r.stderr
