@@ -67,3 +67,16 @@ def test_a_repository_not_in_the_cache_is_one_error_line(hub, tmp_path):
     r = compile_from_hub(hub, tmp_path, missing)
     assert r.returncode == 1 and r.stderr.startswith(f"error: {missing}: not in the Hugging Face cache"), r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "build").exists()
+
+
+def test_an_engine_in_the_way_is_refused_before_the_download(hub, tmp_path):
+    """Replacing an engine needs --force, and a repository to download says so before it is
+    fetched (offline and not in the cache: the download would be what failed otherwise)."""
+    _, repo = hub
+    assert compile_from_hub(hub, tmp_path, repo).returncode == 0
+    missing = f"test-org/{repo.split('/')[1]}"  # the same engine name, a repository the cache lacks
+    before = (tmp_path / "build" / repo.split("/")[1] / "engine.json").read_bytes()
+    r = compile_from_hub(hub, tmp_path, missing)
+    assert r.returncode == 1 and "holds an engine: pass --force to replace it" in r.stderr, r.stderr
+    assert (tmp_path / "build" / repo.split("/")[1] / "engine.json").read_bytes() == before
+

@@ -26,9 +26,16 @@ class Source:
         return self.repo_id.split("/")[1] if self.repo_id else None
 
 
+def hub_repo_name(source: Path) -> str | None:
+    """The repository's NAME where `source` is fetched from the Hub (ORG/NAME, no such path here)."""
+    if source.exists() or not REPO_ID.fullmatch(str(source)):
+        return None
+    return str(source).split("/")[1]
+
+
 def resolve_source(source: Path) -> Source:
     """`source` itself where it exists; else, written as ORG/NAME, that repository's snapshot."""
-    if source.exists() or not REPO_ID.fullmatch(str(source)):
+    if hub_repo_name(source) is None:
         return Source(source)
     return Source(Path(_download(str(source))), str(source))
 

@@ -39,7 +39,7 @@ from ftc.codegen.kernel_check import check_expert_kernel
 from ftc.codegen.render import render_cpu_kernels, render_triton_kernels
 from ftc.compile.checkpoint_tokenizer import check_checkpoint_tokenizer
 from ftc.compile.ftw_writer import FtwWriter
-from ftc.compile.hub import Source, resolve_source
+from ftc.compile.hub import Source, hub_repo_name, resolve_source
 from ftc.compile.spec_loader import load_spec
 from ftc.compile.targets import BATCH_BUCKETS, Target, resolve_target
 from ftc.compile.tokenizer_builder import build_byte_tokenizer
@@ -131,6 +131,9 @@ def compile_with_experts_in_memory(opts: CompileOptions, console: Console | None
 
 def _compile(opts: CompileOptions, console: Console | None, experts_in_memory: bool) -> tuple[Path, ExpertPool | None]:
     console = console or Console(stderr=True)
+    repo = hub_repo_name(opts.source)
+    if repo is not None:  # a download can take hours: an engine in the way is refused before it
+        _check_output(opts.output or Path("build") / (opts.name or repo), opts.force)
     source = resolve_source(opts.source)
     spec, spec_checkpoint = load_spec(source.path, list(opts.overrides), opts.quant, _engine_name(opts, source))
     checkpoint = None if opts.random_weights else opts.checkpoint or spec_checkpoint
