@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -157,6 +158,16 @@ class Engine:
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Logits of every position of `ids` in one fresh sequence: [len(ids), vocab] fp32."""
         return self.prefill(self._check_ids(ids), self.model.new_cache(), all_logits=True)
+
+    def default_prefix_cache_bytes(self) -> int:
+        """The prefix cache's KV budget for a server or a conversation: an eighth of the device
+        budget on a GPU engine (the elastic split gives the rest to expert slots), else a quarter of
+        the host memory left after loading, at most 8 GiB. The hybrid models' checkpoints get as
+        much again, in host memory."""
+        if self.vram is not None:
+            return self.vram.budget // 8
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return min(available // 4, 8 << 30)
 
     def enable_prefix_cache(self, kv_budget: int, checkpoint_budget: int) -> PrefixCache:
         """Keeps past sequences' keys and values, and for hybrid models the linear layers' state

@@ -37,7 +37,6 @@ from ftc_runtime.chat.session import ChatSession
 from ftc_runtime.chat.tokenizer import StreamDecoder
 from ftc_runtime.chat.tool_parsers import hidden_token_ids, tool_parser
 from ftc_runtime.cpu_info import supported_isas
-from ftc_runtime.serve.app import default_prefix_cache_bytes
 
 from live_server import free_port, serving
 
@@ -213,6 +212,17 @@ def test_chat_turn_equals_the_servers_answer(engine, loaded):
     assert out["reasoning"] == message.get("reasoning_content")
 
 
+def test_a_chat_turn_loads_no_server(engine):
+    """`ftc run --prompt` answers without importing the server stack (fastapi, uvicorn: most of a
+    second of start-up)."""
+    probe = ("import sys; from typer.testing import CliRunner; from ftc.cli.main import app; "
+             f"r = CliRunner().invoke(app, ['run', {str(engine)!r}, '--prompt', 'hi', '--max-new-tokens', '2']); "
+             "assert r.exit_code == 0, r.output; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'uvicorn', 'starlette')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
+
+
 def test_system_prompt_leads_the_conversation(engine, loaded):
     """--system is the conversation's first turn: the prompt is the template's rendering of the
     system and the user turn, and the answer the engine's for it."""
@@ -296,7 +306,7 @@ def test_conversation_at_a_terminal(engine):
     an in-process session with the same prefix cache answers them), /clear, /exit."""
     turns, n = [chat_text(), chat_text()], random.randint(3, 8)
     reference = Engine.load(engine)
-    kv = default_prefix_cache_bytes(reference)
+    kv = reference.default_prefix_cache_bytes()
     reference.enable_prefix_cache(kv, kv)
     session = ChatSession(reference)
     answers = ["".join(p for k, p in session.reply(t, n) if k == "content") for t in turns]
@@ -403,7 +413,7 @@ def test_each_chat_turn_penalizes_the_conversation_so_far(engine, loaded, seed):
     rng, n = random.Random(seed), 10
     sampling = SamplingParams(0.0, repetition_penalty=rng.uniform(1.5, 5), frequency_penalty=rng.uniform(0, 2))
     cached = Engine.load(engine)
-    kv = default_prefix_cache_bytes(cached)
+    kv = cached.default_prefix_cache_bytes()
     cached.enable_prefix_cache(kv, kv)
     session = ChatSession(cached)
     for _ in range(3):
@@ -758,7 +768,7 @@ def test_serve_refuses_a_port_in_use_before_loading(tmp_path):
 def test_serve_prefix_cache_auto_and_off(engine, monkeypatch):
     monkeypatch.setattr("ftc_runtime.serve.app.run_server", lambda app, sock: sock.close())
     captured = []
-    monkeypatch.setattr("ftc_runtime.serve.app.default_prefix_cache_bytes", lambda eng: captured.append(eng) or 5 << 20)
+    monkeypatch.setattr(Engine, "default_prefix_cache_bytes", lambda eng: captured.append(eng) or 5 << 20)
     runner = CliRunner()
     r = runner.invoke(app, ["run", str(engine), "--serve"])
     assert r.exit_code == 0 and captured and captured[0].prefix_cache.kv_budget == 5 << 20, r.output

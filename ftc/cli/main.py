@@ -230,7 +230,6 @@ def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, tex
     """One chat turn (`text`), or a conversation at the terminal (`text` None)."""
     from ftc.cli.chat import note_random_weights, print_turn, repl, turn_json
     from ftc_runtime.chat.session import ChatSession
-    from ftc_runtime.serve.app import default_prefix_cache_bytes
 
     try:
         eng, load_s, sampling = _load(engine, offload, prefill_chunk, reprofile, as_json, sampling)
@@ -242,7 +241,7 @@ def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, tex
         elif text is not None:
             print_turn(session, text, max_new_tokens, sampling)
         else:  # each turn resumes from the cached conversation, not from its first token
-            kv_bytes = default_prefix_cache_bytes(eng)
+            kv_bytes = eng.default_prefix_cache_bytes()
             if kv_bytes:
                 eng.enable_prefix_cache(kv_bytes, kv_bytes)
             repl(eng, session, max_new_tokens, sampling)
@@ -303,12 +302,12 @@ def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: in
     """Serves `engine` until SIGTERM or Ctrl-C; `prefix_cache` None: the server's default size."""
     from ftc_runtime import Engine
     from ftc_runtime.experts.vram_plan import gib
-    from ftc_runtime.serve.app import ServerConfig, bind, create_app, default_prefix_cache_bytes, run_server
+    from ftc_runtime.serve.app import ServerConfig, bind, create_app, run_server
 
     try:
         sock = bind(host, port)
         eng = Engine.load(engine, show_progress=True, offload=offload, prefill_chunk=prefill_chunk)
-        kv_bytes = default_prefix_cache_bytes(eng) if prefix_cache is None else prefix_cache
+        kv_bytes = eng.default_prefix_cache_bytes() if prefix_cache is None else prefix_cache
         if kv_bytes:
             eng.enable_prefix_cache(kv_bytes, kv_bytes)
         app = create_app(eng, ServerConfig(model_name=eng.spec.name, **config))

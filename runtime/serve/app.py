@@ -5,7 +5,6 @@ the generation stream they read is `token_stream.TokenStream`."""
 from __future__ import annotations
 
 import errno
-import os
 import socket
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,7 +23,7 @@ from ftc_runtime.serve.openai_api import router as openai_router
 from ftc_runtime.serve.scheduler import Scheduler
 from ftc_runtime.serve.server import Server, ServerConfig
 
-__all__ = ["ServerConfig", "bind", "create_app", "default_allowed_hosts", "default_prefix_cache_bytes", "run_server"]
+__all__ = ["ServerConfig", "bind", "create_app", "default_allowed_hosts", "run_server"]
 
 # Hosts a server bound to loopback answers by default: a page elsewhere that resolves its own name
 # to 127.0.0.1 (DNS rebinding) sends its own name as Host, and is refused.
@@ -36,16 +35,6 @@ SHUTDOWN_S = 3
 def default_allowed_hosts(bind: str) -> tuple[str, ...] | None:
     """Loopback names for a loopback bind (DNS-rebinding protection), else any host."""
     return LOOPBACK_HOSTS if bind in LOOPBACK_HOSTS or bind.startswith("127.") else None
-
-
-def default_prefix_cache_bytes(engine: Engine) -> int:
-    """The prefix cache's KV budget when serving: an eighth of the device budget on a GPU engine
-    (the elastic split gives the rest to expert slots), else a quarter of the host memory left
-    after loading, at most 8 GiB. The hybrid models' checkpoints get as much again, in host memory."""
-    if engine.vram is not None:
-        return engine.vram.budget // 8
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(available // 4, 8 << 30)
 
 
 def bind(host: str, port: int) -> socket.socket:
