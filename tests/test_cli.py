@@ -659,7 +659,8 @@ def bad_option_cases(engine: Path, tmp: Path) -> list[tuple[str, list, str]]:
     if not torch.cuda.is_available():  # without a GPU, the default --device of `bench decode` and cuda itself
         cases += [(f"{a[1]}-cuda", [*a, "--device", "cuda"], "--device") for a in (gen, ["bench", "decode", engine],
                                                                                    prof, pre)]
-        cases += [("decode-default-device", ["bench", "decode", engine], "--device")]
+        cases += [(f"{bench}-default-device", ["bench", bench, engine], "--device")
+                  for bench in ("decode", "prefill", "agent", "load")]
     return cases
 
 
@@ -761,7 +762,7 @@ def test_serve_refuses_a_port_in_use_before_loading(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         r = ftc("run", tmp_path, "--serve", "--port", port)
-    assert r.returncode == 1 and r.stderr.startswith("error: "), r.stderr
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert f"127.0.0.1:{port}: in use" in r.stderr and "--port" in r.stderr
 
 
