@@ -99,6 +99,43 @@ def test_stream_decoder_deltas_add_up_to_the_whole_decode(tmp_path: Path, seed: 
         assert text == tok.decode(ids), ids
 
 
+def trained_tokenizer(path: Path, kind: str, rng: random.Random) -> Path:
+    """A BPE tokenizer with merges trained on random words, as real checkpoints carry: byte-level
+    (GPT-2, Qwen) or metaspace (SentencePiece-style: a word's space is part of its first token),
+    with a special token."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    words = ["".join(rng.choice("abcdeéfgh✓€ ") for _ in range(rng.randrange(1, 9))) for _ in range(300)]
+    tok = HFTokenizer(models.BPE(unk_token=None if kind == "byte" else "<unk>"))
+    if kind == "byte":
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        alphabet = []
+    tok.train_from_iterator(words, trainers.BpeTrainer(vocab_size=200 + len(alphabet), initial_alphabet=alphabet,
+                                                       special_tokens=["<|im_end|>", "<unk>"], show_progress=False))
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["byte", "metaspace"])
+def test_stream_decoder_equals_the_whole_decode_with_trained_bpe(tmp_path: Path, kind: str, seed: int):
+    """Real tokenizers merge bytes and mark word starts: the streamed deltas of random id streams
+    add up to the whole decode all the same."""
+    rng = random.Random(seed)
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = trained_tokenizer(tmp_path / "tokenizer.json", kind, rng)
+    tok, vocab = Tokenizer(path), HFTokenizer.from_file(str(path)).get_vocab_size()
+    for _ in range(50):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        stream = StreamDecoder(tok)
+        text = "".join(stream.push(i) for i in ids) + stream.flush()
+        assert text == tok.decode(ids), ids
+
+
 def test_stream_decoder_time_grows_linearly(tmp_path: Path, seed: int):
     """Each step decodes a short window, not the whole answer again: 8x the tokens take about 8x
     the time (a re-decode of everything per token would take 64x)."""
