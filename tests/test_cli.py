@@ -11,6 +11,7 @@ import pty
 import random
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -303,7 +304,8 @@ def test_raw_completion_shows_no_control_token(engine, loaded):
 
 def test_conversation_at_a_terminal(engine):
     """stdin a terminal: turns read at a prompt, each answered with the conversation so far (as
-    an in-process session with the same prefix cache answers them), /clear, /exit."""
+    an in-process session with the same prefix cache answers them); Ctrl-C at the prompt drops
+    the line being typed and asks again; /clear, /exit."""
     turns, n = [chat_text(), chat_text()], random.randint(3, 8)
     reference = Engine.load(engine)
     kv = reference.default_prefix_cache_bytes()
@@ -317,7 +319,12 @@ def test_conversation_at_a_terminal(engine):
     try:
         screen = read_until(master, ">>> ")
         assert "random weights" in screen and "/exit" in screen
-        for turn, answer in zip(turns, answers, strict=True):
+        for i, (turn, answer) in enumerate(zip(turns, answers, strict=True)):
+            if i:  # half a line typed, then Ctrl-C: dropped, and the conversation goes on as before
+                os.write(master, b"never sent")
+                time.sleep(0.3)
+                proc.send_signal(signal.SIGINT)
+                read_until(master, ">>> ")
             os.write(master, turn.encode() + b"\n")
             screen = read_until(master, ">>> ")
             assert answer.replace("\r", "") in screen.replace("\r", ""), (answer, screen)
