@@ -1,6 +1,6 @@
 """Next-token choice: greedy at temperature 0 (or below `MIN_TEMPERATURE`), else temperature and
 nucleus (top-p) sampling; before either, the repetition, presence and frequency penalties of the
-tokens the sequence holds (`Penalties`)."""
+tokens the sequence holds (`Penalties`); a reasoning budget closes `<think>` once it is spent."""
 
 from __future__ import annotations
 
@@ -20,6 +20,21 @@ MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
+class ReasoningBudget:
+    """At most `tokens` tokens of reasoning (Anthropic's thinking.budget_tokens): once an answer
+    has that many inside `<think>` (token `open_id`; the prompt may have opened it), the next token
+    is the closing tag (`close_id`), and the answer goes on after it."""
+
+    tokens: int
+    open_id: int
+    close_id: int
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1:
+            raise ValueError(f"reasoning budget = {self.tokens}: expected at least 1 token")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
@@ -32,6 +47,7 @@ class SamplingParams:
     # Hugging Face's (llama.cpp's repeat penalty): the logit of every token in the prompt or the
     # answer is divided by it where positive, multiplied by it where negative; 1: off.
     repetition_penalty: float = 1.0
+    reasoning_budget: ReasoningBudget | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -64,7 +80,8 @@ PENALTY_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 DEFAULT_FIELDS = ("temperature", "top_p", "top_k", *PENALTY_FIELDS)
 
 
-def with_defaults(defaults: dict[str, float | int], seed: int, **given: float | int | None) -> SamplingParams:
+def with_defaults(defaults: dict[str, float | int], seed: int, **given: float | int | ReasoningBudget | None
+                  ) -> SamplingParams:
     """Sampling as asked (`given`, None: not asked), else the engine's defaults (its checkpoint's
     generation_config.json), else SamplingParams'."""
     chosen = {k: v for k, v in defaults.items() if k in DEFAULT_FIELDS}
@@ -121,22 +138,50 @@ class Penalties:
         self.prompt = []
 
 
+class ReasoningCount:
+    """Where a sequence stands against its `ReasoningBudget`: inside `<think>` or not (from the
+    prompt's last tag on), and the reasoning tokens produced since it opened."""
+
+    def __init__(self, budget: ReasoningBudget, prompt_ids: Sequence[int]):
+        self.budget, self.used = budget, 0
+        tags = [t for t in prompt_ids if t in (budget.open_id, budget.close_id)]
+        self.inside = bool(tags) and tags[-1] == budget.open_id
+
+    def forced(self) -> int | None:
+        """The closing tag once the budget is spent, else None (the sampler chooses)."""
+        return self.budget.close_id if self.inside and self.used >= self.budget.tokens else None
+
+    def add(self, token: int) -> None:
+        if token == self.budget.open_id:
+            self.inside, self.used = True, 0
+        elif token == self.budget.close_id:
+            self.inside = False
+        elif self.inside:
+            self.used += 1
+
+
 class Sampler:
     """The next-token choice of one sequence. With a penalty on it keeps that sequence's history,
     the prompt given here and then every token it returns, so each request (each chat turn) has
-    a Sampler of its own; without one it keeps nothing."""
+    a Sampler of its own; without one it keeps nothing. With a reasoning budget it counts the
+    reasoning tokens and closes the reasoning once they are spent."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed)
         self.penalties = Penalties(params, prompt_ids) if params.penalized else None
+        budget = params.reasoning_budget
+        self.reasoning = ReasoningCount(budget, prompt_ids) if budget is not None else None
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] fp32. The token chosen is recorded as generated."""
-        if self.penalties is None:
-            return self._pick(logits)
-        token = self._pick(self.penalties.apply(logits))
-        self.penalties.add(token)
+        token = self.reasoning.forced() if self.reasoning is not None else None
+        if token is None:
+            token = self._pick(logits if self.penalties is None else self.penalties.apply(logits))
+        if self.penalties is not None:
+            self.penalties.add(token)
+        if self.reasoning is not None:
+            self.reasoning.add(token)
         return token
 
     def _pick(self, logits: torch.Tensor) -> int:

@@ -58,12 +58,12 @@ def _expected(engine: Engine, messages: list[dict], n: int) -> str:
     return engine.tokenizer.decode(out)
 
 
-def script_tool_call(engine: Engine, monkeypatch, tools: list[dict], name: str, args: dict) -> dict:
+def script_tool_call(engine: Engine, monkeypatch, tools: list[dict], *calls: tuple[str, dict]) -> dict:
     """A test-only decoding hook: every sampler emits, token by token, the assistant turn that the
-    template writes for calling `name` with `args` (the model's own format), then end-of-sequence.
-    Returns the per-sampler positions (clear them to replay the script)."""
-    turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-        "name": name, "arguments": args}}]}
+    template writes for the (name, arguments) `calls` (the model's own format), then
+    end-of-sequence. Returns the per-sampler positions (clear them to replay the script)."""
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}
     rendered = engine.chat_template.render([{"role": "user", "content": "q"}, turn], tools,
                                            add_generation_prompt=False)
     script = engine.tokenizer.encode(rendered.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n"))
@@ -139,7 +139,7 @@ def test_tool_call_round_trip(engine, monkeypatch, seed):
                                                               "properties": {"city": {"type": "string"}}}}}]
     rng = random.Random(seed)
     args = {"city": rng.choice(["Paris", "Zürich", "東京"]), "days": rng.randrange(1, 9)}
-    position = script_tool_call(engine, monkeypatch, tools, "get_weather", args)
+    position = script_tool_call(engine, monkeypatch, tools, ("get_weather", args))
     with serving(engine) as base:
         c = client(base)
         messages = [{"role": "user", "content": "What's the weather?"}]
@@ -190,7 +190,7 @@ def test_anthropic_tool_use_round_trip(engine, monkeypatch, seed):
     rng = random.Random(seed)
     args = {"path": f"src/{rng.randrange(100)}.py", "lines": [1, rng.randrange(2, 50)]}
     openai_tools = [{"type": "function", "function": {"name": "read_file", "parameters": tools[0]["input_schema"]}}]
-    position = script_tool_call(engine, monkeypatch, openai_tools, "read_file", args)
+    position = script_tool_call(engine, monkeypatch, openai_tools, ("read_file", args))
     with serving(engine) as base:
         c = aclient(base)
         messages = [{"role": "user", "content": "Show me the file."}]
@@ -454,23 +454,10 @@ def test_one_tool_call_when_parallel_calls_are_off(engine, monkeypatch, seed):
     tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}} for n in ("get_weather", "get_time")]
     rng = random.Random(seed)
-    calls = [{"type": "function", "function": {"name": n, "arguments": {"city": rng.choice(["Oslo", "Lima"])}}}
-             for n in ("get_weather", "get_time")]
-    turn = {"role": "assistant", "content": "", "tool_calls": calls}
-    rendered = engine.chat_template.render([{"role": "user", "content": "q"}, turn], tools,
-                                           add_generation_prompt=False)
-    script = engine.tokenizer.encode(rendered.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n"))
-    script.append(engine.spec.eos_token_ids[0])
-    position: dict[int, int] = {}
-
-    def scripted(self, logits):
-        i = position.setdefault(id(self), 0)
-        position[id(self)] = i + 1
-        return script[min(i, len(script) - 1)]
-
-    monkeypatch.setattr(Sampler, "__call__", scripted)
+    names = ["get_weather", "get_time"]
+    position = script_tool_call(engine, monkeypatch, tools, *[(n, {"city": rng.choice(["Oslo", "Lima"])})
+                                                               for n in names])
     messages = [{"role": "user", "content": "Weather and time?"}]
-    names = [c["function"]["name"] for c in calls]
     atools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in tools]
     with serving(engine) as base:
         c = client(base)
@@ -493,6 +480,28 @@ def test_one_tool_call_when_parallel_calls_are_off(engine, monkeypatch, seed):
                                                tool_choice=choice) as s:
                 final = s.get_final_message()
             assert [b.name for b in final.content if b.type == "tool_use"] == want
+
+
+def test_anthropic_thinking_budget_ends_the_reasoning(engine, monkeypatch, seed):
+    """thinking.budget_tokens is enforced: the model (scripted) would reason on, yet its thinking
+    block holds exactly the budget's tokens, and the answer goes on after the closing tag."""
+    rng = random.Random(seed)
+    budget, after = rng.randint(1, 6), rng.randint(1, 4)
+    word = engine.tokenizer.encode("a")[0]
+    script = [engine.tokenizer.encode("<think>")[0]] + [word] * (budget + after) + [engine.spec.eos_token_ids[0]]
+    position: dict[int, int] = {}
+
+    def scripted(self, logits):
+        i = position.setdefault(id(self), 0)
+        position[id(self)] = i + 1
+        return script[min(i, len(script) - 1)]
+
+    monkeypatch.setattr(Sampler, "_pick", scripted)
+    with serving(engine) as base:
+        m = aclient(base).messages.create(model="m", max_tokens=64, messages=[{"role": "user", "content": "hm?"}],
+                                          thinking={"type": "enabled", "budget_tokens": budget})
+    blocks = {b.type: b for b in m.content}
+    assert blocks["thinking"].thinking == "a" * budget and blocks["text"].text == "a" * after, m.content
 
 
 def test_concurrent_streams_and_a_client_that_leaves(url, engine, seed):

@@ -133,7 +133,11 @@ async def messages(body: MessagesRequest, request: Request):
     ids, opening = await _prompt_ids(server, body)
     server.check_prompt(ids, "messages")
     limit = server.new_tokens(body.max_tokens, len(ids))
-    sampling = server.sampling(secrets.randbits(63), temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
+    thinking = body.thinking
+    budget = server.reasoning_budget(thinking.budget_tokens, "thinking.budget_tokens") \
+        if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is not None else None
+    sampling = server.sampling(secrets.randbits(63), temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                               reasoning_budget=budget)
     stream = server.stream(ids, limit, sampling, list(body.stop_sequences or []), namespace_of(request),
                          opening)
     tools = _tools(body)

@@ -12,7 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 from ftc_runtime.chat.template import ChatTemplateError
 from ftc_runtime.chat.tool_parsers import tool_parser
 from ftc_runtime.engine import Engine
-from ftc_runtime.sampling import SamplingParams, with_defaults
+from ftc_runtime.sampling import ReasoningBudget, SamplingParams, with_defaults
 from ftc_runtime.serve.api_types import ApiError
 from ftc_runtime.serve.metrics import RequestMetrics
 from ftc_runtime.serve.scheduler import Scheduler
@@ -76,9 +76,17 @@ class Server:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {', '.join(map(repr, names))}",
                            "model", "not_found_error")
 
-    def sampling(self, seed: int, **asked: float | int | None) -> SamplingParams:
+    def sampling(self, seed: int, **asked: float | int | ReasoningBudget | None) -> SamplingParams:
         """A request's sampling: what it asks, else the engine's defaults, else the APIs' (temperature 1)."""
         return with_defaults(API_SAMPLING | self.engine.manifest.sampling, seed, **asked)
+
+    def reasoning_budget(self, tokens: int, param: str) -> ReasoningBudget:
+        """A budget of `tokens` reasoning tokens, enforced on the model's `<think>` tags; a model
+        whose tags are not single tokens cannot have one (400, naming `param`)."""
+        tags = [self.engine.tokenizer.encode(tag) for tag in ("<think>", "</think>")]
+        if any(len(ids) != 1 for ids in tags):
+            raise ApiError(400, f"{param}: this model has no single-token <think> tags to end its reasoning at", param)
+        return ReasoningBudget(tokens, tags[0][0], tags[1][0])
 
     def new_tokens(self, asked: int | None, prompt_tokens: int) -> int:
         """Tokens to generate at most: what the request asks (default: the server's limit), within
