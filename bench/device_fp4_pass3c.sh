@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 18, third session, last call: `ftc bench experts` (48 layers, batch 1) for mxfp4 and
-# nvfp4 on the shipped kernel; qwen3-30b-a3b mxfp4 decode at 8 GiB, uniform routing, each miss
-# policy; the GPU tests the second call did not reach (hybrid, fla, elastic VRAM); qwen3.6-35b-a3b
-# nvfp4 decode at 8 GiB.
+# Issue 18's measurements still owed after its third session (whose third call was refused):
+# `ftc bench experts` (48 layers, batch 1) for mxfp4 and nvfp4 on the shipped kernel (next-item
+# prefetch); qwen3-30b-a3b mxfp4 decode at 8 GiB, uniform routing, each miss policy; the GPU tests
+# the second call did not reach (hybrid, fla, elastic VRAM); qwen3.6-35b-a3b nvfp4 decode at 8 GiB.
 #   bash bench/device_fp4_pass3c.sh OUT_DIR     (carry .whl: fla-core, einops)
 set -uo pipefail
 out=${1:?output directory}
