@@ -67,7 +67,12 @@ def script_tool_call(engine: Engine, monkeypatch, tools: list[dict], *calls: tup
     rendered = engine.chat_template.render([{"role": "user", "content": "q"}, turn], tools,
                                            add_generation_prompt=False)
     script = engine.tokenizer.encode(rendered.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n"))
-    script.append(engine.spec.eos_token_ids[0])
+    return script_sampler(monkeypatch, script + [engine.spec.eos_token_ids[0]])
+
+
+def script_sampler(monkeypatch, script: list[int], method: str = "__call__") -> dict:
+    """Every sampler's `method` (its whole choice, or `_pick`: sampling alone) returns the
+    script's tokens in turn, the last one ever after. Returns the per-sampler positions."""
     position: dict[int, int] = {}
 
     def scripted(self, logits):
@@ -75,7 +80,7 @@ def script_tool_call(engine: Engine, monkeypatch, tools: list[dict], *calls: tup
         position[id(self)] = i + 1
         return script[min(i, len(script) - 1)]
 
-    monkeypatch.setattr(Sampler, "__call__", scripted)
+    monkeypatch.setattr(Sampler, method, scripted)
     return position
 
 
@@ -489,14 +494,7 @@ def test_anthropic_thinking_budget_ends_the_reasoning(engine, monkeypatch, seed)
     budget, after = rng.randint(1, 6), rng.randint(1, 4)
     word = engine.tokenizer.encode("a")[0]
     script = [engine.tokenizer.encode("<think>")[0]] + [word] * (budget + after) + [engine.spec.eos_token_ids[0]]
-    position: dict[int, int] = {}
-
-    def scripted(self, logits):
-        i = position.setdefault(id(self), 0)
-        position[id(self)] = i + 1
-        return script[min(i, len(script) - 1)]
-
-    monkeypatch.setattr(Sampler, "_pick", scripted)
+    script_sampler(monkeypatch, script, "_pick")  # sampling's own choice: the budget's forcing stays
     with serving(engine) as base:
         m = aclient(base).messages.create(model="m", max_tokens=64, messages=[{"role": "user", "content": "hm?"}],
                                           thinking={"type": "enabled", "budget_tokens": budget})
