@@ -31,6 +31,7 @@ from ftc_runtime.artifact import (
 from ftc_runtime.cache.prefix import PrefixCache
 from ftc_runtime.chat.template import ChatTemplate
 from ftc_runtime.chat.tokenizer import Tokenizer
+from ftc_runtime.chat.tool_parsers import hidden_token_ids, tool_parser
 from ftc_runtime.cpu_info import gpu_engine_worker_cpus, pin_this_thread, worker_cpus
 from ftc_runtime.decode.graphs import decode_graphs_for
 from ftc_runtime.experts.cpu import CpuExperts
@@ -101,6 +102,8 @@ class Engine:
             manifest, manifest.spec, tokenizer, model, pool, vram)
         self.prefill_chunk = prefill_chunk or manifest.plan.prefill_chunk
         self.tool_parser = family(manifest.spec.family).tool_parser  # name in tool_parsers.TOOL_PARSERS
+        # The control tokens an answer's text never shows, in the CLI and the APIs alike.
+        self.hidden_token_ids = hidden_token_ids(tokenizer.special_tokens, tool_parser(self.tool_parser))
         self.boundary_ids = frozenset(manifest.spec.token_id(t) for t in manifest.spec.tokens.boundaries)
         self.prefix_cache: PrefixCache | None = None
         self.elastic: ElasticVram | None = None  # a GPU engine's budget split between KV and expert slots

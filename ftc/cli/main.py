@@ -257,7 +257,6 @@ def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool,
     from ftc.cli.chat import timings
     from ftc_runtime.chat.stop_strings import StopMatcher
     from ftc_runtime.chat.tokenizer import StreamDecoder
-    from ftc_runtime.chat.tool_parsers import hidden_token_ids, tool_parser
 
     def show(piece: str) -> None:
         pieces.append(piece)
@@ -271,8 +270,7 @@ def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool,
         gen = eng.generate(ids, max_new_tokens, sampling, stop_at_eos)
         decoder, stops, tokens, pieces = StreamDecoder(eng.tokenizer), StopMatcher(stop), [], []
         # end-of-sequence and control tokens are generated (and listed) but never shown, as the server does
-        unshown = hidden_token_ids(eng.tokenizer.special_tokens, tool_parser(eng.tool_parser)) | set(
-            eng.spec.eos_token_ids)
+        unshown = eng.hidden_token_ids | set(eng.spec.eos_token_ids)
         for token in gen:
             tokens.append(token)
             if token in unshown:

@@ -1,6 +1,6 @@
 """A conversation with an engine, turn by turn, as `ftc run` holds it: the chat template renders
 the history, the answer streams as ("reasoning", text) and ("content", text) parts with no control
-token in them (`hidden_token_ids`), and then joins the history."""
+token in them (`Engine.hidden_token_ids`), and then joins the history."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ftc_runtime.chat.stop_strings import StopMatcher
 from ftc_runtime.chat.tokenizer import StreamDecoder
-from ftc_runtime.chat.tool_parsers import ReasoningSplitter, hidden_token_ids, tool_parser
+from ftc_runtime.chat.tool_parsers import ReasoningSplitter
 from ftc_runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class ChatSession:
         ids = self.engine.chat_template.render_ids(tokenizer, self.messages)
         self.generation = self.engine.generate(ids, max_new_tokens, sampling, self.stop_at_eos)
         self.tokens = []
-        hidden = hidden_token_ids(tokenizer.special_tokens, tool_parser(self.engine.tool_parser))
+        hidden = self.engine.hidden_token_ids
         decoder, stops, splitter, content = StreamDecoder(tokenizer), StopMatcher(self.stop), ReasoningSplitter(), []
         try:
             for token in self.generation:

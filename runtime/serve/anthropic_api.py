@@ -177,13 +177,11 @@ async def _events(stream: TokenStream, msg_id: str, model: str, tools: list[dict
         "stop_sequence": None, "usage": {"input_tokens": stream.prompt_tokens, "output_tokens": 0}}})
     yield event("ping", {})
     index, open_kind, n_calls = -1, None, 0
-    async for kind, value in message_parts(stream, parser, tools):
+    async for kind, value in message_parts(stream, parser, tools, one_call):
         block = {"reasoning": "thinking", "content": "text", "tool_call": "tool_use"}[kind]
         if block != open_kind and open_kind is not None:
             yield event("content_block_stop", {"index": index})
             open_kind = None
-        if block == "tool_use" and n_calls and one_call:
-            continue
         if block == "tool_use":  # whole: known once its block closed
             index, n_calls = index + 1, n_calls + 1
             use = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": value.name, "input": {}}

@@ -237,10 +237,8 @@ async def _chat_chunks(stream: TokenStream, meta: dict, tools: list[dict], parse
 
     yield chunk({"role": "assistant", "content": ""})
     n_calls = 0
-    async for kind, value in message_parts(stream, parser, tools):
+    async for kind, value in message_parts(stream, parser, tools, one_call=not parallel_calls):
         if kind == "tool_call":
-            if n_calls and not parallel_calls:
-                continue
             yield chunk({"tool_calls": [{"index": n_calls, **_call_out(value)}]})
             n_calls += 1
         else:

@@ -13,7 +13,7 @@ from fastapi import Request
 
 from ftc_runtime.chat.stop_strings import StopMatcher
 from ftc_runtime.chat.tokenizer import StreamDecoder
-from ftc_runtime.chat.tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser, hidden_token_ids, tool_parser
+from ftc_runtime.chat.tool_parsers import ReasoningSplitter, ToolCallStream, ToolParser
 from ftc_runtime.engine import Engine
 from ftc_runtime.sampling import SamplingParams
 from ftc_runtime.serve.scheduler import Request as EngineRequest
@@ -38,7 +38,6 @@ class TokenStream:
         # (token or None at the end, its text, the end's reason), put by the engine thread
         self.queue: asyncio.Queue[tuple[int | None, str, str | None]] = asyncio.Queue()
         self.decoder = StreamDecoder(engine.tokenizer)
-        self.hidden = hidden_token_ids(engine.tokenizer.special_tokens, tool_parser(engine.tool_parser))
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None  # the stop string that ended the text, if one did
         self.error: str | None = None
@@ -56,7 +55,7 @@ class TokenStream:
     def _on_token(self, token: int | None, reason: str | None) -> None:  # the engine thread
         if token is None:
             delta = self.decoder.flush()
-        elif token in self.request.stop_ids or token in self.hidden:
+        elif token in self.request.stop_ids or token in self.engine.hidden_token_ids:
             delta = ""  # end-of-sequence and control tokens count, but show no text
         else:
             delta = self.decoder.push(token)
@@ -113,17 +112,25 @@ class TokenStream:
         self.queue.put_nowait((None, "", "cancelled"))
 
 
-async def message_parts(stream: TokenStream, parser: ToolParser,
-                        tools: list[dict[str, Any]]) -> AsyncIterator[tuple[str, Any]]:
+async def message_parts(stream: TokenStream, parser: ToolParser, tools: list[dict[str, Any]],
+                        one_call: bool = False) -> AsyncIterator[tuple[str, Any]]:
     """The answer as it streams: ("reasoning", text), ("content", text), and where tools were
-    offered ("tool_call", ToolCall) as soon as each call's block closes."""
+    offered ("tool_call", ToolCall) as soon as each call's block closes; with `one_call`, the
+    first call only (parallel calls turned off)."""
     reasoning = ReasoningSplitter()
     calls = ToolCallStream(parser, tools) if tools else None
+    n_calls = 0
 
     def route(pieces: list[tuple[str, str]]) -> list[tuple[str, Any]]:
+        nonlocal n_calls
         out: list[tuple[str, Any]] = []
         for kind, text in pieces:
-            out += [(kind, text)] if kind == "reasoning" or calls is None else calls.feed(text)
+            for part in [(kind, text)] if kind == "reasoning" or calls is None else calls.feed(text):
+                if part[0] == "tool_call":
+                    n_calls += 1
+                    if one_call and n_calls > 1:
+                        continue
+                out.append(part)
         return out
 
     async for delta in stream.deltas():
