@@ -224,9 +224,12 @@ def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path, quant, seed):
     assert rel(steps, b[60:70]) < rel(a[60:70], b[60:70]) + 0.05
     cache.restore(checkpoint)
     again = torch.stack([gpu.model.forward(torch.tensor([t]), cache)[-1].cpu() for t in ids[60:70]])
-    # the same steps again, their experts now split between hits, fills and the CPU differently
-    # (bf16 sums in another order); a checkpoint not restored would be 10 tokens off
-    assert rel(again, steps) < 2e-2
+    # The same steps again, their experts now split between hits, fills and the CPU differently
+    # (bf16 sums in another order): most steps agree within 2e-2, but one whose router near tie
+    # flips is up to 0.30 off, and the state carries it on (0.040 over the 10 steps, seen once on
+    # the device). A checkpoint not restored would put every step 10 tokens off.
+    per_step = sorted(rel(x, y) for x, y in zip(again, steps, strict=True))
+    assert per_step[len(per_step) // 2] < 2e-2 and per_step[-1] < 0.35, per_step
 
 
 @pytest.mark.parametrize("trial", range(4))  # four draws: each test id has its own seed

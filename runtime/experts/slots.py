@@ -28,12 +28,16 @@ DeviceKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 
 
 def consecutive_runs(slots: np.ndarray, ids: np.ndarray) -> list[tuple[int, int, int]]:
-    """(first slot, first id, length) of each run where both slots and ids go up by one."""
-    if not slots.size:
-        return []
-    starts = np.flatnonzero(np.r_[True, (np.diff(slots) != 1) | (np.diff(ids) != 1)])
-    lengths = np.diff(np.r_[starts, slots.size])
-    return list(zip(slots[starts].tolist(), ids[starts].tolist(), lengths.tolist(), strict=True))
+    """(first slot, first id, length) of each run where both slots and ids go up by one. A plain
+    loop: a decode layer's few fills cost it about 1 µs, where numpy's array calls cost 30."""
+    runs: list[list[int]] = []
+    for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
+        last = runs[-1] if runs else None
+        if last is not None and s == last[0] + last[2] and i == last[1] + last[2]:
+            last[2] += 1
+        else:
+            runs.append([s, i, 1])
+    return [(s, i, n) for s, i, n in runs]
 
 
 class SlotStore:
