@@ -33,52 +33,43 @@ from ftc_runtime.settings import settings
 
 HUGE_PAGE = 2 << 20
 
-PREFETCH = "_mm_prefetch(reinterpret_cast<const char*>(rows[r].pf_codes + k / 2), _MM_HINT_T0);"
+PREFETCH = "prefetch(ahead_of(groups[g].codes, groups[g].pf_codes, o, CODES_AHEAD, CODE_BYTES));"
+GROUP_AT = ("  return {expert + codes + int64_t{r} * (K / 2), expert + scales + int64_t{r} * (K / B),\n"
+            "          pf_expert + codes + int64_t{pf} * (K / 2), pf_expert + scales + int64_t{pf} * (K / B)")
+LO_DOTS = ("          lo[g][t][0] = _mm512_dpbusd_epi32(lo[g][t][0], w0[g], l0);\n",
+           "          lo[g][t][S - 1] = _mm512_dpbusd_epi32(lo[g][t][S - 1], w1[g], l1);\n")
 
 # name -> (text in the rendered kernel, its replacement); a variant may join several with '+'.
 EDITS: dict[str, list[tuple[str, str]]] = {
     "base": [],
     # the codes prefetched non-temporally (into L1 only), or not at all
-    "pf_nta": [(PREFETCH, PREFETCH.replace("_MM_HINT_T0", "_MM_HINT_NTA"))],
+    "pf_nta": [(PREFETCH, PREFETCH.replace("prefetch(", "_mm_prefetch(reinterpret_cast<const char*>(")
+                .replace("));", ")), _MM_HINT_NTA);"))],
     "pf_none": [(PREFETCH, "")],
     # one phase left out (its bytes still counted: compare ms, not GB/s)
     "nodown": [("constexpr int n_down = (H + DOWN_CHUNK - 1) / DOWN_CHUNK;", "constexpr int n_down = 0;")],
     "nogateup": [("const int n_gate_up = c.n_experts * items_per_expert;", "const int n_gate_up = 0;")],
-    # every row read is one of the first two of its matrix: the same instructions on data in L1,
-    # the kernel's ceiling when memory costs nothing
-    "l1": [("codes + r * CODES, scales + r * SCALES, codes + pf * CODES, scales + pf * SCALES",
-            "codes + (r & 1) * CODES, scales + (r & 1) * SCALES, codes + (pf & 1) * CODES, scales + (pf & 1) * SCALES"),
-           ("{codes + (r + I) * CODES, scales + (r + I) * SCALES, codes + (pf + I) * CODES, scales + (pf + I) * SCALES",
-            "{codes + ((r & 1) + I) * CODES, scales + ((r & 1) + I) * SCALES, codes + ((pf & 1) + I) * CODES, "
-            "scales + ((pf & 1) + I) * SCALES"),
-           ("codes + h * CODES, scales + h * SCALES, codes + pf * CODES, scales + pf * SCALES",
-            "codes + (h & 1) * CODES, scales + (h & 1) * SCALES, "
-            "codes + (pf & 1) * CODES, scales + (pf & 1) * SCALES")],
-    # smaller work items (the plan's are 32 rows): a shorter tail at each phase's end
-    "gu16": [("constexpr int GU_CHUNK = 32;", "constexpr int GU_CHUNK = 16;")],
-    "down16": [("constexpr int DOWN_CHUNK = 32;", "constexpr int DOWN_CHUNK = 16;")],
-    "down8": [("constexpr int DOWN_CHUNK = 32;", "constexpr int DOWN_CHUNK = 8;")],
-    # larger work items: fewer item starts, whose first rows are not prefetched
+    # every group read is one of the first two of its matrix: the same instructions on data in
+    # L1 and L2, the kernel's ceiling when memory costs nothing
+    "l1": [(GROUP_AT, GROUP_AT.replace("{r}", "{r % 32}").replace("{pf}", "{pf % 32}"))],
+    # larger work items: fewer item starts
     "gu64": [("constexpr int GU_CHUNK = 32;", "constexpr int GU_CHUNK = 64;")],
+    "down64": [("constexpr int DOWN_CHUNK = 32;", "constexpr int DOWN_CHUNK = 64;")],
     "down128": [("constexpr int DOWN_CHUNK = 32;", "constexpr int DOWN_CHUNK = 128;")],
-    # rows prefetched ahead within a work item (the plan's: 4)
-    "pf2": [("constexpr int PREFETCH_ROWS = 4;", "constexpr int PREFETCH_ROWS = 2;")],
-    "pf8": [("constexpr int PREFETCH_ROWS = 4;", "constexpr int PREFETCH_ROWS = 8;")],
-    # the nibbles masked to 4 bits and looked up within 128-bit lanes (vpshufb), as version 5 did
-    "shuf": [("  wlo = _mm512_permutexvar_epi8(b, table);\n"
-              "  whi = _mm512_permutexvar_epi8(_mm512_srli_epi16(b, 4), table);",
-              "  const __m512i m = _mm512_set1_epi8(15);\n"
-              "  wlo = _mm512_shuffle_epi8(table, _mm512_and_si512(b, m));\n"
-              "  whi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b, 4), m));")],
-    # activations as one int8 part per 32 columns (no low part): one vpdpbusd per 64 weights, not two
-    "q8": [("  return _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 8), w, _mm512_loadu_si512(lo));",
-            "  return h;")],
-    # no work item claimed ahead, nor its first rows prefetched (the last rows of an item prefetch nothing)
+    # how far ahead a 16-row stream prefetches (the kernel's: 4 rows' bytes)
+    "ahead2": [("constexpr int AHEAD_ROWS = 4;", "constexpr int AHEAD_ROWS = 2;")],
+    "ahead8": [("constexpr int AHEAD_ROWS = 4;", "constexpr int AHEAD_ROWS = 8;")],
+    # activations as one int8 part per 32 columns (no low part): half the vpdpbusd
+    "q8": [(LO_DOTS[0], ""), (LO_DOTS[1], "")],
+    # no work item claimed ahead, nor its first rows prefetched
     "noahead": [("  if (next.load(std::memory_order_relaxed) + n_threads > n) return n;", "  return n;"),
                 ("  if (next.expert == nullptr) return {expert, r};\n"
                  "  return {next.expert, next.row + r + PREFETCH_ROWS - r1};", "  return {expert, r};")],
-    # twice the independent accumulator chains per (row, token)
-    "acc8": [("return rows * nb >= 4 ? 1 : 4 / (rows * nb);", "return rows * nb >= 8 ? 1 : 8 / (rows * nb);")],
+    # the int32 sums never split in two, or always
+    "split1": [("return r * nb >= 4 ? 1 : 2;", "return 1;")],
+    "split2": [("return r * nb >= 4 ? 1 : 2;", "return 2;")],
+    # fewer groups per pass at one token (their broadcasts not shared)
+    "pass2": [("return nb == 1 ? 4 : nb == 2 ? 2 : 1;", "return nb == 1 ? 2 : nb == 2 ? 2 : 1;")],
 }
 
 

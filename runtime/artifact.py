@@ -354,7 +354,8 @@ def _check_experts(m: EngineManifest, hash_experts: bool) -> ftw.FtwHeader:
 
 
 def _banks(h: ftw.FtwHeader) -> str:
-    return ", ".join(f"{b.name} {b.dtype} {list(b.row_shape)}" for b in h.banks)
+    return ", ".join(f"{b.name} {b.dtype} {list(b.row_shape)}" + (f" packed {b.packing}" if b.packing else "")
+                     for b in h.banks)
 
 
 def _check_dense(m: EngineManifest) -> dict[str, tuple[int, ...]]:

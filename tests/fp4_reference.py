@@ -5,7 +5,9 @@ quantizer and dequantizer to, bit for bit (it imports nothing of ftc):
 - NVFP4: E2M1 codes in blocks of 16, one e4m3 scale per block and one float32 scale per matrix.
 
 Codes are packed two to a byte: the even column in the low nibble, the odd one in the high nibble.
-All the arithmetic is float32, in the order each function's docstring states.
+FTW (the engine's expert file) packs codes and block scales of 16 rows together instead: its byte
+rule is restated at `ftw_code_offset` / `ftw_scale_offset`, with `ftw_packing` / `ftw_scale_packing`
+and their inverses built on it. All the arithmetic is float32, in the order each function's docstring states.
 """
 
 from __future__ import annotations
@@ -145,21 +147,75 @@ def dequantize_nvfp4(packed: np.ndarray, scales: np.ndarray, ts: np.float32) -> 
     return (values * scale[..., None]).astype(np.float32).reshape(codes.shape)
 
 
-FTW_GROUP = 64  # columns whose codes share 32 bytes in FTW (the project's packing, restated here)
+# FTW's packing of 4-bit codes and their block scales (the project's, restated here from its byte
+# rule, not from its code): rows go in groups of FTW_ROWS, a group's codes in units of FTW_UNIT
+# columns, 64 bytes a unit; a group's scales 16 bytes per block.
+FTW_ROWS = 16
+FTW_UNIT = 8
+
+
+def ftw_code_offset(n, k, cols: int):
+    """(byte, high) where FTW puts the code of row n, column k of a matrix of `cols` columns: byte
+    ((n // 16) · (cols / 8) + k // 8) · 64 + (n % 16) · 4 + (k % 8) % 4 of the bank row, in its high
+    nibble iff k % 8 >= 4. Scalars or broadcasting integer arrays."""
+    n, k = np.asarray(n, np.int64), np.asarray(k, np.int64)
+    unit = (n // FTW_ROWS) * (cols // FTW_UNIT) + k // FTW_UNIT
+    byte = unit * 64 + (n % FTW_ROWS) * 4 + (k % FTW_UNIT) % 4
+    return byte, (k % FTW_UNIT) >= 4
+
+
+def ftw_scale_offset(n, b, blocks: int):
+    """The byte where FTW puts the scale of row n, block b of a matrix of `blocks` blocks a row:
+    ((n // 16) · blocks + b) · 16 + n % 16. Scalars or broadcasting integer arrays."""
+    n, b = np.asarray(n, np.int64), np.asarray(b, np.int64)
+    return ((n // FTW_ROWS) * blocks + b) * FTW_ROWS + n % FTW_ROWS
+
+
+def _check_ftw_shape(n: int, k: int, what: str) -> None:
+    if n % FTW_ROWS or k % FTW_UNIT:
+        raise ValueError(f"{what} [{n}, {k}]: FTW packs rows in groups of {FTW_ROWS} and columns in units of "
+                         f"{FTW_UNIT}")
 
 
 def ftw_packing(packed: np.ndarray) -> np.ndarray:
-    """Checkpoint-packed codes [N, K/2] (low nibble the even column) in FTW's packing: byte j of each
-    64-column group holds column j in its low nibble and column j + 32 in its high one."""
+    """Checkpoint-packed codes [N, K/2] (low nibble the even column) in FTW's packing: bytes [N, K/2]
+    (the bank row, reshaped), each code of (n, k) at ftw_code_offset(n, k, K)."""
     codes = unpack_nibbles(packed)
-    groups = codes.reshape(codes.shape[0], -1, 2, FTW_GROUP // 2)
-    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(packed.shape).astype(np.uint8)
+    n, k = codes.shape
+    _check_ftw_shape(n, k, "codes")
+    byte, high = ftw_code_offset(np.arange(n)[:, None], np.arange(k)[None, :], k)
+    nibbles = np.zeros((2, n * k // 2), np.uint8)
+    nibbles[high.astype(np.int64), byte] = codes
+    return (nibbles[0] | (nibbles[1] << 4)).reshape(packed.shape)
 
 
 def checkpoint_packing(row: np.ndarray, n: int, k: int) -> np.ndarray:
-    """The inverse of ftw_packing, from an FTW bank row's bytes."""
-    groups = row.reshape(n, k // FTW_GROUP, FTW_GROUP // 2)
-    return pack_nibbles(np.stack([groups & 15, groups >> 4], axis=2).reshape(n, k))
+    """The inverse of ftw_packing: an FTW code bank row's bytes (of an [n, k] matrix) as checkpoints
+    pack them, [n, k/2] with the low nibble the even column."""
+    _check_ftw_shape(n, k, "codes")
+    row = np.asarray(row, np.uint8).reshape(-1)
+    byte, high = ftw_code_offset(np.arange(n)[:, None], np.arange(k)[None, :], k)
+    return pack_nibbles((row[byte] >> np.where(high, 4, 0)) & 15)
+
+
+def ftw_scale_packing(scales: np.ndarray) -> np.ndarray:
+    """Block scales [N, K/block] (row-major, as checkpoints hold them) in FTW's packing: bytes of the
+    same shape (the bank row, reshaped), the scale of (n, b) at ftw_scale_offset(n, b, K/block)."""
+    scales = np.asarray(scales, np.uint8)
+    n, blocks = scales.shape
+    if n % FTW_ROWS:
+        raise ValueError(f"scales [{n}, {blocks}]: FTW packs rows in groups of {FTW_ROWS}")
+    out = np.zeros(n * blocks, np.uint8)
+    out[ftw_scale_offset(np.arange(n)[:, None], np.arange(blocks)[None, :], blocks)] = scales
+    return out.reshape(n, blocks)
+
+
+def checkpoint_scale_packing(row: np.ndarray, n: int, blocks: int) -> np.ndarray:
+    """The inverse of ftw_scale_packing: an FTW scale bank row's bytes as row-major scales [n, blocks]."""
+    if n % FTW_ROWS:
+        raise ValueError(f"scales [{n}, {blocks}]: FTW packs rows in groups of {FTW_ROWS}")
+    row = np.asarray(row, np.uint8).reshape(-1)
+    return row[ftw_scale_offset(np.arange(n)[:, None], np.arange(blocks)[None, :], blocks)]
 
 
 def float_bits(a: np.ndarray) -> np.ndarray:

@@ -26,7 +26,15 @@ from ftc_runtime.io import ftw
 from ftc_runtime.spec import ModelSpec
 
 from fp4_checkpoints import FORMAT_OF, FP4_INTERMEDIATE, LAYOUTS, quantize, reference_experts, save_quantized_checkpoint
-from fp4_reference import E2M1, checkpoint_packing, dequantize_mxfp4, dequantize_nvfp4, ftw_packing
+from fp4_reference import (
+    E2M1,
+    checkpoint_packing,
+    checkpoint_scale_packing,
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    ftw_packing,
+    ftw_scale_packing,
+)
 from hf_models import TinyShape, build_model, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +71,8 @@ def reference_rows(fmt: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray)
     q = {name: quantize(fmt, w) for name, w in (("gate", gate), ("up", up), ("down", down))}
     rows = {"gate_up": np.concatenate([ftw_packing(q["gate"][0]), ftw_packing(q["up"][0])]),
             "down": ftw_packing(q["down"][0]),
-            "gate_up_scales": np.concatenate([q["gate"][1], q["up"][1]]), "down_scales": q["down"][1]}
+            "gate_up_scales": np.concatenate([ftw_scale_packing(q["gate"][1]), ftw_scale_packing(q["up"][1])]),
+            "down_scales": ftw_scale_packing(q["down"][1])}
     if fmt == "nvfp4":
         rows["tensor_scales"] = np.array([q[p][2] for p in ("gate", "up", "down")], np.float32).view(np.uint8)
     return {name: r.reshape(-1) for name, r in rows.items()}
@@ -80,8 +89,8 @@ def moe_layer_experts(engine: Path) -> list[tuple[int, int]]:
 
 
 def check_banks(engine: Path, fmt: str) -> None:
-    """The FTW header on disk names the format's banks: e2m1 codes packed 'e2m1x64', scales of the
-    format's type and block, nvfp4's fp32 tensor scales."""
+    """The FTW header on disk names the format's banks: e2m1 codes packed 'e2m1r16', scales of the
+    format's type and block packed 'r16', nvfp4's fp32 tensor scales (plain, '')."""
     raw = (engine / EXPERTS_FILE).read_bytes()[ftw.PREFIX.size:ftw.HEADER_ROOM]
     header = json.loads(raw)
     assert header["expert_format"] == fmt
@@ -91,12 +100,14 @@ def check_banks(engine: Path, fmt: str) -> None:
     assert list(banks) == names
     for name, (rows, cols) in (("gate_up", (2 * i, h)), ("down", (h, i))):
         codes, scales = banks[name], banks[f"{name}_scales"]
-        assert (codes["dtype"], codes["bits"], codes["packing"], codes["block"]) == ("e2m1", 4, "e2m1x64", block)
+        assert (codes["dtype"], codes["bits"], codes["packing"], codes["block"]) == ("e2m1", 4, "e2m1r16", block)
         assert codes["row_shape"] == [rows, cols] and codes["row_bytes"] == rows * cols // 2
-        assert (scales["dtype"], scales["bits"], scales["block"]) == (SCALE_DTYPE[fmt], 8, block)
+        want = (SCALE_DTYPE[fmt], 8, "r16", block)
+        assert (scales["dtype"], scales["bits"], scales["packing"], scales["block"]) == want
         assert scales["row_shape"] == [rows, cols // block] and scales["row_bytes"] == rows * cols // block
     if fmt == "nvfp4":
-        assert (banks["tensor_scales"]["dtype"], banks["tensor_scales"]["row_bytes"]) == ("f32", 12)
+        tensor_scales = banks["tensor_scales"]
+        assert (tensor_scales["dtype"], tensor_scales["packing"], tensor_scales["row_bytes"]) == ("f32", "", 12)
 
 
 # -- (a) a 4-bit checkpoint is repacked bit for bit ---------------------------------------------------------
@@ -147,9 +158,9 @@ def test_quant_of_a_16bit_checkpoint_is_the_references_rounding(fmt, seed, tmp_p
 @pytest.mark.parametrize("fmt", FP4)
 def test_quant_of_random_weights_dequantizes_as_the_reference(fmt, seed, tmp_path):
     """`--random-weights --quant`: codes and scales are drawn directly in the format (no rounding to
-    compare with); every row, read back in checkpoint packing, dequantizes with fp4_reference to the
-    engine's own reference bit for bit, its scales are numbers, and the weights have about the
-    standard deviation 1/sqrt(fan_in) of the 16-bit draws."""
+    compare with); every row, its codes and scales read back in checkpoint packing, dequantizes with
+    fp4_reference to the engine's own reference bit for bit, its scales are numbers, and the weights
+    have about the standard deviation 1/sqrt(fan_in) of the 16-bit draws."""
     engine = compile_cpu(TINY_SPEC, tmp_path / "engine", random_weights=True, seed=seed % 1000, quant=fmt)
     assert spec_of(engine)["expert_format"] == fmt
     check_banks(engine, fmt)
@@ -172,7 +183,7 @@ def reference_dequantize(fmt: str, rows: dict[str, np.ndarray], name: str, n: in
     """fp4_reference's float32 [n, k] of one bank (codes and scales) of an FTW expert row; nvfp4's
     gate_up with the gate's tensor scale on its first half of the rows, the up's on the rest."""
     packed = checkpoint_packing(rows[name], n, k)
-    scales = rows[f"{name}_scales"].reshape(n, k // BLOCK[fmt])
+    scales = checkpoint_scale_packing(rows[f"{name}_scales"], n, k // BLOCK[fmt])
     if fmt == "mxfp4":
         return dequantize_mxfp4(packed, scales)
     ts = rows["tensor_scales"].view(np.float32)

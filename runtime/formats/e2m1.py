@@ -4,11 +4,15 @@ the rounding rule, and a format class that the two complete with their scale typ
 e2m1 code c (4 bits: sign, 2 exponent bits, 1 mantissa bit) is the value `E2M1[c]`:
 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. A weight is `E2M1[code] · scale(block)`.
 
-Packing in FTW (`PACKING`): a matrix row's codes go in groups of 64 columns; byte j (0..31) of a
-group holds column j in its low nibble and column j + 32 in its high nibble. A 32-byte load then
-widens into two vectors of 32 consecutive columns each (the AVX-512 kernel's `vpermw` lookup, the
-Triton kernels' two half-tiles), with no shuffle of the activations. Checkpoints store the low
-nibble as the even column; compiling repacks by permutation only.
+Packing in FTW (`PACKING`, `SCALE_PACKING`): a matrix's rows go in groups of 16 (`ROW_GROUP`),
+and a group's codes in units of 8 columns, 64 bytes each, unit after unit along the row: bytes
+4r..4r+3 of unit q of group g are row 16g + r's columns 8q..8q+7, byte i holding column 8q + i in
+its low nibble and 8q + 4 + i in its high one. Its scales go 16 bytes per (group, block): byte r
+of block b is row 16g + r's. One 64-byte load is then 16 rows × 8 columns, one row per 32-bit lane:
+the AVX-512 kernel sums each lane (row) in integers over a whole block, broadcasts the activations
+that all lanes share, and needs no horizontal sum; the Triton kernels read the same tiles by index.
+Checkpoints store codes row by row, the low nibble the even column; compiling repacks by
+permutation only.
 
 Rounding (`round_to_e2m1`, used by `--quant`): the nearest value of the grid, |q| > 6 → 6, ties to
 the code with an even mantissa bit (0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2, 3.5 → 4,
@@ -33,8 +37,11 @@ from ftc_runtime.formats.base import (
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 RMS_E2M1 = (sum(v * v for v in E2M1[:8]) / 8) ** 0.5  # of uniformly drawn codes: about 2.93
-GROUP = 64  # columns whose codes share one 32-byte group in FTW
-PACKING = "e2m1x64"  # the header's name for the packing above
+GROUP = 64  # what hidden and intermediate sizes must be multiples of (whole 64-byte loads of both kernels)
+ROW_GROUP = 16  # rows interleaved in FTW
+UNIT = 8  # columns of a row in one 64-byte unit
+PACKING = "e2m1r16"  # the header's names for the packing above: codes, scales
+SCALE_PACKING = "r16"
 
 
 def e2m1_table(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -60,14 +67,28 @@ def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
 
 def to_ftw_packing(packed: torch.Tensor) -> torch.Tensor:
     """Checkpoint-packed codes [N, K/2] in FTW's packing (same shape): a permutation of nibbles."""
-    groups = unpack_pairs(packed).reshape(packed.shape[0], -1, 2, GROUP // 2)
-    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(packed.shape)
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    # column 8q + 4h + i of row 16g + r -> [g, q, r, i, h]
+    units = unpack_pairs(packed).view(n // ROW_GROUP, ROW_GROUP, k // UNIT, 2, UNIT // 2).permute(0, 2, 1, 4, 3)
+    return (units[..., 0] | (units[..., 1] << 4)).reshape(n, k // 2)
 
 
 def ftw_codes(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The codes (uint8 [rows, cols], one a byte) of an FTW-packed bank row (uint8, any device)."""
-    groups = packed.view(rows, cols // GROUP, GROUP // 2)
-    return torch.stack([groups & 15, groups >> 4], dim=2).reshape(rows, cols)
+    units = packed.view(rows // ROW_GROUP, cols // UNIT, ROW_GROUP, UNIT // 2)
+    both = torch.stack([units & 15, units >> 4], dim=-1)  # [g, q, r, i, h]
+    return both.permute(0, 2, 1, 4, 3).reshape(rows, cols)
+
+
+def to_ftw_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales [N, K/block] in FTW's order (same shape): 16 rows' scales of a block together."""
+    n, blocks = scales.shape
+    return scales.view(n // ROW_GROUP, ROW_GROUP, blocks).transpose(1, 2).reshape(n, blocks)
+
+
+def ftw_scales(packed: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
+    """The block scales [rows, blocks] of an FTW scale bank row."""
+    return packed.view(rows // ROW_GROUP, blocks, ROW_GROUP).transpose(1, 2).reshape(rows, blocks)
 
 
 @dataclass(frozen=True)
@@ -83,8 +104,8 @@ class BlockFp4Format(ExpertFormat):
         shapes = expert_shapes(hidden, intermediate)
         self.check_shapes(hidden, intermediate)
         codes = tuple(BankLayout(name, "e2m1", 4, shape, self.block, PACKING) for name, shape in shapes.items())
-        scales = tuple(BankLayout(f"{name}_scales", self.scale_dtype, 8, (rows, cols // self.block), self.block, "")
-                       for name, (rows, cols) in shapes.items())
+        scales = tuple(BankLayout(f"{name}_scales", self.scale_dtype, 8, (rows, cols // self.block), self.block,
+                                  SCALE_PACKING) for name, (rows, cols) in shapes.items())
         return codes + scales + self.extra_banks()
 
     def extra_banks(self) -> tuple[BankLayout, ...]:
@@ -131,7 +152,8 @@ class BlockFp4Format(ExpertFormat):
             self.check_matrix(m, want)
         rows = {"gate_up": torch.cat([to_ftw_packing(gate.codes), to_ftw_packing(up.codes)]),
                 "down": to_ftw_packing(down.codes),
-                "gate_up_scales": torch.cat([gate.scales, up.scales]), "down_scales": down.scales}
+                "gate_up_scales": torch.cat([to_ftw_scales(gate.scales), to_ftw_scales(up.scales)]),
+                "down_scales": to_ftw_scales(down.scales)}
         return {name: t.contiguous().reshape(-1) for name, t in (rows | self.extra_rows(gate, up, down)).items()}
 
     def extra_rows(self, gate: QuantizedMatrix, up: QuantizedMatrix,
@@ -169,4 +191,4 @@ class BlockFp4Format(ExpertFormat):
 
     def block_scales(self, rows: Mapping[str, torch.Tensor], name: str, r: int, blocks: int) -> torch.Tensor:
         """fp32 [r, blocks]: the scale of every block of the bank's matrix."""
-        return self.scale_values(rows[f"{name}_scales"].view(r, blocks))
+        return self.scale_values(ftw_scales(rows[f"{name}_scales"], r, blocks))

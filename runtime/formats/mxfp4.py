@@ -1,7 +1,7 @@
 """mxfp4 experts (OCP Microscaling MXFP4): e2m1 codes, one e8m0 scale per 32 weights along a row.
 
 A weight is `E2M1[code] · 2^(e − 127)` for its block's scale byte e; e = 255 (NaN) is refused.
-Banks: e2m1 codes `gate_up` [2I, H] and `down` [H, I] (FTW's 64-column packing, `e2m1.py`), their
+Banks: e2m1 codes `gate_up` [2I, H] and `down` [H, I] (FTW's 16-row packing, `e2m1.py`), their
 scales `gate_up_scales` [2I, H/32] and `down_scales` [H, I/32].
 
 Rounding 16/32-bit weights (`--quant mxfp4`, OCP's rule): a block's scale is 2^(⌊log2 amax⌋ − 2),
@@ -58,6 +58,6 @@ class Mxfp4Format(BlockFp4Format):
 
 FORMAT = Mxfp4Format(
     name="mxfp4",
-    cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_mxfp4_avx512.cpp.j2", 64, work_rows=32, prefetch_rows=4),
-                   "avx2": CpuTemplate("cpu/expert_ffn_mxfp4_avx2.cpp.j2", 64)},
+    cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_mxfp4_avx512.cpp.j2", 64, work_rows=32, prefetch_rows=32),
+                   "avx2": CpuTemplate("cpu/expert_ffn_mxfp4_avx2.cpp.j2", 64, prefetch_rows=16)},
     triton_template="triton/expert_ffn_mxfp4.py.j2", slot_dtype=torch.uint8, block=BLOCK, scale_dtype="ue8m0")

@@ -4,7 +4,7 @@ one fp32 scale per matrix.
 A weight is `E2M1[code] · (fp32(s) · t)` for its block's e4m3 scale s and its matrix's scale t
 (ModelOpt's `weight_scale_2`; compressed-tensors stores 1/t as `weight_global_scale`). The gate,
 up and down matrices have a tensor scale each: a fused gate_up keeps the two. Banks: e2m1 codes
-`gate_up` [2I, H] and `down` [H, I] (FTW's 64-column packing, `e2m1.py`), e4m3 scales
+`gate_up` [2I, H] and `down` [H, I] (FTW's 16-row packing, `e2m1.py`), e4m3 scales
 `gate_up_scales` [2I, H/16] and `down_scales` [H, I/16], and `tensor_scales`: fp32 (gate, up,
 down). A NaN scale byte (0x7F, 0xFF) or a tensor scale that is not a finite positive number is
 refused.
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from ftc_runtime.formats.base import BankLayout, CpuTemplate, QuantizedMatrix
-from ftc_runtime.formats.e2m1 import RMS_E2M1, BlockFp4Format, pack_pairs, round_to_e2m1
+from ftc_runtime.formats.e2m1 import RMS_E2M1, BlockFp4Format, ftw_scales, pack_pairs, round_to_e2m1
 
 BLOCK = 16
 E4M3_MAX = 448.0
@@ -47,7 +47,7 @@ class Nvfp4Format(BlockFp4Format):
 
     def block_scales(self, rows: Mapping[str, torch.Tensor], name: str, r: int, blocks: int) -> torch.Tensor:
         t = rows["tensor_scales"].view(torch.float32)
-        s = e4m3_values(rows[f"{name}_scales"].view(r, blocks))
+        s = e4m3_values(ftw_scales(rows[f"{name}_scales"], r, blocks))
         if name == "down":
             return s * t[2]
         half = r // 2  # gate rows, then up rows
@@ -84,6 +84,6 @@ class Nvfp4Format(BlockFp4Format):
 
 FORMAT = Nvfp4Format(
     name="nvfp4",
-    cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_nvfp4_avx512.cpp.j2", 64, work_rows=32, prefetch_rows=4),
-                   "avx2": CpuTemplate("cpu/expert_ffn_nvfp4_avx2.cpp.j2", 64)},
+    cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_nvfp4_avx512.cpp.j2", 64, work_rows=32, prefetch_rows=32),
+                   "avx2": CpuTemplate("cpu/expert_ffn_nvfp4_avx2.cpp.j2", 64, prefetch_rows=16)},
     triton_template="triton/expert_ffn_nvfp4.py.j2", slot_dtype=torch.uint8, block=BLOCK, scale_dtype="e4m3")

@@ -12,7 +12,7 @@ import torch
 from ftc_runtime.formats import FORMATS, expert_format
 from ftc_runtime.formats.base import QuantizedMatrix
 
-from fp4_reference import dequantize_mxfp4, float_bits, ftw_packing, quantize_mxfp4
+from fp4_reference import dequantize_mxfp4, float_bits, ftw_packing, ftw_scale_packing, quantize_mxfp4
 
 FORMAT = expert_format("mxfp4")
 SHAPES = [(64, 64), (128, 64), (192, 128)]  # hidden, intermediate: multiples of 64
@@ -45,8 +45,8 @@ def random_quantized(rng: np.random.Generator, rows: int, cols: int, name: str) 
 
 @pytest.mark.parametrize("hidden,intermediate", SHAPES)
 def test_encode_rounds_and_dequantizes_as_the_reference(seed, hidden, intermediate):
-    """encode → rows: codes (in FTW's packing) and scales of the reference's quantizer of gate, up
-    and down each; dequantize → the reference's dequantization of them, bit for bit."""
+    """encode → rows: codes and scales (both in FTW's packing) of the reference's quantizer of gate,
+    up and down each; dequantize → the reference's dequantization of them, bit for bit."""
     rng = np.random.default_rng(seed)
     w = expert_np(rng, hidden, intermediate)
     rows = FORMAT.encode(torch.from_numpy(w["gate_up"]), torch.from_numpy(w["down"]))
@@ -54,7 +54,7 @@ def test_encode_rounds_and_dequantizes_as_the_reference(seed, hidden, intermedia
     ref = {"gate_up": [quantize_mxfp4(m) for m in np.split(w["gate_up"], 2)], "down": [quantize_mxfp4(w["down"])]}
     for name, t in (("gate_up", gate_up), ("down", down)):
         codes = np.concatenate([ftw_packing(p) for p, _ in ref[name]])
-        scales = np.concatenate([s for _, s in ref[name]])
+        scales = np.concatenate([ftw_scale_packing(s) for _, s in ref[name]])
         np.testing.assert_array_equal(rows[name].numpy(), codes.reshape(-1), err_msg=name)
         np.testing.assert_array_equal(rows[f"{name}_scales"].numpy(), scales.reshape(-1), err_msg=name)
         want = np.concatenate([dequantize_mxfp4(p, s) for p, s in ref[name]])
@@ -63,7 +63,8 @@ def test_encode_rounds_and_dequantizes_as_the_reference(seed, hidden, intermedia
 
 def test_pack_only_moves_nibbles(seed):
     """A checkpoint's codes and scales, repacked: the code banks are the reference's nibble
-    permutation and the dequantized weights are the reference's of the checkpoint's bytes."""
+    permutation, the scale banks its byte permutation, and the dequantized weights are the
+    reference's of the checkpoint's bytes."""
     rng = np.random.default_rng(seed)
     hidden, intermediate = SHAPES[int(rng.integers(len(SHAPES)))]
     gate, up = (random_quantized(rng, intermediate, hidden, n) for n in ("gate", "up"))
@@ -72,6 +73,9 @@ def test_pack_only_moves_nibbles(seed):
     codes = [ftw_packing(m.codes.numpy()) for m in (gate, up)]
     np.testing.assert_array_equal(rows["gate_up"].numpy(), np.concatenate(codes).ravel())
     np.testing.assert_array_equal(rows["down"].numpy(), ftw_packing(down.codes.numpy()).ravel())
+    scales = [ftw_scale_packing(m.scales.numpy()) for m in (gate, up)]
+    np.testing.assert_array_equal(rows["gate_up_scales"].numpy(), np.concatenate(scales).ravel())
+    np.testing.assert_array_equal(rows["down_scales"].numpy(), ftw_scale_packing(down.scales.numpy()).ravel())
     gate_up_t, down_t = FORMAT.dequantize(rows, hidden, intermediate)
     want = [dequantize_mxfp4(m.codes.numpy(), m.scales.numpy()) for m in (gate, up, down)]
     np.testing.assert_array_equal(float_bits_of(gate_up_t), float_bits(np.concatenate(want[:2])))
@@ -98,10 +102,10 @@ def test_every_scale_byte_dequantizes_as_the_reference(seed):
 def test_banks_and_row_bytes(hidden, intermediate):
     banks = FORMAT.banks(hidden, intermediate)
     assert [(b.name, b.dtype, b.bits, b.block, b.packing, b.row_shape) for b in banks] == [
-        ("gate_up", "e2m1", 4, 32, "e2m1x64", (2 * intermediate, hidden)),
-        ("down", "e2m1", 4, 32, "e2m1x64", (hidden, intermediate)),
-        ("gate_up_scales", "ue8m0", 8, 32, "", (2 * intermediate, hidden // 32)),
-        ("down_scales", "ue8m0", 8, 32, "", (hidden, intermediate // 32))]
+        ("gate_up", "e2m1", 4, 32, "e2m1r16", (2 * intermediate, hidden)),
+        ("down", "e2m1", 4, 32, "e2m1r16", (hidden, intermediate)),
+        ("gate_up_scales", "ue8m0", 8, 32, "r16", (2 * intermediate, hidden // 32)),
+        ("down_scales", "ue8m0", 8, 32, "r16", (hidden, intermediate // 32))]
     n = hidden * intermediate
     assert [b.row_bytes for b in banks] == [n, n // 2, n // 16, n // 32]
     assert FORMAT.expert_bytes(hidden, intermediate) == 3 * n // 2 + 3 * n // 32

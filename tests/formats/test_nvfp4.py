@@ -12,7 +12,7 @@ import torch
 from ftc_runtime.formats import FORMATS, expert_format
 from ftc_runtime.formats.base import QuantizedMatrix
 
-from fp4_reference import E4M3, dequantize_nvfp4, float_bits, ftw_packing, quantize_nvfp4
+from fp4_reference import E4M3, dequantize_nvfp4, float_bits, ftw_packing, ftw_scale_packing, quantize_nvfp4
 
 FORMAT = expert_format("nvfp4")
 SHAPES = [(64, 64), (128, 64), (192, 128)]  # hidden, intermediate: multiples of 64
@@ -48,7 +48,7 @@ def reference(m: QuantizedMatrix) -> np.ndarray:
 
 @pytest.mark.parametrize("hidden,intermediate", SHAPES)
 def test_encode_rounds_and_dequantizes_as_the_reference(seed, hidden, intermediate):
-    """encode → rows: codes (in FTW's packing), e4m3 scales and the tensor scales (gate, up, down) of
+    """encode → rows: codes and e4m3 scales (both in FTW's packing) and the tensor scales (gate, up, down) of
     the reference's quantizer of each matrix; dequantize → the reference's values, bit for bit."""
     rng = np.random.default_rng(seed)
     gate, up = (random_matrix(rng, intermediate, hidden) for _ in range(2))
@@ -59,8 +59,9 @@ def test_encode_rounds_and_dequantizes_as_the_reference(seed, hidden, intermedia
     codes = [ftw_packing(p) for p, _, _ in q[:2]]
     np.testing.assert_array_equal(rows["gate_up"].numpy(), np.concatenate(codes).ravel())
     np.testing.assert_array_equal(rows["down"].numpy(), ftw_packing(q[2][0]).ravel())
-    np.testing.assert_array_equal(rows["gate_up_scales"].numpy(), np.concatenate([s for _, s, _ in q[:2]]).ravel())
-    np.testing.assert_array_equal(rows["down_scales"].numpy(), q[2][1].ravel())
+    scales = [ftw_scale_packing(s) for _, s, _ in q[:2]]
+    np.testing.assert_array_equal(rows["gate_up_scales"].numpy(), np.concatenate(scales).ravel())
+    np.testing.assert_array_equal(rows["down_scales"].numpy(), ftw_scale_packing(q[2][1]).ravel())
     np.testing.assert_array_equal(rows["tensor_scales"].numpy().view(np.float32), [ts for _, _, ts in q])
     want = [dequantize_nvfp4(*x) for x in q]
     np.testing.assert_array_equal(float_bits_of(gate_up_t), float_bits(np.concatenate(want[:2])))
@@ -69,7 +70,8 @@ def test_encode_rounds_and_dequantizes_as_the_reference(seed, hidden, intermedia
 
 def test_pack_only_moves_nibbles(seed):
     """A checkpoint's codes, scales (every finite e4m3, both signs) and tensor scales, repacked: the
-    code banks are the reference's nibble permutation and the weights the reference's of its bytes."""
+    code banks are the reference's nibble permutation, the scale banks its byte permutation, and the
+    weights the reference's of its bytes."""
     rng = np.random.default_rng(seed)
     hidden, intermediate = SHAPES[int(rng.integers(len(SHAPES)))]
     gate, up = (random_quantized(rng, intermediate, hidden, n) for n in ("gate", "up"))
@@ -78,6 +80,9 @@ def test_pack_only_moves_nibbles(seed):
     codes = [ftw_packing(m.codes.numpy()) for m in (gate, up)]
     np.testing.assert_array_equal(rows["gate_up"].numpy(), np.concatenate(codes).ravel())
     np.testing.assert_array_equal(rows["down"].numpy(), ftw_packing(down.codes.numpy()).ravel())
+    scales = [ftw_scale_packing(m.scales.numpy()) for m in (gate, up)]
+    np.testing.assert_array_equal(rows["gate_up_scales"].numpy(), np.concatenate(scales).ravel())
+    np.testing.assert_array_equal(rows["down_scales"].numpy(), ftw_scale_packing(down.scales.numpy()).ravel())
     gate_up_t, down_t = FORMAT.dequantize(rows, hidden, intermediate)
     want = np.concatenate([reference(gate), reference(up)])
     np.testing.assert_array_equal(float_bits_of(gate_up_t), float_bits(want))
@@ -121,10 +126,10 @@ def test_every_scale_byte_dequantizes_as_the_reference(seed):
 def test_banks_and_row_bytes(hidden, intermediate):
     banks = FORMAT.banks(hidden, intermediate)
     assert [(b.name, b.dtype, b.bits, b.block, b.packing, b.row_shape) for b in banks] == [
-        ("gate_up", "e2m1", 4, 16, "e2m1x64", (2 * intermediate, hidden)),
-        ("down", "e2m1", 4, 16, "e2m1x64", (hidden, intermediate)),
-        ("gate_up_scales", "e4m3", 8, 16, "", (2 * intermediate, hidden // 16)),
-        ("down_scales", "e4m3", 8, 16, "", (hidden, intermediate // 16)),
+        ("gate_up", "e2m1", 4, 16, "e2m1r16", (2 * intermediate, hidden)),
+        ("down", "e2m1", 4, 16, "e2m1r16", (hidden, intermediate)),
+        ("gate_up_scales", "e4m3", 8, 16, "r16", (2 * intermediate, hidden // 16)),
+        ("down_scales", "e4m3", 8, 16, "r16", (hidden, intermediate // 16)),
         ("tensor_scales", "f32", 32, 1, "", (3,))]
     n = hidden * intermediate
     assert [b.row_bytes for b in banks] == [n, n // 2, n // 8, n // 16, 12]
