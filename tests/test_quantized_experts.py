@@ -20,6 +20,7 @@ from ftc.cli.main import app
 from ftc.cli.options import ExpertQuant
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc.compile.spec_loader import load_spec
+from ftc_runtime import Engine
 from ftc_runtime.artifact import EXPERTS_FILE, MANIFEST
 from ftc_runtime.formats import FORMATS, expert_format
 from ftc_runtime.io import ftw
@@ -177,6 +178,23 @@ def test_quant_of_random_weights_dequantizes_as_the_reference(fmt, seed, tmp_pat
             stds[name].append(float(ref.std() * k ** 0.5))
     for name, s in stds.items():
         assert 0.6 < np.mean(s) < 1.6, (name, np.mean(s))
+
+
+@pytest.mark.parametrize("fmt", FP4)
+def test_an_engine_of_the_earlier_packing_is_refused_asking_for_a_recompile(fmt, seed, tmp_path):
+    """An engine compiled before the 16-row packing (codes "e2m1x64", scales row-major) holds the
+    same bytes in another order: loading it names the packing and asks for a new compile, before
+    any kernel reads a row."""
+    engine = compile_cpu(TINY_SPEC, tmp_path / "engine", random_weights=True, seed=seed % 1000, quant=fmt)
+    path = engine / EXPERTS_FILE
+    data = path.read_bytes()
+    header_end = data.index(b'"checksums"')  # the header's JSON, before the data: same-length edits only
+    old = data[:header_end].replace(b'"packing":"e2m1r16"', b'"packing":"e2m1x64"').replace(
+        b'"packing":"r16"', b'"packing":""')
+    path.write_bytes(old.ljust(header_end) + data[header_end:])
+    with pytest.raises(ftw.FtwError, match=r"experts\.ftw: bank 'gate_up' is packed 'e2m1x64', this runtime reads "
+                       r"'e2m1r16': the engine was compiled by another version of ftc; compile it again"):
+        Engine.load(engine)
 
 
 def reference_dequantize(fmt: str, rows: dict[str, np.ndarray], name: str, n: int, k: int) -> np.ndarray:

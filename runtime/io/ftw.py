@@ -174,6 +174,19 @@ def read_header(path: Path) -> tuple[FtwHeader, dict[str, tuple[int, ...]]]:
     return header, checksums
 
 
+def _check_packing(fields: dict, header: FtwHeader, path: Path) -> None:
+    """A bank packed another way than this runtime packs it (an engine of an earlier ftc: the same
+    bytes in another order) is refused as such, not as a corrupted header."""
+    banks = fields.get("banks")
+    if not isinstance(banks, list) or len(banks) != len(header.banks):
+        return
+    for stored, bank in zip(banks, header.banks, strict=True):
+        packing = stored.get("packing") if isinstance(stored, dict) else None
+        if isinstance(packing, str) and packing != bank.packing:
+            raise FtwError(f"{path}: bank {bank.name!r} is packed {packing!r}, this runtime reads {bank.packing!r}: "
+                           "the engine was compiled by another version of ftc; compile it again")
+
+
 def _parse_header(f: BinaryIO, size: int, path: Path) -> FtwHeader:
     prefix = f.read(PREFIX.size)
     if len(prefix) < PREFIX.size:
@@ -196,6 +209,7 @@ def _parse_header(f: BinaryIO, size: int, path: Path) -> FtwHeader:
         raise FtwError(f"{path}: experts of format {name!r}, which this runtime does not know "
                        f"(it knows {', '.join(formats.FORMATS)})")
     header = FtwHeader.create(name, h["num_moe_layers"], h["num_experts"], h["hidden"], h["intermediate"])
+    _check_packing(h, header, path)
     if header.encode()[PREFIX.size:].rstrip() != raw.rstrip():
         raise FtwError(f"{path}: corrupted header (its fields disagree with each other)")
     return header
