@@ -29,7 +29,7 @@ DeviceKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 
 def consecutive_runs(slots: np.ndarray, ids: np.ndarray) -> list[tuple[int, int, int]]:
     """(first slot, first id, length) of each run where both slots and ids go up by one. A plain
-    loop: a decode layer's few fills cost it about 1 µs, where numpy's array calls cost 30."""
+    loop: a decode layer's few fills cost it about 3 µs, where numpy's array calls cost 35."""
     runs: list[list[int]] = []
     for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
         last = runs[-1] if runs else None
