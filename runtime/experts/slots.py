@@ -30,14 +30,13 @@ DeviceKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 def consecutive_runs(slots: np.ndarray, ids: np.ndarray) -> list[tuple[int, int, int]]:
     """(first slot, first id, length) of each run where both slots and ids go up by one. A plain
     loop: a decode layer's few fills cost it about 3 µs, where numpy's array calls cost 35."""
-    runs: list[list[int]] = []
+    runs: list[tuple[int, int, int]] = []
     for s, i in zip(slots.tolist(), ids.tolist(), strict=True):
-        last = runs[-1] if runs else None
-        if last is not None and s == last[0] + last[2] and i == last[1] + last[2]:
-            last[2] += 1
+        if runs and (s, i) == (runs[-1][0] + runs[-1][2], runs[-1][1] + runs[-1][2]):
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
-            runs.append([s, i, 1])
-    return [(s, i, n) for s, i, n in runs]
+            runs.append((s, i, 1))
+    return runs
 
 
 class SlotStore:
