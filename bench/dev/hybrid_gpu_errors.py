@@ -39,7 +39,9 @@ def errors(engine: Path, device: str, seed: int) -> str:
     cache.restore(checkpoint)
     again = torch.stack([dev.model.forward(torch.tensor([t]), cache)[-1].cpu() for t in ids[60:70]])
     per_step = sorted(rel(x, y) for x, y in zip(again, steps, strict=True))
-    return (f"prompt {rel(a, b):.4f} (share {near_best_share(a, b):.2f}), steps/prompt {rel(steps, a[60:70]):.4f}, "
+    step_prompt = sorted(rel(x, y) for x, y in zip(steps, a[60:70], strict=True))
+    return (f"prompt {rel(a, b):.4f} (share {near_best_share(a, b):.2f}), steps/prompt {rel(steps, a[60:70]):.4f} "
+            f"per step {[round(e, 4) for e in step_prompt]}, "
             f"steps/fp32 {rel(steps, b[60:70]):.4f} vs prompt/fp32 {rel(a[60:70], b[60:70]):.4f}, "
             f"restored {rel(again, steps):.4f} per step {[round(e, 4) for e in per_step]}")
 
