@@ -64,6 +64,9 @@ class OffloadConfig:
     # Prompt chunks of at least this many tokens stream whole MoE layers (None: the engine's plan);
     # shorter ones take decode's path, their misses split between fills and the CPU.
     stream_min_tokens: int | None = None
+    # Decode calls planned on the device as data (`decode.device_plan`), the host cache written
+    # back at safe points: the plan that the one-graph decode step is built on.
+    device_plan: bool = False
 
 
 @dataclass
@@ -140,7 +143,7 @@ class Engine:
         stream_min = offload.stream_min_tokens or plan.prefill_stream_min_tokens
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
                                    offload.cache_policy, device_kernel, stream_min, offload.prefill_overlap,
-                                   grouped_kernel)
+                                   grouped_kernel, offload.device_plan)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, fam.decode_graphs, settings().decode_graphs,
                                                 settings().torch_compile)

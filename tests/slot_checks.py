@@ -7,9 +7,10 @@ import torch
 
 def check_slots_hold_their_rows(experts) -> None:
     """Every filled slot of an `OffloadedExperts`' slot store (on any device) holds its expert's row
-    of the host pool."""
-    store = experts.store
-    for slot, row in enumerate(store.cache.id_of.tolist()):
+    of the host pool. Reads the cache through the backend (a safe point: a device plan's tables
+    are written back first)."""
+    store, cache = experts.store, experts.cache
+    for slot, row in enumerate(cache.id_of.tolist()):
         if row >= 0:
             assert torch.equal(store.slots[slot].cpu(), store.host_rows[row]), (slot, row)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ftc_runtime.decode.device_plan import CacheTables, PlanRule, plan_layer
 from ftc_runtime.experts.base import ExpertBackend, Routing
 from ftc_runtime.experts.cache import CachePolicy, ExpertCache
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
@@ -38,6 +39,9 @@ class _TokenPath:
     pairs: torch.Tensor  # [3, k] int32 on the device: the planner's pairs, copied
 
 
+PLANNED_TOKENS = 16  # the largest call that `device_plan` plans on the device: decode's batch buckets
+
+
 class OffloadedExperts(ExpertBackend):
     """Per MoE layer call: `stage` queues one device→host copy of the layer's input and routing
     (CUDA graphs capture it); `launch_staged` waits for it (the one sync: the device's queue is
@@ -47,12 +51,17 @@ class OffloadedExperts(ExpertBackend):
     one native call (`TokenPlanner`) and its device part is one CUDA graph; several tokens take
     the general path here. Buffers for one token are sized once and never move (graphs hold their
     addresses); a buffer is reused by the next call only after that call's sync, which orders it
-    after every copy of this one."""
+    after every copy of this one.
+
+    `device_plan`: calls of up to PLANNED_TOKENS tokens are planned on the device as data
+    (`decode.device_plan`: the plan a one-graph decode step holds) and carried out from it; the
+    device's copy of the cache tables is then ahead of `ExpertCache`, which is brought up to date
+    at the next safe point (any read of `cache`, a resize, a streamed prompt chunk)."""
 
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
                  planner: MissPlanner, cache_policy: CachePolicy = "lru", device_kernel: DeviceKernel | None = None,
                  stream_min_tokens: int | None = None, stream_overlap: bool = True,
-                 grouped_kernel: DeviceKernel | None = None):
+                 grouped_kernel: DeviceKernel | None = None, device_plan: bool = False):
         h = pool.header
         self.pool, self.kernel, self.planner = pool, kernel, planner
         # The slots, their cache and the engine's generated device kernels (None: torch).
@@ -73,16 +82,23 @@ class OffloadedExperts(ExpertBackend):
         self._stream: LayerStream | None = None
         self._said_no_stream = False
         self._plan_s = self._fills_s = 0.0  # host time of the current call's planning and fills
+        self.device_plan = device_plan
+        self._tables: tuple[CacheTables, PlanRule] | None = None  # the device's cache tables, when ahead
 
     @property
     def cache(self) -> ExpertCache:
-        """Which expert each slot holds (`resize` replaces it)."""
+        """Which expert each slot holds (`resize` replaces it), up to date: a read is a safe point,
+        where the device's tables, if ahead, are written back."""
+        if self._tables is not None:
+            self._tables[0].write_to(self.store.cache)
+            self._tables = None
         return self.store.cache
 
     def resize(self, n_slots: int) -> None:
         """Rebuilds the slot cache with n_slots slots at a safe point (no CPU job, copy or kernel
         in flight), keeping the most recently used experts that fit (`SlotStore.resize`); misses
         refill it as usual."""
+        _ = self.cache  # the device's tables, if ahead, written back first
         self.store.resize(n_slots)
         # The token planner and its graph hold the old arrays' and slots' addresses.
         self._token, self._token_graph, self._token_device_calls, self._stream = None, None, 0, None
@@ -165,8 +181,11 @@ class OffloadedExperts(ExpertBackend):
             torch.cuda.current_stream(self.device).synchronize()
         t1 = time.perf_counter()
         clock["sync"] += t1 - t0
-        static_counting = self.cache.policy == "static" and not self.cache.frozen
-        if t == 1 and self.native_token_plan and not static_counting:
+        host_cache = self.store.cache  # not `cache`: that would write the device's tables back
+        static_counting = host_cache.policy == "static" and not host_cache.frozen
+        if self.device_plan and t <= PLANNED_TOKENS and self.routing is None and not static_counting:
+            self._launch_planned(moe_layer, t, k)
+        elif t == 1 and self.native_token_plan and not static_counting:
             self._launch_token(moe_layer, k, first_position)
         else:
             self._launch_general(moe_layer, t, k, first_position)
@@ -286,6 +305,47 @@ class OffloadedExperts(ExpertBackend):
             run = self.store.grouped_on_device if pairs.shape[1] >= 4 * on_device.size else self.store.experts_on_device
             with self.stats.compute.measure():
                 run(packed[:, :hidden].contiguous(), pairs, out)
+
+    def _launch_planned(self, moe_layer: int, t: int, k: int) -> None:
+        """The staged call planned on the device as data, then carried out in the one-graph step's
+        order: the plan's fills copied, its CPU job started, its device pairs run. Here the host
+        reads the plan's counts and lists back (a sync); the graph step keeps them on the device."""
+        t0 = time.perf_counter()
+        hidden = self.hidden
+        packed = self._buffer("in", t, hidden + 2 * k, self.device)
+        tables, rule = self._plan_tables(k)
+        weights = packed[:, hidden + k:]
+        plan = plan_layer(tables, rule, moe_layer * self.num_experts, packed[:, hidden:hidden + k].long(), weights)
+        hits, n_fill, n_cpu = plan.counts.tolist()
+        self._count(hits + n_fill + n_cpu, hits, n_fill, n_cpu)
+        cpu_out = self._buffer("cpu_out", t, hidden).zero_()
+        self._cpu_t0 = time.perf_counter()
+        if n_cpu:
+            offsets = plan.cpu_offsets[:n_cpu + 1].cpu()
+            entries = int(offsets[-1])
+            self.kernel.start(self.pool.experts, self._staged_host(t, k)[:, :hidden].contiguous(), cpu_out,
+                              plan.cpu_ids[:n_cpu].cpu(), offsets.int(), plan.cpu_tok[:entries].int().cpu(),
+                              plan.cpu_w[:entries].cpu())
+        self._plan_s = time.perf_counter() - t0
+        self.stats.host_s["plan"] += self._plan_s
+        self._copy_rows(plan.fill_slots[:n_fill].cpu().numpy(), plan.fill_rows[:n_fill].cpu().numpy())
+        out = self._buffer("device_out", t, hidden, self.device).zero_()
+        self._outputs = (out, cpu_out)
+        if hits + n_fill:
+            token = torch.arange(t * k, device=self.device, dtype=torch.int32) // k
+            pairs = torch.stack([plan.pair_slot.reshape(-1).int(), token,
+                                 weights.reshape(-1).contiguous().view(torch.int32)])
+            with self.stats.compute.measure():
+                self.store.experts_on_device(packed[:, :hidden].contiguous(), pairs[:, pairs[0] >= 0], out)
+
+    def _plan_tables(self, k: int) -> tuple[CacheTables, PlanRule]:
+        """The device's cache tables and split rule, copied from the host cache when it is the
+        newer (the first planned call after a safe point)."""
+        if self._tables is None:
+            cache = self.store.cache
+            rule = PlanRule.of(self.planner, PLANNED_TOKENS * k, self.recent_steps, cache.policy == "lru", self.device)
+            self._tables = (CacheTables.of(cache, self.device), rule)
+        return self._tables
 
     def _staged_host(self, t: int, k: int) -> torch.Tensor:
         """The staged call on the host: its pinned copy beside a GPU, else the buffer itself."""

@@ -1,0 +1,227 @@
+"""The decode plan as device data (`ftc_runtime.decode.device_plan`) against the host planner
+(`OffloadedExperts`' general path over `ExpertCache` and `MissPlanner`), step by step over random
+routings, batch sizes, slot counts and policies: the same cache state, the same victims and fills
+in the same order, the same split and CPU job, every routed expert served from the slot the host
+gave it."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ftc_runtime import Engine, SamplingParams
+from ftc_runtime.decode.device_plan import CacheTables, PlanRule, plan_layer
+from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
+from ftc_runtime.experts.offload import PLANNED_TOKENS, OffloadedExperts
+
+from slot_checks import check_slots_hold_their_rows
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+class RecordingKernel:
+    """The CPU expert kernel, recording the job each `start` is given."""
+
+    def __init__(self, kernel):
+        self.kernel, self.jobs = kernel, []
+
+    def start(self, experts, x, out, ids, offsets, tok, w) -> None:
+        self.jobs.append((ids.clone(), offsets.clone(), tok.clone(), w.clone()))
+        self.kernel.start(experts, x, out, ids, offsets, tok, w)
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+def random_planner(rng: random.Random) -> MissPlanner:
+    measured = rng.random() < 0.5
+    return MissPlanner(rng.choice(MISS_POLICIES + ("adaptive",)), rng.uniform(5, 60), rng.uniform(5, 120),
+                       rng.uniform(5, 50) if measured else None, rng.uniform(5, 90) if measured else None,
+                       recent_tokens=rng.choice([0, 1, 4]))
+
+
+def host_offload(cpu_engine, rng: random.Random, g: torch.Generator) -> OffloadedExperts:
+    """A host planner on random slots and policies; a static cache is pinned by a prompt first."""
+    cpu = cpu_engine.model.experts
+    e, k, layers = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, len(cpu_engine.spec.moe_layers)
+    n_slots = rng.choice([0, 1, k - 1, k, 2 * k + 1, 2 * k + 1, 3 * k, 3 * k, e * layers])
+    off = OffloadedExperts(cpu.pool, RecordingKernel(cpu.kernel), torch.device("cpu"), n_slots,
+                           random_planner(rng), rng.choice(["lru", "lru", "static"]))
+    off.native_token_plan = False
+    fills: list[tuple[np.ndarray, np.ndarray]] = []
+    copy = off.store.copy_rows_now
+    off.store.copy_rows_now = lambda slots, ids: (fills.append((slots.copy(), ids.copy())), copy(slots, ids))
+    off.recorded_fills = fills
+    if off.cache.policy == "static":
+        for layer in range(layers):
+            ids = torch.stack([torch.tensor(rng.sample(range(e), k)) for _ in range(5)])
+            x = torch.randn(5, cpu_engine.spec.hidden_size, generator=g)
+            off.forward(layer, x, ids, torch.rand(5, k, generator=g))
+        off.end_of_prompt()
+    return off
+
+
+def check_step(plan, tables: CacheTables, host: OffloadedExperts, flat: torch.Tensor, before: dict,
+               jobs: int, fills: int, what: str) -> None:
+    assert tables.differences(host.cache) == [], what
+    assert [int(x[-1]) for x in (tables.slot_of, tables.id_of, tables.last_used, tables.cpu_step)] == [-1] * 4, what
+    # Hits stay and fills are installed; what the CPU computed is not resident.
+    want_slot = torch.from_numpy(host.cache.slot_of)[flat]
+    assert torch.equal(plan.pair_slot.cpu().reshape(-1), want_slot), what
+    counts = plan.counts.tolist()
+    s = host.stats
+    assert counts == [s.hits - before["hits"], s.fills - before["fills"], s.cpu - before["cpu"]], what
+    n_fill, n_cpu = counts[1], counts[2]
+    host_fills = host.recorded_fills[fills:]
+    assert len(host_fills) == (1 if n_fill else 0), what
+    if n_fill:
+        slots, rows = host_fills[0]
+        assert plan.fill_slots[:n_fill].tolist() == slots.tolist(), what
+        assert plan.fill_rows[:n_fill].tolist() == rows.tolist(), what
+    assert (plan.fill_rows[n_fill:] == -1).all() and (plan.fill_slots[n_fill:] == -1).all(), what
+    host_jobs = host.kernel.jobs[jobs:]
+    assert len(host_jobs) == (1 if n_cpu else 0), what
+    assert (plan.cpu_ids[n_cpu:] == -1).all(), what
+    if n_cpu:
+        ids, offsets, tok, w = host_jobs[0]
+        entries = int(offsets[-1])
+        assert plan.cpu_ids[:n_cpu].tolist() == ids.tolist(), what
+        assert plan.cpu_offsets[:n_cpu + 1].tolist() == offsets.tolist(), what
+        assert plan.cpu_tok[:entries].tolist() == tok.tolist(), what
+        assert torch.equal(plan.cpu_w[:entries].cpu(), w), what
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("run", range(16))
+def test_device_plan_equals_the_host_planner(cpu_engine, device, run, seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    e, k, layers = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, len(cpu_engine.spec.moe_layers)
+    host = host_offload(cpu_engine, rng, g)
+    tables = CacheTables.of(host.cache, device)
+    rule = PlanRule.of(host.planner, 16 * k, host.recent_steps, host.cache.policy == "lru", device)
+    assert tables.differences(host.cache) == []
+    for step in range(60):
+        t = rng.choice([1, 1, 1, 2, 4, 8, 16])
+        layer = rng.randrange(layers)
+        hot = range(min(e, k + 4))  # skewed routing: hits, evictions and recent misses recur
+        ids = torch.stack([torch.tensor(rng.sample(hot if rng.random() < 0.7 else range(e), k)) for _ in range(t)])
+        w, x = torch.rand(t, k, generator=g), torch.randn(t, cpu_engine.spec.hidden_size, generator=g)
+        before = {name: getattr(host.stats, name) for name in ("hits", "fills", "cpu")}
+        jobs, fills = len(host.kernel.jobs), len(host.recorded_fills)
+        host.forward(layer, x, ids, w)
+        plan = plan_layer(tables, rule, layer * e, ids.to(device), w.to(device))
+        what = (f"step {step}: {t} tokens, {host.cache.n_slots} slots, {host.planner.policy}/{host.cache.policy}, "
+                f"recent {host.recent_steps}")
+        check_step(plan, tables, host, ids.reshape(-1) + layer * e, before, jobs, fills, what)
+
+
+def test_tables_round_trip_through_the_host_cache(cpu_engine, seed):
+    """A device copy written back to a fresh cache of the same size gives the same state; a
+    cache of another size is refused."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    host = host_offload(cpu_engine, rng, g)
+    e, k = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k
+    for _ in range(6):
+        host.forward(0, torch.randn(1, cpu_engine.spec.hidden_size, generator=g),
+                     torch.tensor([rng.sample(range(e), k)]), torch.rand(1, k, generator=g))
+    tables = CacheTables.of(host.cache, "cpu")
+    other = type(host.cache)(host.cache.slot_of.size, host.cache.n_slots, host.cache.policy)
+    tables.write_to(other)
+    assert tables.differences(other) == []
+    with pytest.raises(ValueError, match=f"{host.cache.n_slots + 1} slots"):
+        tables.write_to(type(host.cache)(host.cache.slot_of.size, host.cache.n_slots + 1))
+
+
+@pytest.mark.gpu
+def test_device_plan_replays_in_a_cuda_graph(cpu_engine, seed):
+    """Captured once, the plan replays on new routings with no host sync and the same results
+    (plans and tables) as eager calls on a copy of the tables."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    e, k = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k
+    host = host_offload(cpu_engine, rng, g)
+    eager = CacheTables.of(host.cache, "cuda")
+    graphed = CacheTables.of(host.cache, "cuda")
+    rule = PlanRule.of(host.planner, 4 * k, host.recent_steps, host.cache.policy == "lru", "cuda")
+    ids, w = torch.zeros(4, k, dtype=torch.long, device="cuda"), torch.zeros(4, k, device="cuda")
+    plan_layer(CacheTables.of(host.cache, "cuda"), rule, 0, ids, w)  # warm-up on a throwaway copy
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = plan_layer(graphed, rule, 0, ids, w)
+    for step in range(12):
+        new_ids = torch.stack([torch.tensor(rng.sample(range(min(e, k + 4)), k)) for _ in range(4)])
+        new_w = torch.rand(4, k, generator=g)
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        graph.replay()
+        want = plan_layer(eager, rule, 0, new_ids.cuda(), new_w.cuda())
+        for name in ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts"):
+            assert torch.equal(getattr(captured, name), getattr(want, name)), f"step {step}: {name}"
+        for name in ("slot_of", "id_of", "last_used", "cpu_step", "step"):
+            assert torch.equal(getattr(graphed, name), getattr(eager, name)), f"step {step}: {name}"
+
+
+@pytest.mark.parametrize("run", range(8))
+def test_planned_calls_equal_the_host_path(cpu_engine, run, seed):
+    """`OffloadedExperts` with the plan on the (emulated) device computes what the host path
+    computes and leaves the same cache, whether the host cache is read back after every call or
+    only now and then (the device's tables stay ahead in between); prompt-sized calls in between
+    take the host path on the written-back state."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    e, k, layers = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, len(cpu_engine.spec.moe_layers)
+    host = host_offload(cpu_engine, random.Random(seed), g)
+    planned = host_offload(cpu_engine, random.Random(seed), torch.Generator().manual_seed(seed))
+    planned.device_plan = True
+    read_every = rng.choice([1, 3, 7])
+    for step in range(50):
+        t = rng.choice([1, 1, 1, 2, 4, PLANNED_TOKENS, PLANNED_TOKENS + 1])
+        layer = rng.randrange(layers)
+        hot = range(min(e, k + 4))
+        ids = torch.stack([torch.tensor(rng.sample(hot if rng.random() < 0.7 else range(e), k)) for _ in range(t)])
+        w, x = torch.rand(t, k, generator=g), torch.randn(t, cpu_engine.spec.hidden_size, generator=g)
+        got, want = planned.forward(layer, x, ids, w), host.forward(layer, x, ids, w)
+        assert (got - want).norm() <= 1e-5 * want.norm(), f"step {step}, {t} tokens"
+        if step % read_every == 0:
+            cache = planned.cache
+            for name in ("slot_of", "id_of", "last_used", "cpu_step"):
+                assert np.array_equal(getattr(cache, name), getattr(host.cache, name)), f"step {step}: {name}"
+            assert cache.step == host.cache.step
+    counts = ("calls", "unique", "hits", "fills", "cpu")
+    assert [planned.stats.to_dict()[c] for c in counts] == [host.stats.to_dict()[c] for c in counts]
+    check_slots_hold_their_rows(planned)
+
+
+@pytest.mark.parametrize("miss_policy,cache_policy,slots", [("adaptive", "lru", 5), ("gpu", "lru", 20),
+                                                          ("cpu", "lru", 8), ("half", "lru", 12),
+                                                          ("adaptive", "static", 3)])
+def test_engine_with_the_device_plan_equals_the_cpu_engine(engine_dir, cpu_engine, miss_policy, cache_policy,
+                                                           slots, seed):
+    """Greedy tokens and logits of the emulated device with every decode call planned as data,
+    against the all-CPU engine; sequences decoded as one batch get what each gets alone."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(256) for _ in range(rng.randrange(4, 30))]
+    want = list(cpu_engine.generate(ids, 24, SamplingParams(0.0), stop_at_eos=False))
+    cfg = OffloadConfig(device="cpu", n_slots=slots, miss_policy=miss_policy, cache_policy=cache_policy,
+                        b_p=rng.uniform(5, 50), b_h=rng.uniform(20, 100), device_plan=True)
+    off = Engine.load(engine_dir, offload=cfg)
+    assert list(off.generate(ids, 24, SamplingParams(0.0), stop_at_eos=False)) == want
+    assert off.model.experts.stats.calls > 0 and off.model.experts.cache.resident <= slots
+    model = off.model
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(1, 20))] for _ in range(rng.randrange(2, 5))]
+    caches = [model.new_cache() for _ in prompts]
+    for p, cache in zip(prompts, caches, strict=True):
+        model.forward(torch.tensor(p), cache)
+    tokens = [rng.randrange(256) for _ in prompts]
+    batched = model.decode_batch(tokens, caches)
+    for j, (p, tok) in enumerate(zip(prompts, tokens, strict=True)):
+        alone = cpu_engine.model.new_cache()
+        cpu_engine.model.forward(torch.tensor(p), alone)
+        assert torch.allclose(batched[j], cpu_engine.model.forward(torch.tensor([tok]), alone)[-1],
+                              rtol=1e-4, atol=1e-4), j
