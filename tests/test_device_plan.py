@@ -225,3 +225,46 @@ def test_engine_with_the_device_plan_equals_the_cpu_engine(engine_dir, cpu_engin
         cpu_engine.model.forward(torch.tensor(p), alone)
         assert torch.allclose(batched[j], cpu_engine.model.forward(torch.tensor([tok]), alone)[-1],
                               rtol=1e-4, atol=1e-4), j
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("run", range(6))
+def test_triton_plan_equals_the_torch_plan(run, seed):
+    """The plan's Triton kernels (`decode/plan_kernel.py`) against `plan_layer` on random tables,
+    slot counts (up to several candidate blocks), rules and batch sizes: the same plans and the
+    same tables, step by step; and the kernels replay in a CUDA graph."""
+    from ftc_runtime.decode.plan_kernel import plan_layer_triton
+    from ftc_runtime.experts.cache import ExpertCache
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    e, layers, k = 64, 4, 8
+    cache = ExpertCache(e * layers, rng.choice([0, 1, 7, 40, 130, 2500]))
+    rule = PlanRule.of(random_planner(rng), PLANNED_TOKENS * k, rng.choice([0, 8, 32]), rng.random() < 0.8, "cuda")
+    torch_tables, triton_tables = CacheTables.of(cache, "cuda"), CacheTables.of(cache, "cuda")
+    for step in range(40):
+        t = rng.choice([1, 1, 2, 4, 8, 16])
+        layer = rng.randrange(layers)
+        ids = torch.stack([torch.tensor(rng.sample(range(12) if rng.random() < 0.7 else range(e), k))
+                           for _ in range(t)]).cuda()
+        w = torch.rand(t, k, generator=g).cuda()
+        want = plan_layer(torch_tables, rule, layer * e, ids, w)
+        got = plan_layer_triton(triton_tables, rule, layer * e, ids, w)
+        for name in ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), f"step {step} ({t} tokens): {name}"
+        for name in ("slot_of", "id_of", "last_used", "cpu_step", "step"):
+            assert torch.equal(getattr(triton_tables, name)[:-1] if name != "step" else triton_tables.step,
+                               getattr(torch_tables, name)[:-1] if name != "step" else torch_tables.step), name
+    ids, w = torch.zeros(4, k, dtype=torch.long, device="cuda"), torch.zeros(4, k, device="cuda")
+    plan_layer_triton(CacheTables.of(cache, "cuda"), rule, 0, ids, w)  # compiles the kernels for 4 tokens
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = plan_layer_triton(triton_tables, rule, 0, ids, w)
+    for step in range(8):
+        new_ids = torch.stack([torch.tensor(rng.sample(range(12), k)) for _ in range(4)]).cuda()
+        ids.copy_(new_ids)
+        w.copy_(torch.rand(4, k, generator=g))
+        graph.replay()
+        want = plan_layer(torch_tables, rule, 0, new_ids, w.clone())
+        assert torch.equal(captured.pair_slot, want.pair_slot) and torch.equal(captured.counts, want.counts), step
+        assert torch.equal(triton_tables.slot_of[:-1], torch_tables.slot_of[:-1]), step

@@ -29,15 +29,18 @@ def engine_dir(request, tmp_path_factory) -> Path:
                                          output=tmp_path_factory.mktemp(f"gpu-{request.param}") / "tiny"))
 
 
+@pytest.mark.parametrize("device_plan", [False, True])
 @pytest.mark.parametrize("policy", ["adaptive", "gpu", "half"])
-def test_cuda_offload_equals_the_emulated_path(engine_dir, policy, seed):
+def test_cuda_offload_equals_the_emulated_path(engine_dir, policy, device_plan, seed):
+    """The GPU path against the emulated one on the host planner; with `device_plan` the GPU's
+    calls of up to 16 tokens are planned by the plan's Triton kernels."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     cpu = Engine.load(engine_dir).model.experts
     spec_e, k = cpu.num_experts, 4
     planner = MissPlanner(policy, 25.0, 50.0)
     n_slots = rng.randrange(4, 40)
-    on_gpu = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), n_slots, planner)
+    on_gpu = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), n_slots, planner, device_plan=device_plan)
     emulated = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cpu"), n_slots, planner)
     assert on_gpu.store.pinned
     for _ in range(30):
@@ -54,10 +57,14 @@ def test_cuda_offload_equals_the_emulated_path(engine_dir, policy, seed):
     assert [on_gpu.stats.to_dict()[c] for c in counts] == [emulated.stats.to_dict()[c] for c in counts]
 
 
-def test_gpu_engine_matches_the_cpu_engine(engine_dir, seed):
+@pytest.mark.parametrize("device_plan", [False, True])
+def test_gpu_engine_matches_the_cpu_engine(engine_dir, device_plan, seed):
     rng = random.Random(seed)
     cpu = Engine.load(engine_dir)
-    gpu = Engine.load(engine_dir, offload=OffloadConfig(device="cuda", n_slots=20, b_p=25.0, b_h=50.0))
+    # With the device plan, 7-token prompt chunks take the planned path as decode steps do.
+    gpu = Engine.load(engine_dir, offload=OffloadConfig(device="cuda", n_slots=20, b_p=25.0, b_h=50.0,
+                                                        device_plan=device_plan),
+                      prefill_chunk=7 if device_plan else None)
     ids = [rng.randrange(256) for _ in range(40)]
     a, b = gpu.logits(ids).cpu(), cpu.logits(ids)
     # bf16 dense layers on the GPU against fp32 on the CPU: 4.0e-2 was measured on the device.

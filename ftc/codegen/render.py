@@ -16,7 +16,7 @@ from ftc_runtime.spec import ModelSpec
 
 TEMPLATE_DIR = Path(str(files("ftc_templates")))
 CSRC_DIR = Path(str(files("ftc_runtime") / "csrc"))
-RUNTIME_SOURCES = ("worker_pool.h", "worker_pool.cpp", "token_plan.cpp")
+RUNTIME_SOURCES = ("worker_pool.h", "worker_pool.cpp", "token_plan.cpp", "cpu_doorbell.cpp")
 # The compiler flags of each ISA; which template a kernel comes from is its expert format's choice.
 ISA_COMPILE_FLAGS = {
     "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi", "-mfma"],
@@ -57,8 +57,9 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
         prefetch_rows=plan.prefetch_rows))
     for name in RUNTIME_SOURCES:
         shutil.copyfile(CSRC_DIR / name, kernels_dir / name)
+    sources = [source, *(name for name in RUNTIME_SOURCES if name.endswith(".cpp"))]
     (kernels_dir / "CMakeLists.txt").write_text(env.get_template("CMakeLists.txt.j2").render(
-        isa=plan.isa, sources=[source, "worker_pool.cpp", "token_plan.cpp"], isa_flags=ISA_COMPILE_FLAGS[plan.isa]))
+        isa=plan.isa, sources=sources, isa_flags=ISA_COMPILE_FLAGS[plan.isa]))
     return [{"name": "expert_ffn", "symbol": "ftc_expert_ffn", "source": f"kernels/{source}",
              "isa": plan.isa, "expert_format": fmt.name, "shapes": {"hidden": h, "intermediate": i},
              "batch_buckets": list(plan.batch_buckets)}]

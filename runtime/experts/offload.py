@@ -83,6 +83,11 @@ class OffloadedExperts(ExpertBackend):
         self._said_no_stream = False
         self._plan_s = self._fills_s = 0.0  # host time of the current call's planning and fills
         self.device_plan = device_plan
+        self._plan_layer = plan_layer
+        if device_plan and self.on_gpu:
+            from ftc_runtime.decode.plan_kernel import plan_layer_triton  # Triton: only beside a GPU
+
+            self._plan_layer = plan_layer_triton
         self._tables: tuple[CacheTables, PlanRule] | None = None  # the device's cache tables, when ahead
 
     @property
@@ -315,7 +320,8 @@ class OffloadedExperts(ExpertBackend):
         packed = self._buffer("in", t, hidden + 2 * k, self.device)
         tables, rule = self._plan_tables(k)
         weights = packed[:, hidden + k:]
-        plan = plan_layer(tables, rule, moe_layer * self.num_experts, packed[:, hidden:hidden + k].long(), weights)
+        plan = self._plan_layer(tables, rule, moe_layer * self.num_experts, packed[:, hidden:hidden + k].long(),
+                                weights)
         hits, n_fill, n_cpu = plan.counts.tolist()
         self._count(hits + n_fill + n_cpu, hits, n_fill, n_cpu)
         cpu_out = self._buffer("cpu_out", t, hidden).zero_()

@@ -1,0 +1,138 @@
+"""`plan_layer` (decode/device_plan.py) as two Triton kernels, for a CUDA graph to hold: the same
+plan, the same table updates, in fixed-size launches with every count on the device.
+
+- `_lru_candidates`, one program per block of slots: each block's n smallest LRU keys
+  ((last use + 1) · n_slots + slot: empty slots first, then least recently used, lower slot first).
+- `_plan`, one program: the n smallest of those (a call of n = T·k routed entries needs at most
+  n victims plus the slots its hits read), then dedupe, lookup, split, victims, lists and the
+  cache update. The call's entries fit in one program (n ≤ 16 · top-k), so every set operation is
+  a pairwise comparison of [n, n] tiles instead of a sort: entry e's unique is the first entry with
+  its row, a rank is a count of smaller keys, and a list is a store at that rank.
+
+Fixed code shipped with the runtime: nothing in it depends on a model but n, which Triton
+specializes on as a constant.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ftc_runtime.decode.device_plan import CacheTables, LayerPlan, PlanRule
+
+_LAST: tl.constexpr = tl.constexpr(2**63 - 1)
+BLOCK = 1024  # slots per candidate program
+
+
+@triton.jit
+def _lru_candidates(last_used, n_slots, cands, NP: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    s = b * BLOCK + tl.arange(0, BLOCK)
+    used = tl.load(last_used + s, mask=s < n_slots, other=0)
+    key = tl.where(s < n_slots, (used + 1) * n_slots + s, _LAST)
+    tl.store(cands + b * NP + tl.arange(0, NP), -tl.topk(-key, NP))
+
+
+@triton.jit
+def _victims(cands, n_cands, n_slots, slot, hit, NP: tl.constexpr, CANDS: tl.constexpr):
+    """The n least recently used slots that no hit reads, in order: their slots, and each one's
+    position among them (-1: not available)."""
+    c = tl.arange(0, CANDS)
+    key = -tl.topk(-tl.load(cands + c, mask=c < n_cands, other=_LAST), NP)
+    cslot = tl.where(key != _LAST, key % n_slots, -1)
+    in_use = tl.sum(((cslot[:, None] == slot[None, :]) & hit[None, :]).to(tl.int32), axis=1) > 0
+    avail = (key != _LAST) & ~in_use
+    position = tl.where(avail, tl.cumsum(avail.to(tl.int32), axis=0) - 1, -1)
+    return cslot, position
+
+
+@triton.jit
+def _plan(ids, weights, base_id, n, k, slot_of, id_of, last_used, cpu_step, step_ptr, q_for_m, recent_steps,
+          allow_fills, cands, n_cands, n_slots, pair_slot, fill_rows, fill_slots, cpu_ids, cpu_offsets, cpu_tok,
+          cpu_w, counts, NP: tl.constexpr, CANDS: tl.constexpr):
+    e = tl.arange(0, NP)
+    valid = e < n
+    row = tl.where(valid, base_id + tl.load(ids + e, mask=valid, other=0), -1)
+    eq = (row[:, None] == row[None, :]) & valid[:, None] & valid[None, :]
+    before = eq & (e[None, :] < e[:, None])  # the same row at an earlier entry
+    first = valid & (tl.sum(before.to(tl.int32), axis=1) == 0)
+    count = tl.sum(eq.to(tl.int32), axis=1).to(tl.int64)
+    uidx = tl.sum((first[None, :] & (row[None, :] < row[:, None])).to(tl.int64), axis=1)
+    slot = tl.load(slot_of + row, mask=first, other=-1)
+    hit, miss = first & (slot >= 0), first & (slot < 0)
+    step = tl.load(step_ptr)
+    last_cpu = tl.load(cpu_step + row, mask=miss, other=-1)
+    recent = miss & (last_cpu >= step - recent_steps) & (recent_steps > 0)
+    n_miss = tl.sum(miss.to(tl.int64))
+    q = tl.maximum(tl.load(q_for_m + n_miss), tl.sum(recent.to(tl.int64)))
+    q = tl.where(allow_fills != 0, q, 0)
+    # Misses in the host's order: recent first, then more tokens first, then ascending rows.
+    okey = tl.where(miss, ((1 - recent.to(tl.int64)) * (n + 1) + (n - count)) * n + uidx, _LAST)
+    rank = tl.sum((miss[None, :] & (okey[None, :] < okey[:, None])).to(tl.int64), axis=1)
+    cslot, position = _victims(cands, n_cands, n_slots, slot, hit, NP, CANDS)
+    n_fill = tl.minimum(q, tl.sum((position >= 0).to(tl.int64)))
+    victim = tl.sum(tl.where(position[None, :] == rank[:, None], cslot[None, :], 0), axis=1)
+    is_fill, is_cpu = miss & (rank < n_fill), miss & (rank >= n_fill)
+    where_first = tl.where(hit, slot, tl.where(is_fill, victim, -1))
+    own = eq & first[None, :]  # entry → the first entry of its row
+    where_all = tl.sum(tl.where(own, where_first[None, :] + 1, 0), axis=1) - 1
+    tl.store(pair_slot + e, where_all, mask=valid)
+    tl.store(fill_rows + rank, row, mask=is_fill)
+    tl.store(fill_slots + rank, victim, mask=is_fill)
+    tl.store(fill_rows + e, -1, mask=valid & (e >= n_fill))
+    tl.store(fill_slots + e, -1, mask=valid & (e >= n_fill))
+    # The CPU job grouped by expert in miss order, each expert's tokens ascending.
+    n_cpu = n_miss - n_fill
+    crank = rank - n_fill
+    start = tl.sum(tl.where(is_cpu[None, :] & (crank[None, :] < crank[:, None]), count[None, :], 0), axis=1)
+    total = tl.sum(tl.where(is_cpu, count, 0))
+    tl.store(cpu_ids + crank, row, mask=is_cpu)
+    tl.store(cpu_ids + e, -1, mask=valid & (e >= n_cpu))
+    tl.store(cpu_offsets + crank, start, mask=is_cpu)
+    tl.store(cpu_offsets + e, total, mask=valid & (e >= n_cpu))
+    tl.store(cpu_offsets + n, total)
+    on_cpu = valid & (where_all < 0)
+    at = tl.sum(tl.where(own, start[None, :], 0), axis=1) + tl.sum(before.to(tl.int64), axis=1)
+    tl.store(cpu_tok + at, e // k, mask=on_cpu)
+    tl.store(cpu_w + at, tl.load(weights + e, mask=valid, other=0.0), mask=on_cpu)
+    tl.store(cpu_tok + e, 0, mask=valid & (e >= total))
+    tl.store(cpu_w + e, 0.0, mask=valid & (e >= total))
+    tl.store(counts + 0, tl.sum(hit.to(tl.int64)))
+    tl.store(counts + 1, n_fill)
+    tl.store(counts + 2, n_cpu)
+    _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_fill, is_cpu, victim, where_first)
+
+
+@triton.jit
+def _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_fill, is_cpu, victim, where_first):
+    tl.debug_barrier()  # every lookup of this call is done before the tables change
+    tl.store(cpu_step + row, step, mask=is_cpu)
+    old = tl.load(id_of + victim, mask=is_fill, other=-1)
+    tl.store(slot_of + old, -1, mask=is_fill & (old >= 0))
+    tl.store(id_of + victim, row, mask=is_fill)
+    tl.store(slot_of + row, victim, mask=is_fill)
+    tl.store(last_used + where_first, step, mask=first & (where_first >= 0))
+    tl.debug_barrier()
+    tl.store(step_ptr, step + 1)
+
+
+def plan_layer_triton(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.Tensor,
+                      weights: torch.Tensor) -> LayerPlan:
+    """`device_plan.plan_layer` on the GPU: the same arguments, plan and table updates."""
+    n_tok, k = ids.shape
+    n, dev = n_tok * k, ids.device
+    np2 = max(16, triton.next_power_of_2(n))
+    blocks = triton.cdiv(t.n_slots, BLOCK)
+    cands = torch.empty(max(blocks, 1) * np2, dtype=torch.int64, device=dev)
+    if blocks:
+        _lru_candidates[(blocks,)](t.last_used, t.n_slots, cands, NP=np2, BLOCK=BLOCK)
+    shapes = ((n_tok, k), (n,), (n,), (n,), (n + 1,), (n,), (n,), (3,))  # LayerPlan's fields in order
+    out = LayerPlan(*(torch.empty(shape, dtype=torch.float32 if i == 6 else torch.int64, device=dev)
+                      for i, shape in enumerate(shapes)))
+    _plan[(1,)](ids.reshape(-1).long().contiguous(), weights.reshape(-1).float().contiguous(), base_id, n, k,
+                t.slot_of, t.id_of, t.last_used, t.cpu_step, t.step, rule.q_for_m, rule.recent_steps,
+                int(rule.allow_fills), cands, blocks * np2, max(t.n_slots, 1), out.pair_slot, out.fill_rows,
+                out.fill_slots, out.cpu_ids, out.cpu_offsets, out.cpu_tok, out.cpu_w, out.counts, NP=np2,
+                CANDS=max(np2, triton.next_power_of_2(blocks * np2)), num_warps=4)
+    return out
