@@ -44,12 +44,14 @@ def random_planner(rng: random.Random) -> MissPlanner:
                        recent_tokens=rng.choice([0, 1, 4]))
 
 
-def host_offload(cpu_engine, rng: random.Random, g: torch.Generator) -> OffloadedExperts:
-    """A host planner on random slots and policies; a static cache is pinned by a prompt first."""
+def host_offload(cpu_engine, rng: random.Random, g: torch.Generator, background: bool = False) -> OffloadedExperts:
+    """A host planner on random slots and policies; a static cache is pinned by a prompt first.
+    `background`: the CPU kernel on a background pool (as beside a GPU)."""
     cpu = cpu_engine.model.experts
+    kernel = cpu.kernel.on_cpus([0], background=True) if background else cpu.kernel
     e, k, layers = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, len(cpu_engine.spec.moe_layers)
     n_slots = rng.choice([0, 1, k - 1, k, 2 * k + 1, 2 * k + 1, 3 * k, 3 * k, e * layers])
-    off = OffloadedExperts(cpu.pool, RecordingKernel(cpu.kernel), torch.device("cpu"), n_slots,
+    off = OffloadedExperts(cpu.pool, RecordingKernel(kernel), torch.device("cpu"), n_slots,
                            random_planner(rng), rng.choice(["lru", "lru", "static"]))
     off.native_token_plan = False
     fills: list[tuple[np.ndarray, np.ndarray]] = []
@@ -167,26 +169,31 @@ def test_device_plan_replays_in_a_cuda_graph(cpu_engine, seed):
             assert torch.equal(getattr(graphed, name), getattr(eager, name)), f"step {step}: {name}"
 
 
-@pytest.mark.parametrize("run", range(8))
-def test_planned_calls_equal_the_host_path(cpu_engine, run, seed):
+@pytest.mark.parametrize("doorbell", [False, True])
+@pytest.mark.parametrize("run", range(6))
+def test_planned_calls_equal_the_host_path(cpu_engine, run, doorbell, seed):
     """`OffloadedExperts` with the plan on the (emulated) device computes what the host path
     computes and leaves the same cache, whether the host cache is read back after every call or
     only now and then (the device's tables stay ahead in between); prompt-sized calls in between
-    take the host path on the written-back state."""
+    take the host path on the written-back state. With a background CPU pool (`doorbell`) the CPU
+    job goes through the CPU doorbell, which gives the pool back whenever the host path runs."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     e, k, layers = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, len(cpu_engine.spec.moe_layers)
     host = host_offload(cpu_engine, random.Random(seed), g)
-    planned = host_offload(cpu_engine, random.Random(seed), torch.Generator().manual_seed(seed))
+    planned = host_offload(cpu_engine, random.Random(seed), torch.Generator().manual_seed(seed), doorbell)
     planned.device_plan = True
     read_every = rng.choice([1, 3, 7])
+    rung = 0  # planned calls with CPU experts: through the doorbell, they start no kernel job
     for step in range(50):
         t = rng.choice([1, 1, 1, 2, 4, PLANNED_TOKENS, PLANNED_TOKENS + 1])
         layer = rng.randrange(layers)
         hot = range(min(e, k + 4))
         ids = torch.stack([torch.tensor(rng.sample(hot if rng.random() < 0.7 else range(e), k)) for _ in range(t)])
         w, x = torch.rand(t, k, generator=g), torch.randn(t, cpu_engine.spec.hidden_size, generator=g)
+        jobs = len(host.kernel.jobs)
         got, want = planned.forward(layer, x, ids, w), host.forward(layer, x, ids, w)
+        rung += t <= PLANNED_TOKENS and len(host.kernel.jobs) > jobs
         assert (got - want).norm() <= 1e-5 * want.norm(), f"step {step}, {t} tokens"
         if step % read_every == 0:
             cache = planned.cache
@@ -196,6 +203,7 @@ def test_planned_calls_equal_the_host_path(cpu_engine, run, seed):
     counts = ("calls", "unique", "hits", "fills", "cpu")
     assert [planned.stats.to_dict()[c] for c in counts] == [host.stats.to_dict()[c] for c in counts]
     check_slots_hold_their_rows(planned)
+    assert len(planned.kernel.jobs) == len(host.kernel.jobs) - (rung if doorbell else 0)
 
 
 @pytest.mark.parametrize("miss_policy,cache_policy,slots", [("adaptive", "lru", 5), ("gpu", "lru", 20),

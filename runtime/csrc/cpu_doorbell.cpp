@@ -64,16 +64,19 @@ struct Doorbell {
   std::thread thread;
 
   // Waits for job `seq`; false once stopped. Spins (a decode step's layers come every few
-  // hundred µs) and, idle for longer than spin_ns, naps 50 µs between looks.
+  // hundred µs); idle for longer than spin_ns it naps between looks, 50 µs at first and twice as
+  // long each time up to 1 ms, so that an idle engine costs its core next to nothing.
   bool wait_for(uint64_t seq) {
     std::atomic_ref<uint64_t> ring(*a.ring);
-    int64_t idle_since = now_ns();
+    const int64_t idle_since = now_ns();
+    long nap_ns = 50000;
     while (ring.load(std::memory_order_acquire) < seq) {
       if (stop.load(std::memory_order_relaxed)) return false;
       for (int i = 0; i < 64; ++i) _mm_pause();
       if (now_ns() - idle_since > a.spin_ns) {
-        timespec nap{0, 50000};
+        timespec nap{0, nap_ns};
         nanosleep(&nap, nullptr);
+        nap_ns = nap_ns < 1000000 ? 2 * nap_ns : nap_ns;
       }
     }
     return true;

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ftc_runtime.decode.device_plan import CacheTables, PlanRule, plan_layer
+from ftc_runtime.decode.cpu_doorbell import CpuDoorbell
+from ftc_runtime.decode.device_plan import CacheTables, LayerPlan, PlanRule, plan_layer
 from ftc_runtime.experts.base import ExpertBackend, Routing
 from ftc_runtime.experts.cache import CachePolicy, ExpertCache
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
@@ -56,7 +57,9 @@ class OffloadedExperts(ExpertBackend):
     `device_plan`: calls of up to PLANNED_TOKENS tokens are planned on the device as data
     (`decode.device_plan`: the plan a one-graph decode step holds) and carried out from it; the
     device's copy of the cache tables is then ahead of `ExpertCache`, which is brought up to date
-    at the next safe point (any read of `cache`, a resize, a streamed prompt chunk)."""
+    at the next safe point (any read of `cache`, a resize, a streamed prompt chunk). Where the CPU
+    kernel has a background pool (beside a GPU), the plan's CPU job goes through the CPU doorbell
+    (`decode.cpu_doorbell`), which holds the pool until a call takes the host path."""
 
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
                  planner: MissPlanner, cache_policy: CachePolicy = "lru", device_kernel: DeviceKernel | None = None,
@@ -89,6 +92,8 @@ class OffloadedExperts(ExpertBackend):
 
             self._plan_layer = plan_layer_triton
         self._tables: tuple[CacheTables, PlanRule] | None = None  # the device's cache tables, when ahead
+        self._doorbell: CpuDoorbell | None = None
+        self._rung: tuple[int, int] | None = None  # the doorbell job of the current call and its tokens
 
     @property
     def cache(self) -> ExpertCache:
@@ -191,15 +196,22 @@ class OffloadedExperts(ExpertBackend):
         if self.device_plan and t <= PLANNED_TOKENS and self.routing is None and not static_counting:
             self._launch_planned(moe_layer, t, k)
         elif t == 1 and self.native_token_plan and not static_counting:
+            self._close_doorbell()  # the host path starts the CPU kernel itself
             self._launch_token(moe_layer, k, first_position)
         else:
+            self._close_doorbell()
             self._launch_general(moe_layer, t, k, first_position)
         clock["launch"] += time.perf_counter() - t1 - self._plan_s - self._fills_s
 
     def finish_staged(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(device part, CPU part) of the launched call, once the CPU part is done."""
         t0 = time.perf_counter()
-        self.kernel.wait()
+        if self._rung is not None:
+            (seq, t), self._rung = self._rung, None
+            self._doorbell.wait(seq)
+            self._outputs[1].copy_(self._doorbell.out[:t])
+        else:
+            self.kernel.wait()
         t1 = time.perf_counter()
         self.stats.host_s["cpu_wait"] += t1 - t0
         self.stats.cpu_s += t1 - self._cpu_t0
@@ -326,7 +338,9 @@ class OffloadedExperts(ExpertBackend):
         self._count(hits + n_fill + n_cpu, hits, n_fill, n_cpu)
         cpu_out = self._buffer("cpu_out", t, hidden).zero_()
         self._cpu_t0 = time.perf_counter()
-        if n_cpu:
+        if self.kernel.background:
+            self._ring_doorbell(plan, t, k)
+        elif n_cpu:
             offsets = plan.cpu_offsets[:n_cpu + 1].cpu()
             entries = int(offsets[-1])
             self.kernel.start(self.pool.experts, self._staged_host(t, k)[:, :hidden].contiguous(), cpu_out,
@@ -343,6 +357,27 @@ class OffloadedExperts(ExpertBackend):
                                  weights.reshape(-1).contiguous().view(torch.int32)])
             with self.stats.compute.measure():
                 self.store.experts_on_device(packed[:, :hidden].contiguous(), pairs[:, pairs[0] >= 0], out)
+
+    def _ring_doorbell(self, plan: LayerPlan, t: int, k: int) -> None:
+        """Writes the plan's CPU job and the layer's input into the doorbell's mailbox and rings
+        (from the host here; in the one-graph step the device writes and rings)."""
+        if self._doorbell is None:
+            self._doorbell = CpuDoorbell(self.kernel, self.pool.experts, PLANNED_TOKENS, PLANNED_TOKENS * k,
+                                         pinned=self.on_gpu)
+        bell, n = self._doorbell, t * k
+        bell.n_tokens.fill_(t)
+        bell.counts.copy_(plan.counts)
+        for box, part in ((bell.cpu_ids, plan.cpu_ids), (bell.cpu_tok, plan.cpu_tok), (bell.cpu_w, plan.cpu_w)):
+            box[:n].copy_(part)
+        bell.cpu_offsets[:n + 1].copy_(plan.cpu_offsets)
+        bell.x[:t].copy_(self._staged_host(t, k)[:, :self.hidden])
+        self._rung = (bell.ring(), t)
+
+    def _close_doorbell(self) -> None:
+        """Gives the CPU kernel's pool back to the host path."""
+        if self._doorbell is not None:
+            self._doorbell.close()
+            self._doorbell = None
 
     def _plan_tables(self, k: int) -> tuple[CacheTables, PlanRule]:
         """The device's cache tables and split rule, copied from the host cache when it is the
