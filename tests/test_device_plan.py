@@ -276,3 +276,15 @@ def test_triton_plan_equals_the_torch_plan(run, seed):
         want = plan_layer(torch_tables, rule, 0, new_ids, w.clone())
         assert torch.equal(captured.pair_slot, want.pair_slot) and torch.equal(captured.counts, want.counts), step
         assert torch.equal(triton_tables.slot_of[:-1], torch_tables.slot_of[:-1]), step
+
+
+def test_ftc_device_plan_turns_the_plan_on(engine_dir, monkeypatch):
+    from ftc_runtime.settings import SettingsError
+
+    cfg = OffloadConfig(device="cpu", n_slots=4)
+    assert not Engine.load(engine_dir, offload=cfg).model.experts.device_plan
+    monkeypatch.setenv("FTC_DEVICE_PLAN", "1")
+    assert Engine.load(engine_dir, offload=cfg).model.experts.device_plan
+    monkeypatch.setenv("FTC_DEVICE_PLAN", "maybe")
+    with pytest.raises(SettingsError, match="FTC_DEVICE_PLAN='maybe'"):
+        Engine.load(engine_dir, offload=cfg)
