@@ -288,3 +288,33 @@ def test_ftc_device_plan_turns_the_plan_on(engine_dir, monkeypatch):
     monkeypatch.setenv("FTC_DEVICE_PLAN", "maybe")
     with pytest.raises(SettingsError, match="FTC_DEVICE_PLAN='maybe'"):
         Engine.load(engine_dir, offload=cfg)
+
+
+@pytest.mark.gpu
+def test_gather_fills_copy_the_plans_rows_from_the_mapped_pool(seed):
+    """The fill kernel reads the pinned host rows through their device mapping and writes exactly
+    the plan's fills (up to its count) into their slots; every other slot keeps its bytes."""
+    from ftc_runtime.decode.device_plan import LayerPlan
+    from ftc_runtime.decode.gather_fills import MappedRows, gather_fills
+    from ftc_runtime.io.host_memory import mapped_address, pin_in_place
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    rows, n_slots, stride, n = 50, 20, 4 * rng.choice([1000, 70001, 640000]), 16
+    pool = torch.randint(0, 256, (rows, stride), dtype=torch.uint8, generator=g)
+    assert pin_in_place(pool)
+    address = mapped_address(pool, pool.data_ptr())
+    assert address is not None
+    slots = torch.randint(0, 256, (n_slots, stride), dtype=torch.uint8, device="cuda")
+    for _ in range(4):
+        n_fill = rng.randrange(0, 9)
+        fill_rows, fill_slots = torch.full((n,), -1), torch.full((n,), -1)
+        fill_rows[:n_fill] = torch.tensor(rng.sample(range(rows), n_fill), dtype=torch.long)
+        fill_slots[:n_fill] = torch.tensor(rng.sample(range(n_slots), n_fill), dtype=torch.long)
+        unused = torch.zeros(n, dtype=torch.long)
+        plan = LayerPlan(unused.view(2, 8), fill_rows.cuda(), fill_slots.cuda(), unused, unused, unused,
+                         unused.float(), torch.tensor([0, n_fill, 0]).cuda())
+        want = slots.cpu()
+        want[fill_slots[:n_fill]] = pool[fill_rows[:n_fill]]
+        gather_fills(MappedRows(address), slots, plan)
+        assert torch.equal(slots.cpu(), want), (n_fill, stride)

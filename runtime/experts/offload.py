@@ -26,6 +26,7 @@ from ftc_runtime.experts.slots import DeviceKernel, SlotStore
 from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.experts.token_plan import TokenPlanner
 from ftc_runtime.io.ftw import ExpertPool
+from ftc_runtime.io.host_memory import mapped_address
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,9 @@ class OffloadedExperts(ExpertBackend):
         self._said_no_stream = False
         self._plan_s = self._fills_s = 0.0  # host time of the current call's planning and fills
         self.device_plan = device_plan
-        self._plan_layer = plan_layer
+        self._plan_layer, self._gather_fills = plan_layer, None
         if device_plan and self.on_gpu:
-            from ftc_runtime.decode.plan_kernel import plan_layer_triton  # Triton: only beside a GPU
-
-            self._plan_layer = plan_layer_triton
+            self._use_device_kernels(pool)
         self._tables: tuple[CacheTables, PlanRule] | None = None  # the device's cache tables, when ahead
         self._doorbell: CpuDoorbell | None = None
         self._rung: tuple[int, int] | None = None  # the doorbell job of the current call and its tokens
@@ -348,7 +347,11 @@ class OffloadedExperts(ExpertBackend):
                               plan.cpu_w[:entries].cpu())
         self._plan_s = time.perf_counter() - t0
         self.stats.host_s["plan"] += self._plan_s
-        self._copy_rows(plan.fill_slots[:n_fill].cpu().numpy(), plan.fill_rows[:n_fill].cpu().numpy())
+        if self._gather_fills is not None:
+            with self.stats.copy.measure():
+                self._gather_fills(plan)
+        else:
+            self._copy_rows(plan.fill_slots[:n_fill].cpu().numpy(), plan.fill_rows[:n_fill].cpu().numpy())
         out = self._buffer("device_out", t, hidden, self.device).zero_()
         self._outputs = (out, cpu_out)
         if hits + n_fill:
@@ -357,6 +360,18 @@ class OffloadedExperts(ExpertBackend):
                                  weights.reshape(-1).contiguous().view(torch.int32)])
             with self.stats.compute.measure():
                 self.store.experts_on_device(packed[:, :hidden].contiguous(), pairs[:, pairs[0] >= 0], out)
+
+    def _use_device_kernels(self, pool: ExpertPool) -> None:
+        """The plan's Triton kernels, and its fills read straight from the pinned pool where the
+        pool is mapped into the device (else they are copies)."""
+        from ftc_runtime.decode.gather_fills import MappedRows, gather_fills  # Triton: only beside a GPU
+        from ftc_runtime.decode.plan_kernel import plan_layer_triton
+
+        self._plan_layer = plan_layer_triton
+        address = mapped_address(pool.buffer, pool.experts.data_ptr()) if self.store.pinned else None
+        if address is not None:
+            rows = MappedRows(address)
+            self._gather_fills = lambda plan: gather_fills(rows, self.store.slots, plan)
 
     def _ring_doorbell(self, plan: LayerPlan, t: int, k: int) -> None:
         """Writes the plan's CPU job and the layer's input into the doorbell's mailbox and rings

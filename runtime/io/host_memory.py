@@ -50,3 +50,16 @@ def pin_in_place(buffer: torch.Tensor) -> bool:
 def _unpin(ptr: int) -> None:
     _REGISTERED.discard(ptr)
     torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def mapped_address(buffer: torch.Tensor, address: int) -> int | None:
+    """The device's address of host `address`, inside the pinned `buffer` (kernels read it over
+    PCIe through the mapping), or None where the runtime gives none."""
+    lib = _cudart()
+    if lib is None or buffer.data_ptr() not in _REGISTERED:
+        return None
+    base = ctypes.c_void_p()
+    if lib.cudaHostGetDevicePointer(ctypes.byref(base), ctypes.c_void_p(buffer.data_ptr()), 0) != 0:
+        lib.cudaGetLastError()
+        return None
+    return base.value + (address - buffer.data_ptr())

@@ -1,0 +1,58 @@
+"""A decode plan's fills as one Triton kernel: every (FTW row, slot) of the plan's fill list, up to
+its device-side count, read from the pinned host pool through the pool's device mapping (over
+PCIe, no copy engine) and written into its slot. Unlike `cudaMemcpyAsync` calls, whose number and
+sizes the host must know, the kernel's grid is fixed (one row of programs per fill-list entry,
+those past the count returning at once), so that a CUDA graph can hold the fills with the rest of
+the step. A 2026-11-30 probe on the device (DESIGN.md) moved 50-51 GB/s this way with 16 or more
+programs per row, against 54.6 for copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ftc_runtime.decode.device_plan import LayerPlan
+
+PARTS = 32  # programs per row
+CHUNK = 2048  # 32-bit words a program moves per step
+
+
+@dataclass(frozen=True)
+class MappedRows:
+    """The host pool's rows as the device sees them: Triton takes any object with `data_ptr()`
+    and `dtype` as a pointer argument."""
+
+    address: int  # the pool's device address (`cudaHostGetDevicePointer`)
+    dtype: torch.dtype = torch.int32
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+@triton.jit
+def _gather_rows(src, dst, rows, slots, counts, row_words, STEPS: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (j, p) copies chunks p·STEPS .. (p + 1)·STEPS − 1 of fill j's row."""
+    j = tl.program_id(0)
+    if j < tl.load(counts + 1):
+        row = tl.load(rows + j).to(tl.int64)
+        slot = tl.load(slots + j).to(tl.int64)
+        for i in range(STEPS):
+            offs = (tl.program_id(1) * STEPS + i) * CHUNK + tl.arange(0, CHUNK)
+            mask = offs < row_words
+            tl.store(dst + slot * row_words + offs, tl.load(src + row * row_words + offs, mask=mask), mask=mask)
+
+
+def gather_fills(src: MappedRows | torch.Tensor, slots: torch.Tensor, plan: LayerPlan) -> None:
+    """Copies the plan's fills from `src` (the pool's rows as int32 words: its device mapping, or a
+    tensor the kernel can read) into `slots` ([n_slots, stride] bytes, stride a multiple of 4)."""
+    stride = slots.shape[1]
+    if stride % 4:
+        raise ValueError(f"gather_fills: slot stride {stride} is not a multiple of 4 bytes")
+    n = plan.fill_rows.numel()
+    words = stride // 4
+    _gather_rows[(n, PARTS)](src, slots.view(torch.int32), plan.fill_rows, plan.fill_slots, plan.counts, words,
+                             STEPS=triton.cdiv(words, PARTS * CHUNK), CHUNK=CHUNK)
