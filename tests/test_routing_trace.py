@@ -102,3 +102,5 @@ def test_bench_decode_replays_a_synthetic_trace(engine_dir):
     e = out["experts"]
     assert e["hits"] + e["fills"] + e["cpu"] == e["unique"] and e["calls"] == 7 * 4
     assert out["vram"]["n_slots"] == 12 and out["measured_over_bound"] is not None
+    # The driving thread's CPU time: some, and no more than the wall time (one thread)
+    assert 0 < out["host_cpu_ms_per_token"] <= 1.05 * out["ms_per_token"]

@@ -4,6 +4,9 @@ device and the CPU, the split's statistics, and the bandwidth bound of the steps
 The bound (DESIGN.md's performance model) per token: Σ over MoE layers of the miss time at the
 planner's rates, max(q·S/B_P', (m−q)·S/B_H'), plus the bytes the device itself must read (the
 non-expert weights once and every hit or fill expert) at the device's measured memory bandwidth.
+Beside it, the CPU time per token of the thread that drives the step (`host_cpu_ms_per_token`:
+Python, planning, launches; beside a GPU the expert workers and the CPU doorbell are other threads,
+so this is the host's cost outside the CPU experts).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
     warmup = 2 if engine.model.decode_graphs is not None else 0
     if new_tokens < warmup + 2:
         raise ValueError(f"new_tokens = {new_tokens}: decode benchmarks need at least {warmup + 2}")
-    decode_s, warmup_s = _timed_decode(engine, prompt, new_tokens, sampling, warmup)
+    decode_s, warmup_s, host_cpu_s = _timed_decode(engine, prompt, new_tokens, sampling, warmup)
     s = experts.stats
     steps = new_tokens - 1 - warmup
     planner = experts.planner
@@ -65,24 +68,26 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
         "miss_bound_ms_per_token": round(1e3 * miss_bound, 3), "device_read_gbps": round(device_gbps, 1),
         "device_bytes_per_token": int(device_bytes), "bound_ms_per_token": round(1e3 * bound, 3),
         "measured_over_bound": round(measured / bound, 3) if bound else None,
+        "host_cpu_ms_per_token": round(1e3 * host_cpu_s / steps, 3),
         "experts": s.to_dict(),
         "decode_graphs": engine.model.decode_graphs is not None,
     }
 
 
 def _timed_decode(engine: Engine, prompt: list[int], new_tokens: int, sampling: SamplingParams,
-                  warmup: int) -> tuple[float, float]:
-    """Seconds of the decode steps after `warmup` steps (whose statistics are dropped), and of those."""
+                  warmup: int) -> tuple[float, float, float]:
+    """Seconds of the decode steps after `warmup` steps (whose statistics are dropped), of those,
+    and the CPU seconds of this (the driving) thread in the timed steps."""
     experts = engine.model.experts
     gen = engine.generate(prompt, new_tokens, sampling, stop_at_eos=False)
-    t0 = warm_t0 = 0.0
+    t0 = warm_t0 = cpu_t0 = 0.0
     for n, _ in enumerate(gen):
         if n == 0:  # the prompt's token: prefill done
             warm_t0 = time.perf_counter()
         if n == warmup:  # decode statistics only, after the warm-up steps
             experts.stats = OffloadStats(experts.device)
-            t0 = time.perf_counter()
-    return time.perf_counter() - t0, t0 - warm_t0
+            t0, cpu_t0 = time.perf_counter(), time.thread_time()
+    return time.perf_counter() - t0, t0 - warm_t0, time.thread_time() - cpu_t0
 
 
 def _profile(engine: Engine, prompt: list[int], out: Path, sampling: SamplingParams) -> None:
