@@ -83,3 +83,59 @@ def test_the_pool_is_the_doorbells_until_it_closes(cpu_engine):
     assert kernel._lock.locked()
     bell.close()
     assert not kernel._lock.locked()
+
+
+@pytest.mark.gpu
+def test_the_gpu_rings_and_joins_the_cpu_job_also_in_a_graph(cpu_engine, seed):
+    """The device posts the plan's CPU job into the pinned mailbox and rings, the doorbell thread
+    computes it, the device waits and adds it: eagerly, then as one captured graph replayed on new
+    inputs (the job numbers go on on the device), each time the CPU kernel's own result."""
+    from ftc_runtime.decode.device_plan import CacheTables, PlanRule
+    from ftc_runtime.decode.doorbell_kernels import DoorbellKernels
+    from ftc_runtime.decode.plan_kernel import plan_layer_triton
+    from ftc_runtime.experts.cache import ExpertCache
+    from ftc_runtime.experts.miss_planner import MissPlanner
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    experts = cpu_engine.model.experts
+    e, k, hidden = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, cpu_engine.spec.hidden_size
+    bell = CpuDoorbell(experts.kernel.on_cpus([0], background=True), experts.pool.experts, 4, 4 * k, pinned=True)
+    device = DoorbellKernels(bell, torch.device("cuda"))
+    tables = CacheTables.of(ExpertCache(experts.pool.header.num_rows, 0), "cuda")  # no slots: all on the CPU
+    rule = PlanRule.of(MissPlanner("cpu"), 4 * k, 0, True, "cuda")
+    ids, w = torch.zeros(4, k, dtype=torch.long, device="cuda"), torch.zeros(4, k, device="cuda")
+    x, out = torch.zeros(4, hidden, device="cuda"), torch.zeros(4, hidden, device="cuda")
+
+    def step() -> None:
+        out.zero_()
+        plan = plan_layer_triton(tables, rule, 0, ids, w)
+        device.post_job(plan, x)
+        device.wait_and_join(out)
+
+    def check(what: str) -> None:
+        torch.cuda.synchronize()
+        device.check()
+        want = torch.zeros(4, hidden)
+        r = Routing.build(0, ids.cpu().numpy(), w.cpu().numpy())
+        experts.kernel.run(experts.pool.experts, x.cpu(), want, *r.tensors())
+        assert torch.equal(out.cpu(), want), what
+
+    def new_inputs() -> None:
+        ids.copy_(torch.stack([torch.tensor(rng.sample(range(e), k)) for _ in range(4)]))
+        w.copy_(torch.rand(4, k, generator=g))
+        x.copy_(torch.randn(4, hidden, generator=g))
+
+    for job in range(3):
+        new_inputs()
+        step()
+        check(f"eager job {job}")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for job in range(5):
+        new_inputs()
+        graph.replay()
+        check(f"replay {job}")
+    assert int(bell.flags[DONE]) == 8
+    bell.close()

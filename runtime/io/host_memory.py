@@ -53,10 +53,10 @@ def _unpin(ptr: int) -> None:
 
 
 def mapped_address(buffer: torch.Tensor, address: int) -> int | None:
-    """The device's address of host `address`, inside the pinned `buffer` (kernels read it over
-    PCIe through the mapping), or None where the runtime gives none."""
+    """The device's address of host `address`, inside the pinned `buffer` (pinned here or by
+    torch; kernels reach it over PCIe through the mapping), or None where there is no mapping."""
     lib = _cudart()
-    if lib is None or buffer.data_ptr() not in _REGISTERED:
+    if lib is None:
         return None
     base = ctypes.c_void_p()
     if lib.cudaHostGetDevicePointer(ctypes.byref(base), ctypes.c_void_p(buffer.data_ptr()), 0) != 0:

@@ -1,0 +1,133 @@
+"""The GPU's side of the CPU doorbell (decode/cpu_doorbell.py), as two Triton kernels for a CUDA
+graph to hold:
+
+- `post_job`: writes the plan's CPU job and the layer's input into the pinned mailbox through its
+  device mapping, then, after a barrier and a system-scope fence, rings with the next job number
+  (kept on the device, so that replays of one graph number their jobs on);
+- `wait_and_join`: spins until the CPU answers that number, then adds the CPU's result, read
+  through the mapping, into the layer's device output.
+
+Both are one program: a decode call's job is at most 16 tokens and 16·k entries. The flags are
+read and written with `ld.acquire.sys` / `st.release.sys` (inline PTX): plain loads could be
+served from a stale line, and system-scope atomics would need PCIe atomics from the host bridge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ftc_runtime.decode.cpu_doorbell import DONE, RING, CpuDoorbell, DoorbellError
+from ftc_runtime.decode.device_plan import LayerPlan
+from ftc_runtime.io.host_memory import mapped_address
+
+XBLOCK = 4096  # elements of x or out a step moves
+SPINS = 1 << 24  # looks at the answer flag before a wait gives up (each crosses PCIe: seconds in all)
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """A pinned host tensor as the device sees it (a Triton pointer argument: `data_ptr`, `dtype`)."""
+
+    address: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, offset_elements: int = 0) -> Mapped:
+        address = mapped_address(tensor, tensor.data_ptr() + offset_elements * tensor.element_size())
+        if address is None:
+            raise RuntimeError("the CPU doorbell's mailbox is not mapped into the device (pinned memory needed)")
+        return cls(address, tensor.dtype)
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+@triton.jit
+def _store_release_sys(ptr, value):
+    tl.inline_asm_elementwise("fence.acq_rel.sys;\nst.relaxed.sys.global.b64 [$1], $2;\nmov.u32 $0, 0;",
+                              "=r,l,l", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _load_acquire_sys(ptr):
+    return tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _copy(src, dst, n, BLOCK: tl.constexpr):
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
+def _post_job(counts, cpu_ids, cpu_offsets, cpu_tok, cpu_w, x, n_tokens, n, hidden, box_n_tokens, box_counts,
+              box_ids, box_offsets, box_tok, box_w, box_x, counter, ring, NP: tl.constexpr, XBLOCK: tl.constexpr):
+    e = tl.arange(0, NP)  # NP > n: the offsets' n + 1 entries too
+    tl.store(box_ids + e, tl.load(cpu_ids + e, mask=e < n), mask=e < n)
+    tl.store(box_tok + e, tl.load(cpu_tok + e, mask=e < n), mask=e < n)
+    tl.store(box_w + e, tl.load(cpu_w + e, mask=e < n), mask=e < n)
+    tl.store(box_offsets + e, tl.load(cpu_offsets + e, mask=e <= n), mask=e <= n)
+    tl.store(box_counts + e, tl.load(counts + e, mask=e < 3), mask=e < 3)
+    tl.store(box_n_tokens, n_tokens)
+    _copy(x, box_x, n_tokens * hidden, XBLOCK)
+    seq = tl.load(counter) + 1
+    tl.debug_barrier()  # every thread's writes to the mailbox before the ring
+    tl.store(counter, seq)
+    _store_release_sys(ring, seq)
+
+
+@triton.jit
+def _wait_and_join(done, counter, box_out, out, size, status, SPINS: tl.constexpr, XBLOCK: tl.constexpr):
+    seq = tl.load(counter)
+    answered = _load_acquire_sys(done)
+    spins = 0
+    while (answered < seq) & (spins < SPINS):
+        answered = _load_acquire_sys(done)
+        spins += 1
+    if answered < seq:  # no answer: the step's result is wrong, and the host is told
+        tl.store(status, 1)
+        return
+    for start in range(0, size, XBLOCK):
+        offs = start + tl.arange(0, XBLOCK)
+        mask = offs < size
+        tl.store(out + offs, tl.load(out + offs, mask=mask) + tl.load(box_out + offs, mask=mask), mask=mask)
+
+
+class DoorbellKernels:
+    """`bell`'s mailbox as the device sees it, and the device's job counter (starting where the
+    bell's answers stand, so that jobs rung from the host before and from the device after are
+    numbered as one sequence)."""
+
+    def __init__(self, bell: CpuDoorbell, device: torch.device):
+        self.bell = bell
+        self.counter = torch.tensor([bell.seq], dtype=torch.int64, device=device)
+        self.status = torch.zeros(1, dtype=torch.int64, device=device)  # 1: a wait gave up
+        self.ring, self.done = Mapped.of(bell.flags, RING), Mapped.of(bell.flags, DONE)
+        self.box = {name: Mapped.of(getattr(bell, name)) for name in
+                    ("n_tokens", "counts", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "x", "out")}
+
+    def post_job(self, plan: LayerPlan, x: torch.Tensor) -> None:
+        """Writes the plan's CPU job and `x` ([T, hidden] fp32) into the mailbox and rings."""
+        n, b = plan.cpu_tok.numel(), self.box
+        _post_job[(1,)](plan.counts, plan.cpu_ids, plan.cpu_offsets, plan.cpu_tok, plan.cpu_w, x.contiguous(),
+                        x.shape[0], n, x.shape[1], b["n_tokens"], b["counts"], b["cpu_ids"], b["cpu_offsets"],
+                        b["cpu_tok"], b["cpu_w"], b["x"], self.counter, self.ring,
+                        NP=max(16, triton.next_power_of_2(n + 1)), XBLOCK=XBLOCK, num_warps=4)
+
+    def wait_and_join(self, out: torch.Tensor) -> None:
+        """out ([T, hidden] fp32, contiguous) += the CPU's result, once the CPU has answered."""
+        _wait_and_join[(1,)](self.done, self.counter, self.box["out"], out, out.numel(), self.status, SPINS=SPINS,
+                             XBLOCK=XBLOCK, num_warps=4)
+
+    def check(self) -> None:
+        """Raises if a wait gave up since the last check (reads a device flag: a safe point only)."""
+        if int(self.status[0]):
+            self.status.zero_()
+            raise DoorbellError(f"the CPU doorbell did not answer job {int(self.counter[0])} in time: "
+                                "that step's CPU experts are missing from its output")
