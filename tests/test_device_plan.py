@@ -138,6 +138,12 @@ def test_tables_round_trip_through_the_host_cache(cpu_engine, seed):
     assert tables.differences(other) == []
     with pytest.raises(ValueError, match=f"{host.cache.n_slots + 1} slots"):
         tables.write_to(type(host.cache)(host.cache.slot_of.size, host.cache.n_slots + 1))
+    # Loaded in place from another state: the same tensors, that state.
+    fresh = type(host.cache)(host.cache.slot_of.size, host.cache.n_slots, host.cache.policy)
+    addresses = [t.data_ptr() for t in (tables.slot_of, tables.id_of, tables.last_used, tables.cpu_step)]
+    tables.load(fresh)
+    assert tables.differences(fresh) == [] and (host.cache.step == 0 or tables.differences(host.cache))
+    assert addresses == [t.data_ptr() for t in (tables.slot_of, tables.id_of, tables.last_used, tables.cpu_step)]
 
 
 @pytest.mark.gpu

@@ -202,6 +202,36 @@ def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled, s
     assert_graphs_match(got, want, reference, compiled)
 
 
+def test_device_step_graphs_equal_the_host_path(engine_dir, monkeypatch, seed):
+    """Decode with the plan as data (`FTC_DEVICE_PLAN=1`): each step one CUDA graph with every MoE
+    layer on the device (plan kernels, gathered fills, the CPU's share through the doorbell),
+    against the eager host path, both held to the fp32 CPU engine (the device pairs sum in
+    another order, and this tiny model's near-tied router turns last bits into other experts);
+    the split's counts add up, the host cache written back equals the device's, and a second
+    sequence and a grown KV storage capture the step again."""
+    rng = random.Random(seed)
+    _, eager = _graphs_and_eager(engine_dir, monkeypatch, False, rng)
+    monkeypatch.setenv("FTC_DECODE_GRAPHS", "1")
+    monkeypatch.setenv("FTC_DEVICE_PLAN", "1")
+    graphs = Engine.load(engine_dir, offload=OffloadConfig(device="cuda", n_slots=rng.randrange(4, 40), b_p=25.0,
+                                                           b_h=50.0))
+    ids = [rng.randrange(256) for _ in range(30)]
+    long_ids = [rng.randrange(256) for _ in range(270)]
+    got = _teacher_forced_logits(graphs, ids, 7) + _teacher_forced_logits(graphs, long_ids, 5)
+    want = _teacher_forced_logits(eager, ids, 7) + _teacher_forced_logits(eager, long_ids, 5)
+    experts = graphs.model.experts
+    assert list(graphs.model.decode_graphs.graphs) == [("step", 0)]
+    s = experts.stats
+    assert s.calls > 0 and s.hits + s.fills + s.cpu == s.unique
+    check_slots_hold_their_rows(experts)
+
+    def reference() -> list[torch.Tensor]:
+        cpu_engine = Engine.load(engine_dir)
+        return _teacher_forced_logits(cpu_engine, ids, 7) + _teacher_forced_logits(cpu_engine, long_ids, 5)
+
+    assert_graphs_match(got, want, reference, compiled=True)
+
+
 @pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
 def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path, quant, seed):
     """The qwen3_5_moe family (Gated DeltaNet blocks and one-token steps, gated attention, a

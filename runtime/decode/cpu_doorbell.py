@@ -74,13 +74,15 @@ class CpuDoorbell:
         start.restype, start.argtypes = _p, [ctypes.POINTER(DoorbellArgs)]
         kernel.lib.ftc_doorbell_stop.argtypes = [_p]
         self._handle = start(ctypes.byref(args))
-        self.seq = int(self.flags[DONE])
+        self.rung_by_host = False  # since the device's job counter was last set (`DoorbellKernels`)
 
     def ring(self) -> int:
-        """Rings for the job written into the mailbox (from the host); returns its number."""
-        self.seq += 1
-        self.flags[RING] = self.seq
-        return self.seq
+        """Rings for the job written into the mailbox (from the host); returns its number: the
+        next after the last ring, whoever rang it (the device rings too)."""
+        seq = int(self.flags[RING]) + 1
+        self.flags[RING] = seq
+        self.rung_by_host = True
+        return seq
 
     def wait(self, seq: int, timeout_s: float = 30.0) -> None:
         """Returns once job `seq` is answered; `out` then holds its result."""

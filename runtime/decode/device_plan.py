@@ -58,14 +58,24 @@ class CacheTables:
         return cls(table(cache.slot_of, -1), table(cache.id_of, -1), table(cache.last_used, -1),
                    table(cache.cpu_step, -1), torch.tensor([cache.step], device=device))
 
+    def load(self, cache: ExpertCache) -> None:
+        """Takes `cache`'s state in place (the tables keep their addresses, which graphs hold)."""
+        self._check_size(cache)
+        for name in ("slot_of", "id_of", "last_used", "cpu_step"):
+            getattr(self, name)[:-1].copy_(torch.from_numpy(getattr(cache, name)))
+        self.step.fill_(cache.step)
+
     def write_to(self, cache: ExpertCache) -> None:
         """Makes `cache` hold this state (a safe point: nothing in flight reads either)."""
-        if (self.num_ids, self.n_slots) != (cache.slot_of.size, cache.n_slots):
-            raise ValueError(f"cache tables of {self.num_ids} rows and {self.n_slots} slots cannot be written "
-                             f"to a cache of {cache.slot_of.size} rows and {cache.n_slots} slots")
+        self._check_size(cache)
         for name in ("slot_of", "id_of", "last_used", "cpu_step"):
             getattr(cache, name)[:] = getattr(self, name)[:-1].cpu().numpy()
         cache.step = int(self.step)
+
+    def _check_size(self, cache: ExpertCache) -> None:
+        if (self.num_ids, self.n_slots) != (cache.slot_of.size, cache.n_slots):
+            raise ValueError(f"cache tables of {self.num_ids} rows and {self.n_slots} slots do not match a cache "
+                             f"of {cache.slot_of.size} rows and {cache.n_slots} slots")
 
     def differences(self, cache: ExpertCache) -> list[str]:
         """The names of the tables (and `step`) where this state and `cache`'s differ."""

@@ -100,13 +100,13 @@ def _wait_and_join(done, counter, box_out, out, size, status, SPINS: tl.constexp
 
 
 class DoorbellKernels:
-    """`bell`'s mailbox as the device sees it, and the device's job counter (starting where the
-    bell's answers stand, so that jobs rung from the host before and from the device after are
+    """`bell`'s mailbox as the device sees it, and the device's job counter (set from the last
+    ring before the device rings, so that jobs rung from the host and from the device are
     numbered as one sequence)."""
 
     def __init__(self, bell: CpuDoorbell, device: torch.device):
         self.bell = bell
-        self.counter = torch.tensor([bell.seq], dtype=torch.int64, device=device)
+        self.counter = torch.tensor([int(bell.flags[RING])], dtype=torch.int64, device=device)
         self.status = torch.zeros(1, dtype=torch.int64, device=device)  # 1: a wait gave up
         self.ring, self.done = Mapped.of(bell.flags, RING), Mapped.of(bell.flags, DONE)
         self.box = {name: Mapped.of(getattr(bell, name)) for name in

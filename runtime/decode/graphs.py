@@ -12,9 +12,13 @@ Per layer one graph, cut where the step must leave the GPU for the routed expert
   dense MLP;
 then, outside the graph, the host round trip of the experts (`launch_staged`, `finish_staged`),
 whose own device part is one more graph. One graph for the final norm and lm_head ends the step.
+Where the expert backend can run a MoE layer on the device alone (`device_step_ready`: the
+plan as data, `FTC_DEVICE_PLAN=1`), the whole step is one graph instead: every layer's body, each
+MoE layer's `run_staged_on_device` (plan kernels, gathered fills, the CPU's share through the
+doorbell, joined on the device) and the head, with no host round trip.
 Graphs are captured in the second step on a KV storage (the first runs the same code eagerly,
 which warms up every kernel), and again whenever the storage moves (a new sequence, or growth by
-doubling).
+doubling) or the expert backend's slots or mailbox do (its `generation`).
 The family's functions are fused by torch.compile first, at load (FTC_TORCH_COMPILE=0 turns it
 off; a compiler failure falls back to the same functions uncompiled); docs/performance.md has
 what it gains.
@@ -74,7 +78,8 @@ class DecodeGraphs(ABC):
                       file=sys.stderr)
                 self.fns = eager
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self.graph_storage: int | None = None  # the KVCache.generation the graphs were captured on
+        # (KVCache.generation, OffloadedExperts.generation) the graphs were captured on
+        self.graph_storage: tuple[int, int] | None = None
         self.pool = torch.cuda.graph_pool_handle()
         self.warm = False  # a step ran eagerly on the current storage
 
@@ -96,14 +101,17 @@ class DecodeGraphs(ABC):
         """Logits [1, vocab] fp32 of the token `ids` (one) after the cache's tokens."""
         m, position = self.model, cache.length
         cache.reserve(position + 1)
-        if cache.generation != self.graph_storage:
+        whole = m.experts.device_step_ready()
+        if whole:
+            m.experts.begin_device_step(m.spec.moe.top_k)
+        if (cache.generation, m.experts.generation) != self.graph_storage:
             # New storage: the next graphs capture new addresses (and new shapes, after growth),
             # into a new memory pool (a pool whose graphs are all freed cannot take new ones).
             # This step runs eagerly first, so that every kernel is warmed up (and compiled) for
             # the new shapes outside a capture.
             self.graphs.clear()
             self.pool = torch.cuda.graph_pool_handle()
-            self.graph_storage = cache.generation
+            self.graph_storage = (cache.generation, m.experts.generation)
             self.warm = False
         cos, sin = m.rope_at(torch.tensor([position], device=m.device))
         self.cos.copy_(cos)
@@ -111,6 +119,12 @@ class DecodeGraphs(ABC):
         self.position.fill_(position)
         self.x.copy_(m.embed[ids.to(m.device)].to(m.dtype))
         self.mlp.zero_()
+        if whole:
+            self._run(("step", 0), lambda: self._device_step(cache))
+            m.experts.end_device_step()
+            cache.length += 1
+            self.warm = True
+            return self.logits.clone()
         clock = m.experts.stats.host_s
         for i in range(m.spec.num_layers):
             t0 = time.perf_counter()
@@ -123,6 +137,15 @@ class DecodeGraphs(ABC):
         self._run(("head", 0), self._head)
         self.warm = True
         return self.logits.clone()
+
+    def _device_step(self, cache: SequenceState) -> None:
+        """The whole step with its MoE layers on the device (`run_staged_on_device`): one graph."""
+        m = self.model
+        for i in range(m.spec.num_layers):
+            self._layer(i, cache)
+            if m.is_moe(i):
+                m.experts.run_staged_on_device(m.moe_index[i], m.spec.moe.top_k)
+        self._head()
 
     def _run(self, key: tuple[str, int], fn: Callable[[], None]) -> None:
         graph = self.graphs.get(key)
@@ -142,8 +165,11 @@ class DecodeGraphs(ABC):
         m = self.model
         if i > 0 and m.is_moe(i - 1):
             on_device, on_host = m.experts.token_outputs()
-            self.cpu_part.copy_(on_host, non_blocking=True)
-            self.mlp.copy_(on_device + self.cpu_part)
+            if on_host is None:  # a device step: the CPU's part is in the device's already
+                self.mlp.copy_(on_device)
+            else:
+                self.cpu_part.copy_(on_host, non_blocking=True)
+                self.mlp.copy_(on_device + self.cpu_part)
             if self.shared is not None:
                 self.mlp.add_(self.shared)
         self.x.add_(self.mlp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.experts.token_plan import TokenPlanner
 from ftc_runtime.io.ftw import ExpertPool
 from ftc_runtime.io.host_memory import mapped_address
+
+if TYPE_CHECKING:  # Triton's: imported only beside a GPU
+    from ftc_runtime.decode.device_step import DeviceStep
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class OffloadedExperts(ExpertBackend):
         self.store = SlotStore(pool, device, n_slots, cache_policy, device_kernel, grouped_kernel)
         self.device, self.on_gpu, self.num_experts = self.store.device, self.store.on_gpu, h.num_experts
         self.hidden = h.hidden
-        self.stats = OffloadStats(self.device)
+        self._stats = OffloadStats(self.device)
         self.prompt_counts = np.zeros(h.num_rows, dtype=np.int64)  # static policy: routed ids of the prompt
         self._token: _TokenPath | None = None  # built at the first one-token call
         self.native_token_plan = True  # False: one-token calls take the general path (tests compare both)
@@ -87,10 +91,16 @@ class OffloadedExperts(ExpertBackend):
         self._said_no_stream = False
         self._plan_s = self._fills_s = 0.0  # host time of the current call's planning and fills
         self.device_plan = device_plan
-        self._plan_layer, self._gather_fills = plan_layer, None
+        self._plan_layer, self._gather_fills, self._mapped_rows = plan_layer, None, None
         if device_plan and self.on_gpu:
             self._use_device_kernels(pool)
-        self._tables: tuple[CacheTables, PlanRule] | None = None  # the device's cache tables, when ahead
+        self._tables: tuple[CacheTables, PlanRule] | None = None  # the device plan's cache tables and rule
+        self._tables_newer = False  # they hold state that the host cache lacks
+        self._host_touched = True  # the host cache may have changed since they took its state
+        self._device_step: DeviceStep | None = None  # whole-step decode graphs: the MoE layers' device part
+        self._device_step_ran = False  # it ran since its counts were last folded into `stats`
+        self.device_step_active = False  # the current decode step runs its MoE layers on the device
+        self.generation = 0  # bumped when the slots move (a resize): graphs holding them are stale
         self._doorbell: CpuDoorbell | None = None
         self._rung: tuple[int, int] | None = None  # the doorbell job of the current call and its tokens
 
@@ -98,10 +108,26 @@ class OffloadedExperts(ExpertBackend):
     def cache(self) -> ExpertCache:
         """Which expert each slot holds (`resize` replaces it), up to date: a read is a safe point,
         where the device's tables, if ahead, are written back."""
-        if self._tables is not None:
+        if self._tables_newer:
             self._tables[0].write_to(self.store.cache)
-            self._tables = None
+            self._tables_newer = False
+        self._host_touched = True  # whoever reads it may change it
         return self.store.cache
+
+    @property
+    def stats(self) -> OffloadStats:
+        """What the path did; the device steps' counts are folded in when read."""
+        if self._device_step_ran:
+            self._device_step.fold_into(self._stats)
+            self._device_step_ran = False
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: OffloadStats) -> None:
+        if self._device_step_ran:  # counts of the steps before: dropped with the old statistics
+            self._device_step.fold_into(OffloadStats(self.device))
+            self._device_step_ran = False
+        self._stats = value
 
     def resize(self, n_slots: int) -> None:
         """Rebuilds the slot cache with n_slots slots at a safe point (no CPU job, copy or kernel
@@ -111,6 +137,8 @@ class OffloadedExperts(ExpertBackend):
         self.store.resize(n_slots)
         # The token planner and its graph hold the old arrays' and slots' addresses.
         self._token, self._token_graph, self._token_device_calls, self._stream = None, None, 0, None
+        self._tables, self._tables_newer, self._device_step = None, False, None
+        self.generation += 1
 
     @property
     def recent_steps(self) -> int:
@@ -168,7 +196,7 @@ class OffloadedExperts(ExpertBackend):
         packed[:, :hidden].copy_(x)
         packed[:, hidden:hidden + k].copy_(ids)
         packed[:, hidden + k:].copy_(weights)
-        if self.on_gpu:
+        if self.on_gpu and not self.device_step_active:
             self._buffer("in_host", t, hidden + 2 * k).copy_(packed, non_blocking=True)
 
     def forward_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> torch.Tensor:
@@ -177,10 +205,45 @@ class OffloadedExperts(ExpertBackend):
         on_device, on_cpu = self.finish_staged()
         return on_device + on_cpu.to(self.device, non_blocking=True)
 
-    def token_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_outputs(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Where one-token calls leave their two parts ([1, hidden] fp32, on the device and on the
-        host): their sum is the layer's output. Fixed buffers, for CUDA graphs to read."""
-        return self._buffer("device_out", 1, self.hidden, self.device), self._buffer("cpu_out", 1, self.hidden)
+        host): their sum is the layer's output. Fixed buffers, for CUDA graphs to read. In a device
+        step the device part holds the whole output (the host part: None)."""
+        device_out = self._buffer("device_out", 1, self.hidden, self.device)
+        return device_out, None if self.device_step_active else self._buffer("cpu_out", 1, self.hidden)
+
+    def device_step_ready(self) -> bool:
+        """Whether a decode step can run its MoE layers on the device in one graph: the device
+        plan on a GPU, the pool mapped into it, a device kernel, the CPU kernel's pool in the
+        background, no routing hook and no static cache still counting its prompt."""
+        cache = self.store.cache
+        return (self.device_plan and self.on_gpu and self._gather_fills is not None and self.kernel.background
+                and self.store.device_kernel is not None and self.routing is None
+                and not (cache.policy == "static" and not cache.frozen))
+
+    def begin_device_step(self, k: int) -> None:
+        """Host work before a device step (eager or replayed): the tables take the host cache's
+        state if it changed, the doorbell is open, the device's job numbers are current."""
+        tables, rule = self._plan_tables(k)
+        if self._doorbell is None:
+            self._open_doorbell(k)
+        if self._device_step is None or self._device_step.tables is not tables:
+            from ftc_runtime.decode.device_step import DeviceStep  # Triton: only beside a GPU
+
+            self._device_step = DeviceStep(self.store, self.planner, self._doorbell, self._mapped_rows, tables, rule)
+            self.generation += 1  # a new mailbox and counters: graphs holding the old ones are stale
+        self._device_step.before_replay()
+        self._device_step_ran = True
+        self.device_step_active = True
+
+    def end_device_step(self) -> None:
+        self.device_step_active = False
+
+    def run_staged_on_device(self, moe_layer: int, k: int) -> None:
+        """The one-token call `stage` queued, carried out on the device alone (`DeviceStep`): no
+        host work, so that the step's graph holds it; its output lands in `token_outputs()[0]`."""
+        packed = self._buffer("in", 1, self.hidden + 2 * k, self.device)
+        self._device_step.run(moe_layer * self.num_experts, packed, k, self.token_outputs()[0])
 
     def launch_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> None:
         """Plans the staged call and starts both parts; `finish_staged` returns them."""
@@ -370,15 +433,14 @@ class OffloadedExperts(ExpertBackend):
         self._plan_layer = plan_layer_triton
         address = mapped_address(pool.buffer, pool.experts.data_ptr()) if self.store.pinned else None
         if address is not None:
-            rows = MappedRows(address)
+            self._mapped_rows = rows = MappedRows(address)
             self._gather_fills = lambda plan: gather_fills(rows, self.store.slots, plan)
 
     def _ring_doorbell(self, plan: LayerPlan, t: int, k: int) -> None:
         """Writes the plan's CPU job and the layer's input into the doorbell's mailbox and rings
         (from the host here; in the one-graph step the device writes and rings)."""
         if self._doorbell is None:
-            self._doorbell = CpuDoorbell(self.kernel, self.pool.experts, PLANNED_TOKENS, PLANNED_TOKENS * k,
-                                         pinned=self.on_gpu)
+            self._open_doorbell(k)
         bell, n = self._doorbell, t * k
         bell.n_tokens.fill_(t)
         bell.counts.copy_(plan.counts)
@@ -388,19 +450,26 @@ class OffloadedExperts(ExpertBackend):
         bell.x[:t].copy_(self._staged_host(t, k)[:, :self.hidden])
         self._rung = (bell.ring(), t)
 
+    def _open_doorbell(self, k: int) -> None:
+        self._doorbell = CpuDoorbell(self.kernel, self.pool.experts, PLANNED_TOKENS, PLANNED_TOKENS * k,
+                                     pinned=self.on_gpu)
+
     def _close_doorbell(self) -> None:
-        """Gives the CPU kernel's pool back to the host path."""
+        """Gives the CPU kernel's pool back to the host path (a device step opens it again)."""
         if self._doorbell is not None:
             self._doorbell.close()
-            self._doorbell = None
+            self._doorbell, self._device_step = None, None
 
     def _plan_tables(self, k: int) -> tuple[CacheTables, PlanRule]:
-        """The device's cache tables and split rule, copied from the host cache when it is the
-        newer (the first planned call after a safe point)."""
+        """The device's cache tables and split rule, taking the host cache's state when it may
+        have changed (the first planned call after a safe point), in place."""
+        cache = self.store.cache
         if self._tables is None:
-            cache = self.store.cache
             rule = PlanRule.of(self.planner, PLANNED_TOKENS * k, self.recent_steps, cache.policy == "lru", self.device)
             self._tables = (CacheTables.of(cache, self.device), rule)
+        elif self._host_touched:
+            self._tables[0].load(cache)
+        self._host_touched, self._tables_newer = False, True
         return self._tables
 
     def _staged_host(self, t: int, k: int) -> torch.Tensor:
