@@ -120,8 +120,10 @@ class DecodeGraphs(ABC):
         self.x.copy_(m.embed[ids.to(m.device)].to(m.dtype))
         self.mlp.zero_()
         if whole:
-            self._run(("step", 0), lambda: self._device_step(cache))
-            m.experts.end_device_step()
+            try:
+                self._run(("step", 0), lambda: self._device_step(cache))
+            finally:
+                m.experts.end_device_step()
             cache.length += 1
             self.warm = True
             return self.logits.clone()
