@@ -8,7 +8,7 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_device_plan.py tests/test_cpu_doorbell.py tests/test_gpu.py \
-  -k "device_plan or triton_plan or replays_in_a_cuda_graph or gather_fills or gpu_rings or device_step" 2>&1 | tee "$out/pytest_gpu.txt" \
+  -k "device_plan or triton_plan or replays_in_a_cuda_graph or gather_fills or gpu_rings or device_step or hybrid_decode_graphs" 2>&1 | tee "$out/pytest_gpu.txt" \
   | grep -E "PASSED|FAILED|ERROR|passed|failed" | sed 's/.*:://' | tail -40
 grep -A40 "^____" "$out/pytest_gpu.txt" | grep -E "^E |assert|seed" | head -30
 python3 bench/dev/gather_fill_rate.py 2>&1 | tee "$out/gather_fill_rate.txt"

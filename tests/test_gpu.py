@@ -305,15 +305,21 @@ def test_fla_delta_rule_matches_the_torch_recurrence(trial, seed, monkeypatch):
         assert rel(a, b) < 1e-2
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled, seed):
+@pytest.mark.parametrize("compiled,device_plan", [(False, False), (True, False), (False, True)])
+def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled, device_plan, seed):
     """The hybrid family's decode graphs (Gated DeltaNet steps with their state updated in place,
     gated attention, the shared expert) give the eager path's logits, across a restored checkpoint
     and a second sequence (graphs captured again); compiled, both are held to the fp32 CPU engine
-    as the qwen3_moe graphs are above."""
+    as the qwen3_moe graphs are above, and so is the whole step as one graph (`device_plan`)."""
     spec = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3.6-moe-tiny.yaml"
     engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, output=tmp_path / "hybrid"))
+    if device_plan:
+        monkeypatch.setenv("FTC_DEVICE_PLAN", "1")
     graphs, eager = _graphs_and_eager(engine, monkeypatch, compiled, random.Random(seed))
+    if device_plan:  # the eager engine on the host path
+        monkeypatch.setenv("FTC_DEVICE_PLAN", "0")
+        eager = Engine.load(engine, offload=OffloadConfig(device="cuda", n_slots=graphs.model.experts.cache.n_slots,
+                                                          b_p=25.0, b_h=50.0))
 
     def session(e: Engine) -> list[torch.Tensor]:
         rng = random.Random(seed)  # the same tokens for every engine
@@ -327,8 +333,9 @@ def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compil
         return out + _teacher_forced_logits(e, ids[::-1], 8)
 
     got, want = session(graphs), session(eager)
-    assert graphs.model.decode_graphs.graphs
-    assert_graphs_match(got, want, lambda: session(Engine.load(engine)), compiled)
+    captured = list(graphs.model.decode_graphs.graphs)
+    assert captured == [("step", 0)] if device_plan else len(captured) > 1
+    assert_graphs_match(got, want, lambda: session(Engine.load(engine)), compiled or device_plan)
 
 
 # Another process on the GPU: it starts CUDA, then holds the number of bytes it reads on stdin
