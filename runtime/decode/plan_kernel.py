@@ -10,7 +10,8 @@ plan, the same table updates, in fixed-size launches with every count on the dev
   its row, a rank is a count of smaller keys, and a list is a store at that rank.
 
 Fixed code shipped with the runtime: nothing in it depends on a model but n, which Triton
-specializes on as a constant.
+specializes on as a constant. Warps grow with n, as the [n, n] tiles do (docs/performance.md has
+the compiler's register report).
 """
 
 from __future__ import annotations
@@ -134,5 +135,5 @@ def plan_layer_triton(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.T
                 t.slot_of, t.id_of, t.last_used, t.cpu_step, t.step, rule.q_for_m, rule.recent_steps,
                 int(rule.allow_fills), cands, blocks * np2, max(t.n_slots, 1), out.pair_slot, out.fill_rows,
                 out.fill_slots, out.cpu_ids, out.cpu_offsets, out.cpu_tok, out.cpu_w, out.counts, NP=np2,
-                CANDS=max(np2, triton.next_power_of_2(blocks * np2)), num_warps=4)
+                CANDS=max(np2, triton.next_power_of_2(blocks * np2)), num_warps=max(4, min(32, np2 // 4)))
     return out
