@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# Without an NVIDIA GPU, take the CPU build of torch first, so that pip does not pull a CUDA build.
+# Without an NVIDIA GPU, take the CPU build of torch first, so that pip does not pull a CUDA build;
+# and Triton, whose interpreter runs the decode kernels' logic on the CPU in the tests (a CUDA
+# build of torch brings its own).
 TORCH_CPU := torch==2.13.0
+TRITON_CPU := triton==3.6.0
 
 .PHONY: demo test lint clean
 
@@ -13,7 +16,7 @@ $(VENV)/.torch:
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "NVIDIA GPU found: torch comes from the project's requirements"; \
 	else \
-		$(PIP) install -q $(TORCH_CPU); \
+		$(PIP) install -q $(TORCH_CPU) $(TRITON_CPU); \
 	fi
 	touch $@
 

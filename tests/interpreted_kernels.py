@@ -1,0 +1,75 @@
+"""Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1 (Triton reads
+it when the kernels are defined): the decode plan's and the fills' Triton kernels, interpreted on
+the CPU, against the torch plan (`plan_layer`) and a plain copy, on random routings, batch sizes,
+slot counts (up to several candidate blocks) and rules.
+
+    TRITON_INTERPRET=1 python tests/interpreted_kernels.py SEED RUNS STEPS
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+
+from ftc_runtime.decode.device_plan import CacheTables, LayerPlan, PlanRule, plan_layer
+from ftc_runtime.decode.gather_fills import gather_fills
+from ftc_runtime.decode.plan_kernel import plan_layer_triton
+from ftc_runtime.experts.cache import ExpertCache
+from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
+
+PLAN_FIELDS = ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts")
+
+
+def check_plans(rng: random.Random, g: torch.Generator, runs: int, steps: int) -> None:
+    e, layers, k = 16, 3, 4
+    for run in range(runs):
+        n_slots = rng.choice([0, 1, 5, 9, 20, 1100])
+        planner = MissPlanner(rng.choice(MISS_POLICIES), rng.uniform(5, 60), rng.uniform(5, 120))
+        rule = PlanRule.of(planner, 16 * k, rng.choice([0, 3, 12]), rng.random() < 0.8, "cpu")
+        cache = ExpertCache(e * layers, n_slots)
+        want_t, got_t = CacheTables.of(cache, "cpu"), CacheTables.of(cache, "cpu")
+        for step in range(steps):
+            t = rng.choice([1, 1, 2, 4, 16])
+            hot = range(k + 3)
+            ids = torch.stack([torch.tensor(rng.sample(hot if rng.random() < 0.7 else range(e), k)) for _ in range(t)])
+            w = torch.rand(t, k, generator=g)
+            base = rng.randrange(layers) * e
+            want, got = plan_layer(want_t, rule, base, ids, w), plan_layer_triton(got_t, rule, base, ids, w)
+            what = f"run {run} step {step}: {t} tokens, {n_slots} slots, {planner.policy}"
+            for name in PLAN_FIELDS:
+                assert torch.equal(getattr(got, name), getattr(want, name)), f"{what}: {name}"
+            for name in ("slot_of", "id_of", "last_used", "cpu_step"):
+                assert torch.equal(getattr(got_t, name)[:-1], getattr(want_t, name)[:-1]), f"{what}: {name}"
+            assert torch.equal(got_t.step, want_t.step), what
+
+
+def check_fills(rng: random.Random, g: torch.Generator) -> None:
+    rows, n_slots, n = 30, 10, 16
+    for stride in (256, 4 * 70001):
+        host = torch.randint(0, 256, (rows, stride), dtype=torch.uint8, generator=g)
+        slots = torch.randint(0, 256, (n_slots, stride), dtype=torch.uint8, generator=g)
+        n_fill = rng.randrange(0, 9)
+        fill_rows, fill_slots = torch.full((n,), -1), torch.full((n,), -1)
+        fill_rows[:n_fill] = torch.tensor(rng.sample(range(rows), n_fill), dtype=torch.long)
+        fill_slots[:n_fill] = torch.tensor(rng.sample(range(n_slots), n_fill), dtype=torch.long)
+        unused = torch.zeros(n, dtype=torch.long)
+        plan = LayerPlan(unused.view(2, 8), fill_rows, fill_slots, unused, unused, unused, unused.float(),
+                         torch.tensor([0, n_fill, 0]))
+        want = slots.clone()
+        want[fill_slots[:n_fill]] = host[fill_rows[:n_fill]]
+        gather_fills(host.view(torch.int32), slots, plan)
+        assert torch.equal(slots, want), f"fills: stride {stride}, {n_fill} fills"
+
+
+def main() -> None:
+    seed, runs, steps = (int(a) for a in sys.argv[1:4])
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    check_plans(rng, g, runs, steps)
+    check_fills(rng, g)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
