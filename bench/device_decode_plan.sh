@@ -4,12 +4,7 @@
 # planner, in two calls of under 10 minutes (carry .whl: fla-core, einops):
 #   bash bench/device_decode_plan.sh OUT_DIR 1     the GPU tests of the device plan, the fill kernel's rate
 #   bash bench/device_decode_plan.sh OUT_DIR 2     decode at 8 GiB, mxfp4, host planner against device steps
-set -uo pipefail
-out=${1:?output directory}
-part=${2:?part 1 or 2}
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+source bench/device_setup.sh "$@"
 if [ "$part" = 1 ]; then
   python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_device_plan.py tests/test_cpu_doorbell.py tests/test_gpu.py \
     -k "device_plan or triton_plan or replays_in_a_cuda_graph or gather_fills or gpu_rings or device_step \

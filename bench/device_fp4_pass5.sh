@@ -4,12 +4,7 @@
 #   bash bench/device_fp4_pass5.sh OUT_DIR 1     the GPU tests in full, ftc bench experts (both formats)
 #   bash bench/device_fp4_pass5.sh OUT_DIR 2     the decode matrices and the 8K prefills
 # (carry .whl: fla-core, einops)
-set -uo pipefail
-out=${1:?output directory}
-part=${2:?part 1 or 2}
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+source bench/device_setup.sh "$@"
 if [ "$part" = 1 ]; then
   python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$out/pytest_gpu.txt" \
     | grep -E "PASSED|FAILED|ERROR|passed|failed" | sed 's/.*:://' | tail -60

@@ -9,24 +9,17 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton
+import triton.testing
 
 from ftc_runtime.decode.device_plan import LayerPlan
 from ftc_runtime.decode.gather_fills import MappedRows, gather_fills
 from ftc_runtime.io.host_memory import mapped_address, pin_in_place
 
 
-def timed(fn, reps: int = 20) -> float:
-    """Median seconds of `fn` by CUDA events, after a warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+def timed(fn) -> float:
+    """Median seconds of `fn` (CUDA events, after warm-up)."""
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
 
 
 def main() -> None:
