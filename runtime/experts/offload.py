@@ -100,7 +100,7 @@ class OffloadedExperts(ExpertBackend):
         self._device_step: DeviceStep | None = None  # whole-step decode graphs: the MoE layers' device part
         self._device_step_ran = False  # it ran since its counts were last folded into `stats`
         self.device_step_active = False  # the current decode step runs its MoE layers on the device
-        self.generation = 0  # bumped when the slots move (a resize): graphs holding them are stale
+        self.generation = 0  # bumped when the slots or the device step's buffers change: graphs holding them are stale
         self._doorbell: CpuDoorbell | None = None
         self._rung: tuple[int, int] | None = None  # the doorbell job of the current call and its tokens
 
@@ -137,7 +137,8 @@ class OffloadedExperts(ExpertBackend):
         self.store.resize(n_slots)
         # The token planner and its graph hold the old arrays' and slots' addresses.
         self._token, self._token_graph, self._token_device_calls, self._stream = None, None, 0, None
-        self._tables, self._tables_newer, self._device_step = None, False, None
+        self._tables, self._tables_newer = None, False
+        self._drop_device_step()
         self.generation += 1
 
     @property
@@ -457,8 +458,14 @@ class OffloadedExperts(ExpertBackend):
     def _close_doorbell(self) -> None:
         """Gives the CPU kernel's pool back to the host path (a device step opens it again)."""
         if self._doorbell is not None:
+            self._drop_device_step()
             self._doorbell.close()
-            self._doorbell, self._device_step = None, None
+            self._doorbell = None
+
+    def _drop_device_step(self) -> None:
+        """Forgets the device step (its counts folded into `stats` first)."""
+        _ = self.stats
+        self._device_step = None
 
     def _plan_tables(self, k: int) -> tuple[CacheTables, PlanRule]:
         """The device's cache tables and split rule, taking the host cache's state when it may
