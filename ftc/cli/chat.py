@@ -3,6 +3,7 @@ conversation at a terminal. The answer goes to stdout; reasoning, notes and timi
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,10 @@ def repl(eng: Engine, session: ChatSession, max_new_tokens: int, sampling: Sampl
     """Turns read from the terminal until /exit or end of input."""
     import readline  # noqa: F401  (line editing and history for input())
 
+    # Ctrl-C drops the line being typed, whatever this process inherited: a parent that ignores
+    # SIGINT (or blocks it) passes that on, and Python then installs no KeyboardInterrupt for it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     err.print(f"chatting with {eng.spec.name}: {REPL_HELP}", markup=False)
     while True:
         try:

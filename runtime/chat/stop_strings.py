@@ -13,20 +13,30 @@ class StopMatcher:
         self.hit: str | None = None
 
     def feed(self, delta: str) -> str:
-        """What of `delta` can be passed on; once a stop string is found (`hit`), the text before it."""
+        """What of `delta` can be passed on; once a stop string is found (`hit`), the text before it.
+        A stop string found is taken only when no other can still begin before it: with "a" and
+        "baa", a text "cba" waits for what follows, since "baa" would stop it after "c"."""
         window = self.held + delta
-        found = [(i, s) for i, s in ((window.find(s), s) for s in self.stops) if i >= 0]
-        if found:
-            cut, self.hit = min(found)
-            self.held = ""
-            return window[:cut]
-        keep = max((partial_suffix(window, s) for s in self.stops), default=0)
-        self.held = window[len(window) - keep:]
-        return window[:len(window) - keep]
+        pending = len(window) - max((partial_suffix(window, s) for s in self.stops), default=0)
+        found = self._first(window)
+        if found is not None and found[0] <= pending:
+            return self._stop(window, *found)
+        self.held = window[pending:]
+        return window[:pending]
 
     def flush(self) -> str:
+        """The text held back, at the end of the stream: up to a stop string it holds, if any."""
         held, self.held = self.held, ""
-        return held
+        found = self._first(held)
+        return held if found is None else self._stop(held, *found)
+
+    def _first(self, text: str) -> tuple[int, str] | None:
+        """The earliest stop string in `text` (the shorter of two at one place) and where it begins."""
+        return min(((i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0), default=None)
+
+    def _stop(self, text: str, cut: int, stop: str) -> str:
+        self.hit, self.held = stop, ""
+        return text[:cut]
 
 
 def partial_suffix(text: str, stop: str) -> int:

@@ -85,6 +85,8 @@ class TokenStream:
                 if token is None:
                     if rest := self.stops.flush():
                         yield rest
+                    if self.stops.hit is not None:  # the end held a stop string back
+                        self.stop_sequence, self.finish_reason = self.stops.hit, "stop"
                     return
         finally:
             if not engine_done:  # a stop string, or the client gone: the engine drops the request
