@@ -115,6 +115,14 @@ class LayerPlan:
     cpu_w: torch.Tensor  # fp32 [n]: its router weight
     counts: torch.Tensor  # int64 [3]: hits, fills, CPU experts (unique experts)
 
+    def device_pairs(self, weights: torch.Tensor) -> torch.Tensor:
+        """The device kernel's pairs ([3, T·k] int32: slot, token row, weight bits) of every routed
+        entry, `weights` [T, k] being the call's router weights; the CPU's entries have slot -1."""
+        n_tok, k = self.pair_slot.shape
+        token = torch.arange(n_tok * k, device=weights.device, dtype=torch.int32) // k
+        bits = weights.reshape(-1).float().contiguous().view(torch.int32)
+        return torch.stack([self.pair_slot.reshape(-1).int(), token, bits])
+
 
 def _compact(values: torch.Tensor, keep: torch.Tensor, index: torch.Tensor, fill: int) -> torch.Tensor:
     """out[index[i]] = values[i] where keep[i], in a buffer of values' size prefilled with `fill`."""

@@ -51,33 +51,20 @@ class DeviceStep:
         gather_fills(self.rows, self.store.slots, plan)
         self.kernels.post_job(plan, x)
         out.zero_()
-        token = torch.arange(plan.pair_slot.numel(), device=out.device, dtype=torch.int32) // k
-        bits = weights.reshape(-1).contiguous().view(torch.int32)
-        pairs = torch.stack([plan.pair_slot.reshape(-1).int(), token, bits])
-        self.store.experts_on_device(x, pairs, out)  # the device kernel skips the CPU's pairs (slot -1)
+        # The device kernel skips the CPU's pairs (slot -1).
+        self.store.experts_on_device(x, plan.device_pairs(weights), out)
         self.kernels.wait_and_join(out)
 
     def _count(self, plan: LayerPlan) -> None:
-        """The call's counts and its miss bound (`MissPlanner.bound_s` in tensors)."""
+        """The call's counts and its miss bound."""
         self.counts[0] += 1
         self.counts[1:] += plan.counts
-        size, p = self.store.header.expert_stride, self.planner
-        q = plan.counts[1].double()
-        m = q + plan.counts[2].double()
-        copy, cpu = p.rates()
-        both = torch.maximum(q * size / (copy * 1e9), (m - q) * size / (cpu * 1e9))
-        alone = torch.where(q == 0, m * size / (p.b_h * 1e9), m * size / (p.b_p * 1e9))
-        self.bound_s += torch.where((q == 0) | (q == m), alone, both)
+        fills, cpu = plan.counts[1].double(), plan.counts[2].double()
+        self.bound_s += self.planner.bound_s_tensor(fills + cpu, fills, self.store.header.expert_stride)
 
     def fold_into(self, stats: OffloadStats) -> None:
         """Adds the counts since the last fold to `stats` (reads the device: a safe point)."""
         self.kernels.check()
-        calls, hits, fills, cpu = self.counts.tolist()
-        stats.calls += calls
-        stats.hits += hits
-        stats.fills += fills
-        stats.cpu += cpu
-        stats.unique += hits + fills + cpu
-        stats.miss_bound_s += float(self.bound_s)
+        stats.add(*self.counts.tolist(), float(self.bound_s))
         self.counts.zero_()
         self.bound_s.zero_()

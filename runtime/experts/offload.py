@@ -300,7 +300,7 @@ class OffloadedExperts(ExpertBackend):
         self._cpu_t0 = time.perf_counter()
         n_fill = tok.planner.plan(moe_layer * self.num_experts, allow_fills=self.cache.policy == "lru")
         hits, fills, cpu = tok.planner.counts.tolist()
-        self._count(hits + fills + cpu, hits, fills, cpu)
+        self._count(hits, fills, cpu)
         self._plan_s = time.perf_counter() - t0
         self.stats.host_s["plan"] += self._plan_s
         self._copy_rows(tok.planner.fills[1, :n_fill], tok.planner.fills[0, :n_fill])
@@ -373,7 +373,7 @@ class OffloadedExperts(ExpertBackend):
         self.cache.install(victims, r.ids[fill])
         on_device, device_slots = np.concatenate([hit, fill]), np.concatenate([slots[hit], victims])
         self.cache.touch(device_slots)
-        self._count(r.ids.size, hit.size, fill.size, cpu.size)
+        self._count(hit.size, fill.size, cpu.size)
         self._plan_s = time.perf_counter() - t0
         self.stats.host_s["plan"] += self._plan_s
         self._copy_rows(victims, r.ids[fill])
@@ -398,7 +398,7 @@ class OffloadedExperts(ExpertBackend):
         plan = self._plan_layer(tables, rule, moe_layer * self.num_experts, packed[:, hidden:hidden + k].long(),
                                 weights)
         hits, n_fill, n_cpu = plan.counts.tolist()
-        self._count(hits + n_fill + n_cpu, hits, n_fill, n_cpu)
+        self._count(hits, n_fill, n_cpu)
         cpu_out = self._buffer("cpu_out", t, hidden).zero_()
         self._cpu_t0 = time.perf_counter()
         if self.kernel.background:
@@ -419,9 +419,7 @@ class OffloadedExperts(ExpertBackend):
         out = self._buffer("device_out", t, hidden, self.device).zero_()
         self._outputs = (out, cpu_out)
         if hits + n_fill:
-            token = torch.arange(t * k, device=self.device, dtype=torch.int32) // k
-            pairs = torch.stack([plan.pair_slot.reshape(-1).int(), token,
-                                 weights.reshape(-1).contiguous().view(torch.int32)])
+            pairs = plan.device_pairs(weights)
             with self.stats.compute.measure():
                 self.store.experts_on_device(packed[:, :hidden].contiguous(), pairs[:, pairs[0] >= 0], out)
 
@@ -497,14 +495,8 @@ class OffloadedExperts(ExpertBackend):
             self._buffers[key] = buf
         return buf[:n].view(t, width)
 
-    def _count(self, unique: int, hits: int, fills: int, cpu: int) -> None:
-        s = self.stats
-        s.calls += 1
-        s.unique += unique
-        s.hits += hits
-        s.fills += fills
-        s.cpu += cpu
-        s.miss_bound_s += self.planner.bound_s(fills + cpu, fills, self.pool.header.expert_stride)
+    def _count(self, hits: int, fills: int, cpu: int) -> None:
+        self.stats.add(1, hits, fills, cpu, self.planner.bound_s(fills + cpu, fills, self.pool.header.expert_stride))
 
     def _copy_rows(self, slots: np.ndarray, ids: np.ndarray) -> None:
         """Copies FTW rows `ids` into `slots` on the current stream, which is idle here (every call

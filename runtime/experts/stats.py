@@ -81,6 +81,15 @@ class OffloadStats:
     def __post_init__(self) -> None:
         self.copy, self.compute = _Timer(self.device), _Timer(self.device)
 
+    def add(self, calls: int, hits: int, fills: int, cpu: int, miss_bound_s: float) -> None:
+        """Counts `calls` MoE layer calls with these unique experts and the planner's bound."""
+        self.calls += calls
+        self.unique += hits + fills + cpu
+        self.hits += hits
+        self.fills += fills
+        self.cpu += cpu
+        self.miss_bound_s += miss_bound_s
+
     @property
     def misses(self) -> int:
         return self.fills + self.cpu
