@@ -85,6 +85,20 @@ def test_the_pool_is_the_doorbells_until_it_closes(cpu_engine):
     assert not kernel._lock.locked()
 
 
+@pytest.mark.parametrize("kernel_first", [True, False])
+def test_a_doorbell_and_its_kernel_are_freed_in_either_order(cpu_engine, kernel_first):
+    """The garbage collector finalizes a cycle's objects in any order (a failed test's frame holds
+    both): the kernel stops the doorbell's thread before it frees the pool the thread runs on, and
+    a doorbell closed after its kernel has nothing left to do."""
+    experts = cpu_engine.model.experts
+    kernel = experts.kernel.on_cpus([0], background=True)
+    bell = CpuDoorbell(kernel, experts.pool.experts, 1, 8, pinned=False)
+    first, second = (kernel, bell) if kernel_first else (bell, kernel)
+    first.__del__()
+    second.__del__()
+    assert not kernel._lock.locked() and kernel._pool is None
+
+
 @pytest.mark.gpu
 def test_the_gpu_rings_and_joins_the_cpu_job_also_in_a_graph(cpu_engine, seed):
     """The device posts the plan's CPU job into the pinned mailbox and rings, the doorbell thread
@@ -119,23 +133,25 @@ def test_the_gpu_rings_and_joins_the_cpu_job_also_in_a_graph(cpu_engine, seed):
         want = torch.zeros(4, hidden)
         r = Routing.build(0, ids.cpu().numpy(), w.cpu().numpy())
         experts.kernel.run(experts.pool.experts, x.cpu(), want, *r.tensors())
-        assert torch.equal(out.cpu(), want), what
+        assert (out.cpu() - want).norm() <= 1e-5 * want.norm(), what
 
     def new_inputs() -> None:
         ids.copy_(torch.stack([torch.tensor(rng.sample(range(e), k)) for _ in range(4)]))
         w.copy_(torch.rand(4, k, generator=g))
         x.copy_(torch.randn(4, hidden, generator=g))
 
-    for job in range(3):
-        new_inputs()
-        step()
-        check(f"eager job {job}")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for job in range(5):
-        new_inputs()
-        graph.replay()
-        check(f"replay {job}")
-    assert int(bell.flags[DONE]) == 8
-    bell.close()
+    try:
+        for job in range(3):
+            new_inputs()
+            step()
+            check(f"eager job {job}")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for job in range(5):
+            new_inputs()
+            graph.replay()
+            check(f"replay {job}")
+        assert int(bell.flags[DONE]) == 8
+    finally:
+        bell.close()

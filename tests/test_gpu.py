@@ -232,6 +232,37 @@ def test_device_step_graphs_equal_the_host_path(engine_dir, monkeypatch, seed):
     assert_graphs_match(got, want, reference, compiled=True)
 
 
+def test_device_step_replays_a_trace_as_the_host_path_does(engine_dir, monkeypatch, seed):
+    """A replayed routing trace (`TraceReplay.route_on_device`) keeps decode in one graph per step
+    and routes as the host's replay does: the same experts, so the same hits, fills and CPU
+    experts step for step, and logits within rounding of the eager host path (no router near tie
+    can flip: the trace decides every id)."""
+    from ftc_runtime.experts.routing_trace import TraceReplay, synthetic_trace
+
+    rng = random.Random(seed)
+    monkeypatch.setenv("FTC_TORCH_COMPILE", "0")
+    cfg = OffloadConfig(device="cuda", n_slots=rng.randrange(4, 40), b_p=25.0, b_h=50.0)
+    engines = {}
+    for plan in ("0", "1"):
+        monkeypatch.setenv("FTC_DEVICE_PLAN", plan)
+        monkeypatch.setenv("FTC_DECODE_GRAPHS", plan)
+        engines[plan] = Engine.load(engine_dir, offload=cfg)
+    spec = engines["1"].spec
+    trace = synthetic_trace(40, len(spec.moe_layers), spec.moe.num_experts, spec.moe.top_k, 0.6, seed=seed % 1000)
+    ids = [rng.randrange(256) for _ in range(40)]
+    logits, counts = {}, {}
+    for plan, engine in engines.items():
+        engine.model.experts.routing = TraceReplay(trace)
+        logits[plan] = _teacher_forced_logits(engine, ids, 7)
+        s = engine.model.experts.stats.to_dict()
+        counts[plan] = [s[c] for c in ("calls", "unique", "hits", "fills", "cpu")]
+    assert list(engines["1"].model.decode_graphs.graphs) == [("step", 0)]
+    assert counts["1"] == counts["0"]
+    for step, (a, b) in enumerate(zip(logits["1"], logits["0"], strict=True)):
+        assert rel(a, b) < 1e-2, f"step {step}: {rel(a, b):.2e}"
+    check_slots_hold_their_rows(engines["1"].model.experts)
+
+
 @pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
 def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path, quant, seed):
     """The qwen3_5_moe family (Gated DeltaNet blocks and one-token steps, gated attention, a

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine, SamplingParams
@@ -57,6 +58,28 @@ def test_replay_fills_a_smaller_k_from_the_model_and_truncates_a_larger_one(seed
     assert ids.tolist() == [[3, 5, 9, 1]] and np.allclose(w, 0.25)
     ids, _ = replay.route(0, np.array([0]), np.array([[8]]), rng.random((1, 1), dtype=np.float32))
     assert ids.tolist() == [[3]]
+
+
+@pytest.mark.parametrize("k", [1, 4, 6, 8])
+def test_replay_on_the_device_routes_as_on_the_host(k, seed):
+    """`route_on_device` (the decode step's graph holds it) against the host's `route`: random
+    traces with absent entries and rows shorter or longer than k, random positions past the end."""
+    rng = np.random.default_rng(seed)
+    e, layers, trace_k = 16, 3, int(rng.integers(1, 9))
+    experts = np.stack([np.stack([rng.permutation(e)[:trace_k] for _ in range(layers)]) for _ in range(11)])
+    experts[rng.random(experts.shape) < 0.3] = -1
+    trace = RoutingTrace(experts.astype(np.int16), np.ones(experts.shape, np.float32), np.ones(11, bool))
+    replay = TraceReplay(trace)
+    for _ in range(20):
+        t, layer = int(rng.integers(1, 5)), int(rng.integers(layers))
+        positions = rng.integers(0, 40, size=t)
+        own = np.stack([rng.permutation(e)[:k] for _ in range(t)])
+        weights = rng.random((t, k), dtype=np.float32)
+        want_ids, want_w = replay.route(layer, positions, own, weights)
+        ids, w = replay.route_on_device(layer, torch.from_numpy(positions), torch.from_numpy(own),
+                                        torch.from_numpy(weights))
+        assert ids.tolist() == want_ids.tolist(), (positions, own)
+        assert np.array_equal(w.numpy(), want_w)
 
 
 def test_synthetic_locality_raises_lru_hit_rate(seed):

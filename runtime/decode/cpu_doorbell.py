@@ -69,11 +69,15 @@ class CpuDoorbell:
             self.counts.data_ptr(), self.cpu_ids.data_ptr(), self.cpu_offsets.data_ptr(), self.cpu_tok.data_ptr(),
             self.cpu_w.data_ptr(), self.x.data_ptr(), self.out.data_ptr(), int32[0].data_ptr(), int32[1].data_ptr(),
             int(spin_ms * 1e6), self.status.data_ptr())
-        kernel.hold(keep)  # the pool is the doorbell's until close()
         start = kernel.lib.ftc_doorbell_start
         start.restype, start.argtypes = _p, [ctypes.POINTER(DoorbellArgs)]
-        kernel.lib.ftc_doorbell_stop.argtypes = [_p]
-        self._handle = start(ctypes.byref(args))
+        stop = kernel.lib.ftc_doorbell_stop
+        stop.argtypes = [_p]
+        handle = start(ctypes.byref(args))
+        # The pool is the doorbell's until close(); the kernel stops the thread (a closure that
+        # holds no reference to this object) before it frees the pool, whichever goes first.
+        kernel.hold(keep, end_job=lambda: stop(handle))
+        self.open = True
         self.rung_by_host = False  # since the device's job counter was last set (`DoorbellKernels`)
 
     def ring(self) -> int:
@@ -99,11 +103,10 @@ class CpuDoorbell:
 
     def close(self) -> None:
         """Stops the thread (after the job it is computing) and gives the worker pool back."""
-        if self._handle:
-            self.kernel.lib.ftc_doorbell_stop(self._handle)
-            self._handle = None
+        if self.open:
+            self.open = False
             self.kernel.wait()
 
     def __del__(self) -> None:
-        if getattr(self, "_handle", None):
+        if getattr(self, "open", False):
             self.close()

@@ -82,6 +82,7 @@ class DecodeGraphs(ABC):
         self.graph_storage: tuple[int, int] | None = None
         self.pool = torch.cuda.graph_pool_handle()
         self.warm = False  # a step ran eagerly on the current storage
+        self.step_done = torch.cuda.Event(blocking=True)  # a whole-step graph's end, waited for asleep
 
     @abstractmethod
     def functions(self) -> dict[str, Callable]:
@@ -126,7 +127,12 @@ class DecodeGraphs(ABC):
                 m.experts.end_device_step()
             cache.length += 1
             self.warm = True
-            return self.logits.clone()
+            logits = self.logits.clone()
+            # The thread sleeps until the step is done, rather than spinning in the caller's next
+            # sync on a core that the CPU experts and the doorbell thread need meanwhile.
+            self.step_done.record()
+            self.step_done.synchronize()
+            return logits
         clock = m.experts.stats.host_s
         for i in range(m.spec.num_layers):
             t0 = time.perf_counter()
@@ -146,7 +152,7 @@ class DecodeGraphs(ABC):
         for i in range(m.spec.num_layers):
             self._layer(i, cache)
             if m.is_moe(i):
-                m.experts.run_staged_on_device(m.moe_index[i], m.spec.moe.top_k)
+                m.experts.run_staged_on_device(m.moe_index[i], m.spec.moe.top_k, self.position)
         self._head()
 
     def _run(self, key: tuple[str, int], fn: Callable[[], None]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -17,6 +17,16 @@ class RoutingHook(Protocol):
     def route(self, moe_layer: int, positions: np.ndarray, ids: np.ndarray,
               weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """positions int64 [T]; ids int64 [T, k]; weights fp32 [T, k] → (ids, weights)."""
+
+
+@runtime_checkable
+class DeviceRoutingHook(RoutingHook, Protocol):
+    """A hook that can also replace the choice on the device, as fixed-shape work with no host
+    step, so that decode steps run as one CUDA graph with it (`TraceReplay`)."""
+
+    def route_on_device(self, moe_layer: int, positions: torch.Tensor, ids: torch.Tensor,
+                        weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route` on device tensors: positions int64 [T], ids int64 [T, k], weights fp32 [T, k]."""
 
 
 class ExpertBackend(ABC):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,10 +60,13 @@ class CpuExpertKernel:
         self._workspace = torch.empty(0, dtype=torch.uint8)
         self._lock = threading.Lock()
         self._in_flight: tuple | None = None  # a background job's tensors, kept alive until wait()
+        self._end_job: Callable[[], None] | None = None  # ends a held native job (`hold`)
 
     def __del__(self) -> None:
         pool = getattr(self, "_pool", None)
         if pool:
+            if getattr(self, "_in_flight", None) is not None:
+                self.wait()  # a native job (a doorbell's thread) ends before its pool is freed
             self.lib.ftc_pool_destroy(pool)
             self._pool = None
 
@@ -94,16 +98,22 @@ class CpuExpertKernel:
     def workspace_bytes(self, n_tokens: int, n_pairs: int) -> int:
         return self.lib.ftc_expert_ffn_workspace_bytes(n_tokens, n_pairs)
 
-    def hold(self, keep: tuple) -> None:
+    def hold(self, keep: tuple, end_job: Callable[[], None] | None = None) -> None:
         """Takes the pool for a job that a native function of this library starts itself (as
-        `start` does), keeping `keep` alive; `wait()` joins the job, if any, and frees the pool."""
+        `start` does; the CPU doorbell's thread), keeping `keep` alive; `wait()` calls `end_job`,
+        if any (it stops a job that would not end by itself), joins the pool and frees it. The
+        kernel does so itself before its pool is freed, so the two can be collected in any order."""
         self._lock.acquire()  # released by wait()
-        self._in_flight = keep
+        self._in_flight, self._end_job = keep, end_job
 
     def wait(self) -> None:
-        """Returns when the job that `start` began has finished (at once when there is none)."""
+        """Returns when the job that `start` began, or `hold` took the pool for, has finished (at
+        once when there is none)."""
         if self._in_flight is None:
             return
+        if self._end_job is not None:
+            end_job, self._end_job = self._end_job, None
+            end_job()
         self.lib.ftc_pool_wait(self._pool)
         self._in_flight = None
         self._lock.release()

@@ -18,7 +18,7 @@ import torch
 
 from ftc_runtime.decode.cpu_doorbell import CpuDoorbell
 from ftc_runtime.decode.device_plan import CacheTables, LayerPlan, PlanRule, plan_layer
-from ftc_runtime.experts.base import ExpertBackend, Routing
+from ftc_runtime.experts.base import DeviceRoutingHook, ExpertBackend, Routing
 from ftc_runtime.experts.cache import CachePolicy, ExpertCache
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.experts.layer_stream import LayerStream, stream_slots
@@ -216,10 +216,12 @@ class OffloadedExperts(ExpertBackend):
     def device_step_ready(self) -> bool:
         """Whether a decode step can run its MoE layers on the device in one graph: the device
         plan on a GPU, the pool mapped into it, a device kernel, the CPU kernel's pool in the
-        background, no routing hook and no static cache still counting its prompt."""
+        background, no routing hook but one that routes on the device, and no static cache still
+        counting its prompt."""
         cache = self.store.cache
         return (self.device_plan and self.on_gpu and self._gather_fills is not None and self.kernel.background
-                and self.store.device_kernel is not None and self.routing is None
+                and self.store.device_kernel is not None
+                and (self.routing is None or isinstance(self.routing, DeviceRoutingHook))
                 and not (cache.policy == "static" and not cache.frozen))
 
     def begin_device_step(self, k: int) -> None:
@@ -231,7 +233,9 @@ class OffloadedExperts(ExpertBackend):
         if self._device_step is None or self._device_step.tables is not tables:
             from ftc_runtime.decode.device_step import DeviceStep  # Triton: only beside a GPU
 
-            self._device_step = DeviceStep(self.store, self.planner, self._doorbell, self._mapped_rows, tables, rule)
+            with torch.inference_mode(False):  # its counters are reset where stats are read, in any mode
+                self._device_step = DeviceStep(self.store, self.planner, self._doorbell, self._mapped_rows, tables,
+                                               rule)
             self.generation += 1  # a new mailbox and counters: graphs holding the old ones are stale
         self._device_step.before_replay()
         self._device_step_ran = True
@@ -240,10 +244,16 @@ class OffloadedExperts(ExpertBackend):
     def end_device_step(self) -> None:
         self.device_step_active = False
 
-    def run_staged_on_device(self, moe_layer: int, k: int) -> None:
-        """The one-token call `stage` queued, carried out on the device alone (`DeviceStep`): no
-        host work, so that the step's graph holds it; its output lands in `token_outputs()[0]`."""
-        packed = self._buffer("in", 1, self.hidden + 2 * k, self.device)
+    def run_staged_on_device(self, moe_layer: int, k: int, position: torch.Tensor) -> None:
+        """The one-token call `stage` queued, at `position` (int64 [1] on the device), carried out
+        on the device alone (`DeviceStep`): no host work, so that the step's graph holds it; its
+        output lands in `token_outputs()[0]`."""
+        h = self.hidden
+        packed = self._buffer("in", 1, h + 2 * k, self.device)
+        if self.routing is not None:  # a `DeviceRoutingHook` (device_step_ready)
+            ids, w = self.routing.route_on_device(moe_layer, position, packed[:, h:h + k].long(), packed[:, h + k:])
+            packed[:, h:h + k].copy_(ids)
+            packed[:, h + k:].copy_(w)
         self._device_step.run(moe_layer * self.num_experts, packed, k, self.token_outputs()[0])
 
     def launch_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> None:
@@ -450,8 +460,9 @@ class OffloadedExperts(ExpertBackend):
         self._rung = (bell.ring(), t)
 
     def _open_doorbell(self, k: int) -> None:
-        self._doorbell = CpuDoorbell(self.kernel, self.pool.experts, PLANNED_TOKENS, PLANNED_TOKENS * k,
-                                     pinned=self.on_gpu)
+        with torch.inference_mode(False):  # its mailbox is written in place by later calls, in any mode
+            self._doorbell = CpuDoorbell(self.kernel, self.pool.experts, PLANNED_TOKENS, PLANNED_TOKENS * k,
+                                         pinned=self.on_gpu)
 
     def _close_doorbell(self) -> None:
         """Gives the CPU kernel's pool back to the host path (a device step opens it again)."""
@@ -470,8 +481,10 @@ class OffloadedExperts(ExpertBackend):
         have changed (the first planned call after a safe point), in place."""
         cache = self.store.cache
         if self._tables is None:
-            rule = PlanRule.of(self.planner, PLANNED_TOKENS * k, self.recent_steps, cache.policy == "lru", self.device)
-            self._tables = (CacheTables.of(cache, self.device), rule)
+            with torch.inference_mode(False):  # loaded in place at safe points, in any mode
+                rule = PlanRule.of(self.planner, PLANNED_TOKENS * k, self.recent_steps, cache.policy == "lru",
+                                   self.device)
+                self._tables = (CacheTables.of(cache, self.device), rule)
         elif self._host_touched:
             self._tables[0].load(cache)
         self._host_touched, self._tables_newer = False, True
@@ -491,7 +504,8 @@ class OffloadedExperts(ExpertBackend):
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < n:
             on_host = device is None or device.type == "cpu"
-            buf = torch.empty(n, dtype=dtype, device=device or "cpu", pin_memory=on_host and self.on_gpu)
+            with torch.inference_mode(False):  # written in place by later calls, in or out of inference mode
+                buf = torch.empty(n, dtype=dtype, device=device or "cpu", pin_memory=on_host and self.on_gpu)
             self._buffers[key] = buf
         return buf[:n].view(t, width)
 

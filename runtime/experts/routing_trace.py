@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 
 class TraceError(ValueError):
@@ -87,14 +88,16 @@ class TraceReplay:
     """Routes token position p of MoE layer l as trace row p mod T. When the trace's k is smaller
     than the model's, the trace's experts take the top ranks and the model's own ranking fills the
     remaining ones (skipping duplicates); when it is larger, its first k ranks are used. Weights
-    are uniform: a replay measures speed, its output means nothing. Runs on the host
-    (`ExpertBackend.routing`), where the routed ids already are."""
+    are uniform: a replay measures speed, its output means nothing. `route` runs on the host
+    (`ExpertBackend.routing`), where the routed ids already are; `route_on_device` is the same as
+    fixed-shape device work, for decode steps that run as one CUDA graph."""
 
     def __init__(self, trace: RoutingTrace):
         self.trace = trace
         # Each row's experts as Python lists, padding dropped: a decode step replays one row per
         # MoE layer, and numpy element access per call cost ~10 µs of host time per layer.
         self.rows = [[[int(e) for e in layer if e >= 0] for layer in row] for row in trace.experts]
+        self._tables: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def route(self, moe_layer: int, positions: np.ndarray, ids: np.ndarray,
               weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -107,6 +110,39 @@ class TraceReplay:
                 picks = picks + [e for e in ids[t].tolist() if e not in taken][: k - len(picks)]
             chosen[t] = picks
         return chosen, np.full(weights.shape, 1.0 / k, dtype=np.float32)
+
+    def route_on_device(self, moe_layer: int, positions: torch.Tensor, ids: torch.Tensor,
+                        weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route` on device tensors, with no host work: positions int64 [T], ids int64 [T, k]."""
+        k = ids.shape[1]
+        table = self._table(ids.device, k)
+        picks = table[positions % table.shape[0], moe_layer]
+        return fill_missing(picks, ids), torch.full_like(weights, 1.0 / k)
+
+    def _table(self, device: torch.device, k: int) -> torch.Tensor:
+        """The trace's experts [T, L, k] int64 on `device`, each row's first k left-aligned, -1 after."""
+        key = (device, k)
+        if key not in self._tables:
+            t, layers, _ = self.trace.shape
+            table = np.full((t, layers, k), -1, dtype=np.int64)
+            for p, row in enumerate(self.rows):
+                for layer, picks in enumerate(row):
+                    table[p, layer, :min(k, len(picks))] = picks[:k]
+            with torch.inference_mode(False):
+                self._tables[key] = torch.from_numpy(table).to(device)
+        return self._tables[key]
+
+
+def fill_missing(picks: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """picks [T, k] with -1 after its valid entries; each -1 takes the next of `own` [T, k] (the
+    model's ranking) not already picked, in order. Fixed shapes, no host work."""
+    t, k = picks.shape
+    taken = (own.unsqueeze(2) == picks.unsqueeze(1)).any(2)
+    target = (picks >= 0).sum(1, keepdim=True) + torch.cumsum(~taken, 1) - 1
+    usable = ~taken & (target < k)
+    out = torch.cat([picks, picks.new_full((t, 1), -1)], 1)  # column k takes what is not used
+    out.scatter_(1, torch.where(usable, target, k), own)
+    return out[:, :k]
 
 
 class TraceRecorder:
