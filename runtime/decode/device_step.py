@@ -1,6 +1,6 @@
 """`DeviceStep`: one MoE layer of a decode step carried out on the GPU with no host involvement, for
 the step's single CUDA graph (`DecodeGraphs` in whole-step mode): the plan's kernels on the staged
-routing, the fills gathered from the mapped pool, the CPU job posted through the doorbell, the
+routing, the CPU job posted through the doorbell, the fills gathered from the mapped pool, the
 device pairs on the slots, the CPU's result joined into the layer's output. The split's counts
 and the planner's bound accumulate on the device and are folded into the host's statistics when
 those are read.
@@ -47,9 +47,10 @@ class DeviceStep:
         x = packed[:, :hidden].contiguous()
         weights = packed[:, hidden + k:]
         plan = plan_layer_triton(self.tables, self.rule, base_id, packed[:, hidden:hidden + k].long(), weights)
+        # The CPU's job first: it computes while the GPU fills slots and runs the device pairs.
+        self.kernels.post_job(plan, x)
         self._count(plan)
         gather_fills(self.rows, self.store.slots, plan)
-        self.kernels.post_job(plan, x)
         out.zero_()
         # The device kernel skips the CPU's pairs (slot -1).
         self.store.experts_on_device(x, plan.device_pairs(weights), out)

@@ -14,8 +14,8 @@ then, outside the graph, the host round trip of the experts (`launch_staged`, `f
 whose own device part is one more graph. One graph for the final norm and lm_head ends the step.
 Where the expert backend can run a MoE layer on the device alone (`device_step_ready`: the
 plan as data, `FTC_DEVICE_PLAN=1`), the whole step is one graph instead: every layer's body, each
-MoE layer's `run_staged_on_device` (plan kernels, gathered fills, the CPU's share through the
-doorbell, joined on the device) and the head, with no host round trip.
+MoE layer's `run_staged_on_device` (plan kernels, the CPU's share through the doorbell, gathered
+fills, joined on the device) and the head, with no host round trip.
 Graphs are captured in the second step on a KV storage (the first runs the same code eagerly,
 which warms up every kernel), and again whenever the storage moves (a new sequence, or growth by
 doubling) or the expert backend's slots or mailbox do (its `generation`).
