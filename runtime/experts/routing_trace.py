@@ -128,8 +128,7 @@ class TraceReplay:
             for p, row in enumerate(self.rows):
                 for layer, picks in enumerate(row):
                     table[p, layer, :min(k, len(picks))] = picks[:k]
-            with torch.inference_mode(False):
-                self._tables[key] = torch.from_numpy(table).to(device)
+            self._tables[key] = torch.from_numpy(table).to(device)
         return self._tables[key]
 
 
