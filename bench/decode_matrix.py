@@ -55,8 +55,11 @@ def summary(r: dict) -> str:
     e = r["experts"]
     return (f"{r['routing']:<48} {r['miss_policy']:<8} {r['decode_tok_s']:>8} tok/s {r['ms_per_token']:>8} ms/token "
             f"bound {r['bound_ms_per_token']} (x{r['measured_over_bound']}) miss rate {e['miss_rate']:.3f} "
-            f"m {e['mean_m']:.2f} q {e['mean_q']:.2f} {e['ms_per_call']} host {e['host_ms_per_call']} "
-            f"host CPU {r['host_cpu_ms_per_token']} ms/token")
+            f"m {e['mean_m']:.2f} q {e['mean_q']:.2f} bias {r.get('split_bias', 0.0)} {e['ms_per_call']} "
+            f"host {e['host_ms_per_call']} "
+            f"host CPU {r['host_cpu_ms_per_token']} ms/token"
+            + (f" device ms per MoE layer {r['device_timeline']['ms_per_moe_layer']}, per token "
+               f"{r['device_timeline']['ms_per_token']}" if "device_timeline" in r else ""))
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1 (Triton reads
-it when the kernels are defined): the decode plan's and the fills' Triton kernels, interpreted on
-the CPU, against the torch plan (`plan_layer`) and a plain copy, on random routings, batch sizes,
-slot counts (up to several candidate blocks) and rules.
+it when the kernels are defined): the decode plan's, the fills' and the step counters' Triton
+kernels, interpreted on the CPU, against the torch plan (`plan_layer`), a plain copy and sums of
+`MissPlanner.bound_s`, on random routings, batch sizes, slot counts (up to several candidate
+blocks), rules and rates.
 
     TRITON_INTERPRET=1 python tests/interpreted_kernels.py SEED RUNS STEPS
 """
@@ -13,13 +14,24 @@ import sys
 
 import torch
 
-from ftc_runtime.decode.device_plan import CacheTables, LayerPlan, PlanRule, plan_layer
+from ftc_runtime.decode.device_plan import TUNE_STEP, CacheTables, LayerPlan, PlanRule, plan_layer
 from ftc_runtime.decode.gather_fills import gather_fills
 from ftc_runtime.decode.plan_kernel import plan_layer_triton
+from ftc_runtime.decode.step_counts import StepCounts
 from ftc_runtime.experts.cache import ExpertCache
 from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
 
-PLAN_FIELDS = ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts")
+PLAN_FIELDS = ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts",
+               "pairs")
+
+
+def staged(ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and weights as a decode step stages them: fp32 columns of one buffer after x."""
+    t, k = ids.shape
+    packed = torch.randn(t, 7 + 2 * k)
+    packed[:, 7:7 + k] = ids.float()
+    packed[:, 7 + k:] = w
+    return packed[:, 7:7 + k], packed[:, 7 + k:]
 
 
 def check_plans(rng: random.Random, g: torch.Generator, runs: int, steps: int) -> None:
@@ -28,6 +40,7 @@ def check_plans(rng: random.Random, g: torch.Generator, runs: int, steps: int) -
         n_slots = rng.choice([0, 1, 5, 9, 20, 1100])
         planner = MissPlanner(rng.choice(MISS_POLICIES), rng.uniform(5, 60), rng.uniform(5, 120))
         rule = PlanRule.of(planner, 16 * k, rng.choice([0, 3, 12]), rng.random() < 0.8, "cpu")
+        rule.bias.fill_(rng.randrange(-64, 65) * TUNE_STEP)  # as the step's waits leave it
         cache = ExpertCache(e * layers, n_slots)
         want_t, got_t = CacheTables.of(cache, "cpu"), CacheTables.of(cache, "cpu")
         for step in range(steps):
@@ -36,8 +49,11 @@ def check_plans(rng: random.Random, g: torch.Generator, runs: int, steps: int) -
             ids = torch.stack([torch.tensor(rng.sample(hot if rng.random() < 0.7 else range(e), k)) for _ in range(t)])
             w = torch.rand(t, k, generator=g)
             base = rng.randrange(layers) * e
-            want, got = plan_layer(want_t, rule, base, ids, w), plan_layer_triton(got_t, rule, base, ids, w)
-            what = f"run {run} step {step}: {t} tokens, {n_slots} slots, {planner.policy}"
+            staged_ids, staged_w = staged(ids, w) if rng.random() < 0.5 else (ids, w)
+            want = plan_layer(want_t, rule, base, ids, w)
+            got = plan_layer_triton(got_t, rule, base, staged_ids, staged_w)
+            what = (f"run {run} step {step}: {t} tokens, {n_slots} slots, {planner.policy}, bias {float(rule.bias)}, "
+                    f"ids {staged_ids.dtype}")
             for name in PLAN_FIELDS:
                 assert torch.equal(getattr(got, name), getattr(want, name)), f"{what}: {name}"
             for name in ("slot_of", "id_of", "last_used", "cpu_step"):
@@ -56,11 +72,31 @@ def check_fills(rng: random.Random, g: torch.Generator) -> None:
         fill_slots[:n_fill] = torch.tensor(rng.sample(range(n_slots), n_fill), dtype=torch.long)
         unused = torch.zeros(n, dtype=torch.long)
         plan = LayerPlan(unused.view(2, 8), fill_rows, fill_slots, unused, unused, unused, unused.float(),
-                         torch.tensor([0, n_fill, 0]))
+                         torch.tensor([0, n_fill, 0, n_fill]), unused.int().expand(3, n))
         want = slots.clone()
         want[fill_slots[:n_fill]] = host[fill_rows[:n_fill]]
         gather_fills(host.view(torch.int32), slots, plan)
         assert torch.equal(slots, want), f"fills: stride {stride}, {n_fill} fills"
+
+
+def check_counts(rng: random.Random) -> None:
+    for trial in range(20):
+        measured = rng.random() < 0.5
+        planner = MissPlanner(rng.choice(MISS_POLICIES), rng.uniform(5, 60), rng.uniform(5, 120),
+                              rng.uniform(5, 50) if measured else None, rng.uniform(5, 90) if measured else None)
+        size = rng.randrange(1, 10 << 20)
+        counts, want, bound = StepCounts(planner, size, "cpu"), [0, 0, 0, 0], 0.0
+        for _ in range(rng.randrange(1, 12)):
+            m = rng.randrange(0, 17)
+            q = rng.randrange(0, m + 1)
+            hits = rng.randrange(0, 17 - m)
+            counts.add(torch.tensor([hits, q, m - q, q]))
+            want = [want[0] + 1, want[1] + hits, want[2] + q, want[3] + m - q]
+            bound += planner.bound_s(m, q, size)
+        got, got_bound = counts.take()
+        assert got == want, f"counts, trial {trial}: {got} != {want}"
+        assert abs(got_bound - bound) <= 1e-12 * max(bound, 1e-9), f"bound, trial {trial}: {got_bound} != {bound}"
+        assert counts.take() == ([0, 0, 0, 0], 0.0), "take resets the counters"
 
 
 def main() -> None:
@@ -68,6 +104,7 @@ def main() -> None:
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     check_plans(rng, g, runs, steps)
     check_fills(rng, g)
+    check_counts(rng)
     print("ok")
 
 

@@ -125,7 +125,7 @@ def test_the_gpu_rings_and_joins_the_cpu_job_also_in_a_graph(cpu_engine, seed):
         out.zero_()
         plan = plan_layer_triton(tables, rule, 0, ids, w)
         device.post_job(plan, x)
-        device.wait_and_join(out)
+        device.wait_and_join(out, plan, rule)
 
     def check(what: str) -> None:
         torch.cuda.synchronize()
@@ -155,3 +155,55 @@ def test_the_gpu_rings_and_joins_the_cpu_job_also_in_a_graph(cpu_engine, seed):
         assert int(bell.flags[DONE]) == 8
     finally:
         bell.close()
+
+
+@pytest.mark.gpu
+def test_the_wait_tunes_the_split_towards_the_side_that_finished_last(seed):
+    """`_wait_and_join` on a mailbox answered by this thread: an answer already there moves the
+    adaptive split's bias down one step (the GPU's share took longer), an answer that comes while
+    the device spins moves it up; a layer without a choice (under two misses, or no CPU job while
+    the split itself chose fewer fills than misses) and an untuned rule leave it; the CPU's result
+    is added either way."""
+    import threading
+    import time
+
+    from ftc_runtime.decode.device_plan import TUNE_STEP
+    from ftc_runtime.decode.doorbell_kernels import SPINS, XBLOCK, Mapped, _wait_and_join
+
+    rng = random.Random(seed)
+    hidden, seq = 64, rng.randrange(2, 1000)
+    done = torch.zeros(1, dtype=torch.int64).pin_memory()
+    box_out = torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed)).pin_memory()
+    counter = torch.tensor([seq], device="cuda")
+    status = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+    def wait(counts: list[int], answer_after_s: float | None, tune: bool) -> float:
+        """The bias after one wait from `start`; answer_after_s None: answered before it."""
+        start = rng.randrange(-32, 33) * TUNE_STEP
+        bias = torch.tensor([start], device="cuda")
+        out = torch.randn(1, hidden, device="cuda")
+        before = out.cpu()
+        done[0] = seq if answer_after_s is None else seq - 1
+        answer = threading.Timer(answer_after_s or 0.0, lambda: done.fill_(seq))
+        if answer_after_s is not None:
+            answer.start()
+        _wait_and_join[(1,)](Mapped.of(done), counter, Mapped.of(box_out), out, hidden, status,
+                             torch.tensor(counts, device="cuda"), bias, TUNE_STEP if tune else 0.0, SPINS=SPINS,
+                             XBLOCK=XBLOCK, TUNE=tune, num_warps=4)
+        torch.cuda.synchronize()
+        if answer_after_s is not None:
+            answer.join()
+        assert int(status[0]) == 0
+        assert torch.allclose(out.cpu(), before + box_out), "the CPU's result is added"
+        return float(bias[0]) - start
+
+    m = rng.randrange(2, 9)
+    q = rng.randrange(0, m)  # a CPU job of m - q experts
+    assert wait([1, q, m - q, q], None, True) == -TUNE_STEP
+    t0 = time.perf_counter()
+    assert wait([1, q, m - q, q], 0.05, True) == TUNE_STEP
+    assert time.perf_counter() - t0 >= 0.05
+    assert wait([0, m, 0, m], None, True) == -TUNE_STEP  # the split chose every fill: the GPU's side
+    assert wait([0, m, 0, m - 1], None, True) == 0.0  # the recent misses took every fill
+    assert wait([3, 1, 0, 1], None, True) == 0.0  # one miss: no choice
+    assert wait([1, q, m - q, q], 0.02, False) == 0.0

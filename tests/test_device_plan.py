@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ftc_runtime import Engine, SamplingParams
-from ftc_runtime.decode.device_plan import CacheTables, PlanRule, plan_layer
+from ftc_runtime.decode.device_plan import TUNE_STEP, CacheTables, PlanRule, plan_layer
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
 from ftc_runtime.experts.offload import PLANNED_TOKENS, OffloadedExperts
@@ -74,7 +74,7 @@ def check_step(plan, tables: CacheTables, host: OffloadedExperts, flat: torch.Te
     # Hits stay and fills are installed; what the CPU computed is not resident.
     want_slot = torch.from_numpy(host.cache.slot_of)[flat]
     assert torch.equal(plan.pair_slot.cpu().reshape(-1), want_slot), what
-    counts = plan.counts.tolist()
+    counts = plan.counts[:3].tolist()
     s = host.stats
     assert counts == [s.hits - before["hits"], s.fills - before["fills"], s.cpu - before["cpu"]], what
     n_fill, n_cpu = counts[1], counts[2]
@@ -95,6 +95,35 @@ def check_step(plan, tables: CacheTables, host: OffloadedExperts, flat: torch.Te
         assert plan.cpu_offsets[:n_cpu + 1].tolist() == offsets.tolist(), what
         assert plan.cpu_tok[:entries].tolist() == tok.tolist(), what
         assert torch.equal(plan.cpu_w[:entries].cpu(), w), what
+
+
+def test_the_split_bias_moves_q_by_m_times_bias_rounded(seed):
+    """`PlanRule.bias` (as the step's waits leave it): the fills of a call with m misses are the
+    planner's q plus ⌊m · bias + ½⌋, within [0, m], with victims to spare and no recent misses;
+    the plan reports that q as the split's own (counts[3])."""
+    import math
+
+    from ftc_runtime.experts.cache import ExpertCache
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    e, k = 64, 8
+    for trial in range(30):
+        planner = MissPlanner("adaptive", rng.uniform(5, 60), rng.uniform(5, 120))
+        rule = PlanRule.of(planner, PLANNED_TOKENS * k, 0, True, "cpu")
+        bias = rng.randrange(-64, 65) * TUNE_STEP
+        rule.bias.fill_(bias)
+        cache = ExpertCache(e, 4 * PLANNED_TOKENS * k)
+        resident = rng.sample(range(e), rng.randrange(0, e // 2))
+        for slot, row in enumerate(resident):
+            cache.slot_of[row], cache.id_of[slot] = slot, row
+        tables = CacheTables.of(cache, "cpu")
+        t = rng.choice([1, 2, 4])
+        ids = torch.stack([torch.tensor(rng.sample(range(e), k)) for _ in range(t)])
+        m = len(set(ids.reshape(-1).tolist()) - set(resident))
+        q = min(max(planner.fills(m) + math.floor(m * bias + 0.5), 0), m)
+        counts = plan_layer(tables, rule, 0, ids, torch.rand(t, k, generator=g)).counts.tolist()
+        assert counts[1:] == [q, m - q, q], f"trial {trial}: m {m}, bias {bias}, planner q {planner.fills(m)}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -169,7 +198,8 @@ def test_device_plan_replays_in_a_cuda_graph(cpu_engine, seed):
         w.copy_(new_w)
         graph.replay()
         want = plan_layer(eager, rule, 0, new_ids.cuda(), new_w.cuda())
-        for name in ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts"):
+        for name in ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts",
+                     "pairs"):
             assert torch.equal(getattr(captured, name), getattr(want, name)), f"step {step}: {name}"
         for name in ("slot_of", "id_of", "last_used", "cpu_step", "step"):
             assert torch.equal(getattr(graphed, name), getattr(eager, name)), f"step {step}: {name}"
@@ -258,6 +288,7 @@ def test_triton_plan_equals_the_torch_plan(run, seed):
     e, layers, k = 64, 4, 8
     cache = ExpertCache(e * layers, rng.choice([0, 1, 7, 40, 130, 2500]))
     rule = PlanRule.of(random_planner(rng), PLANNED_TOKENS * k, rng.choice([0, 8, 32]), rng.random() < 0.8, "cuda")
+    rule.bias.fill_(rng.randrange(-64, 65) * TUNE_STEP)  # as the step's waits leave it
     torch_tables, triton_tables = CacheTables.of(cache, "cuda"), CacheTables.of(cache, "cuda")
     for step in range(40):
         t = rng.choice([1, 1, 2, 4, 8, 16])
@@ -266,8 +297,13 @@ def test_triton_plan_equals_the_torch_plan(run, seed):
                            for _ in range(t)]).cuda()
         w = torch.rand(t, k, generator=g).cuda()
         want = plan_layer(torch_tables, rule, layer * e, ids, w)
+        if rng.random() < 0.5:  # as a decode step stages them: fp32 columns of one buffer after x
+            packed = torch.randn(t, 5 + 2 * k, device="cuda")
+            packed[:, 5:5 + k], packed[:, 5 + k:] = ids.float(), w
+            ids, w = packed[:, 5:5 + k], packed[:, 5 + k:]
         got = plan_layer_triton(triton_tables, rule, layer * e, ids, w)
-        for name in ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts"):
+        for name in ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts",
+                     "pairs"):
             assert torch.equal(getattr(got, name), getattr(want, name)), f"step {step} ({t} tokens): {name}"
         for name in ("slot_of", "id_of", "last_used", "cpu_step", "step"):
             assert torch.equal(getattr(triton_tables, name)[:-1] if name != "step" else triton_tables.step,
@@ -322,7 +358,7 @@ def test_gather_fills_copy_the_plans_rows_from_the_mapped_pool(seed):
         fill_slots[:n_fill] = torch.tensor(rng.sample(range(n_slots), n_fill), dtype=torch.long)
         unused = torch.zeros(n, dtype=torch.long)
         plan = LayerPlan(unused.view(2, 8), fill_rows.cuda(), fill_slots.cuda(), unused, unused, unused,
-                         unused.float(), torch.tensor([0, n_fill, 0]).cuda())
+                         unused.float(), torch.tensor([0, n_fill, 0, n_fill]).cuda(), unused.int().expand(3, n))
         want = slots.cpu()
         want[fill_slots[:n_fill]] = pool[fill_rows[:n_fill]]
         gather_fills(MappedRows(address), slots, plan)

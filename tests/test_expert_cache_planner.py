@@ -7,10 +7,9 @@ import random
 
 import numpy as np
 import pytest
-import torch
 
 from ftc_runtime.experts.cache import ExpertCache
-from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
+from ftc_runtime.experts.miss_planner import MissPlanner
 
 
 def test_empty_slots_go_first_then_least_recently_used():
@@ -148,17 +147,3 @@ def test_clear_empties_the_cache_and_its_history():
     cache.clear()
     assert cache.resident == 0 and (cache.slot_of == -1).all() and (cache.last_used == -1).all()
     assert not cache.computed_on_cpu_within(np.array([1, 2]), 10**6).any()
-
-
-def test_bound_on_device_scalars_equals_the_bound(seed):
-    """`bound_s_tensor` (the device step's, in tensors) gives `bound_s` for every m and q."""
-    rng = random.Random(seed)
-    for _ in range(50):
-        measured = rng.random() < 0.5
-        p = MissPlanner(rng.choice(MISS_POLICIES), rng.uniform(5, 60), rng.uniform(5, 120),
-                        rng.uniform(5, 50) if measured else None, rng.uniform(5, 90) if measured else None)
-        m = rng.randrange(0, 9)
-        q, size = rng.randrange(0, m + 1), rng.randrange(1, 10 << 20)
-        got = p.bound_s_tensor(torch.tensor(float(m), dtype=torch.float64), torch.tensor(float(q), dtype=torch.float64),
-                               size)
-        assert abs(float(got) - p.bound_s(m, q, size)) <= 1e-12 * max(1.0, p.bound_s(m, q, size)), (p, m, q)

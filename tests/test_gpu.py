@@ -236,12 +236,14 @@ def test_device_step_replays_a_trace_as_the_host_path_does(engine_dir, monkeypat
     """A replayed routing trace (`TraceReplay.route_on_device`) keeps decode in one graph per step
     and routes as the host's replay does: the same experts, so the same hits, fills and CPU
     experts step for step, and logits within rounding of the eager host path (no router near tie
-    can flip: the trace decides every id)."""
+    can flip: the trace decides every id). Under a fixed miss policy: the adaptive one tunes its
+    split by the step's own waits, which the host path does not see (test_cpu_doorbell.py)."""
     from ftc_runtime.experts.routing_trace import TraceReplay, synthetic_trace
 
     rng = random.Random(seed)
     monkeypatch.setenv("FTC_TORCH_COMPILE", "0")
-    cfg = OffloadConfig(device="cuda", n_slots=rng.randrange(4, 40), b_p=25.0, b_h=50.0)
+    cfg = OffloadConfig(device="cuda", n_slots=rng.randrange(4, 40), b_p=25.0, b_h=50.0,
+                        miss_policy=rng.choice(["gpu", "cpu", "half"]))
     engines = {}
     for plan in ("0", "1"):
         monkeypatch.setenv("FTC_DEVICE_PLAN", plan)

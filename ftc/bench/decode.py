@@ -6,7 +6,9 @@ planner's rates, max(q·S/B_P', (m−q)·S/B_H'), plus the bytes the device itse
 non-expert weights once and every hit or fill expert) at the device's measured memory bandwidth.
 Beside it, the CPU time per token of the thread that drives the step (`host_cpu_ms_per_token`:
 Python, planning, launches; beside a GPU the expert workers and the CPU doorbell are other threads,
-so this is the host's cost outside the CPU experts).
+so this is the host's cost outside the CPU experts). Where the step is one graph on the device,
+a few more steps after the timed ones record its per-layer device timeline (`device_timeline`:
+body, plan, fills, hits, CPU wait, from CUDA events in the graph; `DeviceTimeline`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ftc_runtime import Engine, SamplingParams
+from ftc_runtime.decode.timeline import DeviceTimeline
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay
 from ftc_runtime.experts.stats import OffloadStats
@@ -25,6 +28,7 @@ from ftc_runtime.experts.throughput import torch_read_gbps
 from ftc_runtime.io.ftw import ExpertPool
 
 PROFILED_STEPS = 4
+TIMELINE_STEPS = 8
 
 
 def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace | None, routing: str,
@@ -51,6 +55,8 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
         raise ValueError(f"new_tokens = {new_tokens}: decode benchmarks need at least {warmup + 2}")
     decode_s, warmup_s, host_cpu_s = _timed_decode(engine, prompt, new_tokens, sampling, warmup)
     s = experts.stats
+    split_bias = getattr(experts, "split_bias", 0.0)
+    timeline = _device_timeline(engine, prompt, sampling, warmup)
     steps = new_tokens - 1 - warmup
     planner = experts.planner
     device_bytes = engine.vram.dense + (s.hits + s.fills) * engine.vram.expert_stride / steps
@@ -59,7 +65,8 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
     measured = decode_s / steps
     return {
         "engine": engine.spec.name, "routing": routing, "temperature": temperature, "device": str(experts.device),
-        "miss_policy": planner.policy, "cache_policy": experts.cache.policy, "b_p": planner.b_p, "b_h": planner.b_h,
+        "miss_policy": planner.policy, "split_bias": split_bias, "cache_policy": experts.cache.policy,
+        "b_p": planner.b_p, "b_h": planner.b_h,
         "rates_while_both_run": planner.rates(), "measured_concurrency": planner.measured_concurrency,
         "slots": experts.cache.n_slots, "pool_experts": engine.pool.header.num_rows,
         "vram": engine.vram.to_dict(), "prompt_tokens": prompt_tokens, "decode_tokens": steps,
@@ -71,7 +78,7 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
         "host_cpu_ms_per_token": round(1e3 * host_cpu_s / steps, 3),
         "experts": s.to_dict(),
         "decode_graphs": engine.model.decode_graphs is not None,
-    }
+    } | ({"device_timeline": timeline.summary()} if timeline is not None else {})
 
 
 def _timed_decode(engine: Engine, prompt: list[int], new_tokens: int, sampling: SamplingParams,
@@ -90,17 +97,50 @@ def _timed_decode(engine: Engine, prompt: list[int], new_tokens: int, sampling: 
     return time.perf_counter() - t0, t0 - warm_t0, time.thread_time() - cpu_t0
 
 
+def _device_timeline(engine: Engine, prompt: list[int], sampling: SamplingParams,
+                     warmup: int) -> DeviceTimeline | None:
+    """The device timeline of `TIMELINE_STEPS` steps of one more sequence, where the step is one
+    graph on the device (after the timed steps, whose statistics it leaves alone); else None."""
+    graphs, experts = engine.model.decode_graphs, engine.model.experts
+    if graphs is None or not experts.device_step_ready():
+        return None
+    stats, timeline = experts.stats, DeviceTimeline()
+    experts.stats = OffloadStats(experts.device)
+    graphs.set_timeline(timeline)
+    try:
+        for n, _ in enumerate(engine.generate(prompt, warmup + TIMELINE_STEPS + 1, sampling, stop_at_eos=False)):
+            if n == warmup:  # the new sequence's first steps run eagerly and capture
+                timeline.reset()
+    finally:
+        graphs.set_timeline(None)
+        experts.stats = stats
+    return timeline
+
+
 def _profile(engine: Engine, prompt: list[int], out: Path, sampling: SamplingParams) -> None:
+    """A torch profiler table of `PROFILED_STEPS` decode steps, then Python's own profile (cProfile,
+    by time spent in each function) of as many more: where the driving thread's CPU time goes."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    gen = iter(engine.generate(prompt, PROFILED_STEPS + 4, sampling, stop_at_eos=False))
+    gen = iter(engine.generate(prompt, 2 * PROFILED_STEPS + 4, sampling, stop_at_eos=False))
     for _ in range(3):  # prefill, the eager first step and the step that captures graphs
         next(gen)
     with profile(activities=activities) as prof:
         for _ in range(PROFILED_STEPS):
             next(gen)
+    python = cProfile.Profile()
+    with python:
+        for _ in range(PROFILED_STEPS):
+            next(gen)
+    text = io.StringIO()
+    pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(30)
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     out.write_text(f"{PROFILED_STEPS} decode steps\n"
                    + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n"
-                   + prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
+                   + prof.key_averages().table(sort_by=key, row_limit=30) + "\n"
+                   + f"cProfile of {PROFILED_STEPS} more decode steps\n" + text.getvalue())

@@ -84,21 +84,35 @@ class CacheTables:
         return names + (["step"] if int(self.step) != cache.step else [])
 
 
+TUNE_STEP = 2.0**-6  # how far one MoE layer's wait moves the split's bias (a power of two: exact sums)
+
+
 @dataclass(frozen=True)
 class PlanRule:
     """The split rule as data: q for m unique misses (`MissPlanner.fills`, m = 0 .. T·k), the
     recent window in cache steps (0: off) and whether misses may fill at all (not under the static
-    cache policy, whose pinned set never changes)."""
+    cache policy, whose pinned set never changes).
+
+    `bias` (fp32 [1]) corrects the split as the step runs it: q = q_for_m[m] + ⌊m · bias + ½⌋,
+    within [0, m], then at least the recent misses. The planner's rates price copies and CPU
+    experts alone; in the one-graph step the device's own experts run after the fills, the CPU's
+    job has a latency, and the CPU kernel's rate depends on the expert format, so the adaptive
+    policy (`tune_step` > 0) lets every layer's wait move it (`DoorbellKernels.wait_and_join`):
+    up when the GPU waited for the CPU, down when the CPU was done first, so that both sides end
+    together. It starts at 0, where q is the planner's."""
 
     q_for_m: torch.Tensor  # int64 [max_unique + 1]
     recent_steps: int
     allow_fills: bool
+    bias: torch.Tensor  # fp32 [1]
+    tune_step: float = 0.0
 
     @classmethod
     def of(cls, planner: MissPlanner, max_unique: int, recent_steps: int, allow_fills: bool,
            device: torch.device | str) -> PlanRule:
         table = torch.tensor([planner.fills(m) for m in range(max_unique + 1)], dtype=torch.int64, device=device)
-        return cls(table, recent_steps, allow_fills)
+        return cls(table, recent_steps, allow_fills, torch.zeros(1, dtype=torch.float32, device=device),
+                   TUNE_STEP if planner.policy == "adaptive" and allow_fills else 0.0)
 
 
 @dataclass(frozen=True)
@@ -113,15 +127,9 @@ class LayerPlan:
     cpu_offsets: torch.Tensor  # int64 [n + 1]: expert j serves entries cpu_offsets[j] .. [j + 1] - 1
     cpu_tok: torch.Tensor  # int64 [n]: token row of each CPU entry, ascending within an expert
     cpu_w: torch.Tensor  # fp32 [n]: its router weight
-    counts: torch.Tensor  # int64 [3]: hits, fills, CPU experts (unique experts)
-
-    def device_pairs(self, weights: torch.Tensor) -> torch.Tensor:
-        """The device kernel's pairs ([3, T·k] int32: slot, token row, weight bits) of every routed
-        entry, `weights` [T, k] being the call's router weights; the CPU's entries have slot -1."""
-        n_tok, k = self.pair_slot.shape
-        token = torch.arange(n_tok * k, device=weights.device, dtype=torch.int32) // k
-        bits = weights.reshape(-1).float().contiguous().view(torch.int32)
-        return torch.stack([self.pair_slot.reshape(-1).int(), token, bits])
+    counts: torch.Tensor  # int64 [4]: hits, fills, CPU experts (unique experts), the split's own q
+    pairs: torch.Tensor  # int32 [3, T·k]: the device kernel's pairs (slot, token row, weight bits) of
+    # every routed entry, the CPU's with slot -1
 
 
 def _compact(values: torch.Tensor, keep: torch.Tensor, index: torch.Tensor, fill: int) -> torch.Tensor:
@@ -186,6 +194,7 @@ def plan_layer(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.Tensor, 
         else torch.zeros_like(miss)
     n_miss = miss.sum()
     q_split = rule.q_for_m.index_select(0, n_miss.view(1)).squeeze(0)  # indexing by a tensor would sync
+    q_split = torch.minimum((q_split + torch.floor(n_miss * rule.bias[0] + 0.5).long()).clamp(min=0), n_miss)
     q = torch.maximum(q_split, recent.sum()) if rule.allow_fills else n_miss.new_zeros(())
     # Misses in the host's order: recent first, then more tokens first, then ascending rows.
     order_key = ((~recent).long() * (n + 1) + (n - u.count)) * n + ar
@@ -207,9 +216,11 @@ def plan_layer(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.Tensor, 
     cpu_tok = torch.where(in_job, cpu_entry // k, 0)
     cpu_w = torch.where(in_job, weights.reshape(-1).float()[cpu_entry], 0.0)
     _update(t, u.rows, is_cpu, fill_rows, fill_slots, ar < n_fill, where_u)
-    counts = torch.stack([hit.sum(), n_fill, n_cpu])
-    return LayerPlan(where_u[u.of_entry].view(n_tok, k), fill_rows, fill_slots, cpu_ids, cpu_offsets, cpu_tok,
-                     cpu_w, counts)
+    counts = torch.stack([hit.sum(), n_fill, n_cpu, q_split if rule.allow_fills else n_fill])
+    pair_slot = where_u[u.of_entry]
+    pairs = torch.stack([pair_slot.int(), (ar // k).int(), weights.reshape(-1).float().contiguous().view(torch.int32)])
+    return LayerPlan(pair_slot.view(n_tok, k), fill_rows, fill_slots, cpu_ids, cpu_offsets, cpu_tok, cpu_w, counts,
+                     pairs)
 
 
 def _update(t: CacheTables, rows: torch.Tensor, is_cpu: torch.Tensor, fill_rows: torch.Tensor,

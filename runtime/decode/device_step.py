@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 
 from ftc_runtime.decode.cpu_doorbell import RING, CpuDoorbell
-from ftc_runtime.decode.device_plan import CacheTables, LayerPlan, PlanRule
+from ftc_runtime.decode.device_plan import CacheTables, PlanRule
 from ftc_runtime.decode.doorbell_kernels import DoorbellKernels
 from ftc_runtime.decode.gather_fills import MappedRows, gather_fills
 from ftc_runtime.decode.plan_kernel import plan_layer_triton
+from ftc_runtime.decode.step_counts import StepCounts
+from ftc_runtime.decode.timeline import DeviceTimeline
 from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.slots import SlotStore
 from ftc_runtime.experts.stats import OffloadStats
@@ -29,8 +31,7 @@ class DeviceStep:
                  tables: CacheTables, rule: PlanRule):
         self.store, self.planner, self.rows, self.tables, self.rule = store, planner, rows, tables, rule
         self.bell, self.kernels = bell, DoorbellKernels(bell, store.device)
-        self.counts = torch.zeros(4, dtype=torch.int64, device=store.device)  # calls, hits, fills, CPU experts
-        self.bound_s = torch.zeros(1, dtype=torch.float64, device=store.device)
+        self.counts = StepCounts(planner, store.header.expert_stride, store.device)
 
     def before_replay(self) -> None:
         """Host work before the step's graph runs: where the host rang since (its planned calls
@@ -40,32 +41,32 @@ class DeviceStep:
             self.kernels.counter.fill_(int(self.bell.flags[RING]))
             self.bell.rung_by_host = False
 
-    def run(self, base_id: int, packed: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    def run(self, base_id: int, packed: torch.Tensor, k: int, out: torch.Tensor,
+            timeline: DeviceTimeline | None = None) -> None:
         """The call staged in `packed` ([T, hidden + 2k]: x, ids, weights in fp32) for the MoE
-        layer whose first FTW row is `base_id`; out ([T, hidden] fp32) = its routed experts."""
+        layer whose first FTW row is `base_id`; out ([T, hidden] fp32) = its routed experts.
+        `timeline`: the call's phases marked."""
+        mark = timeline.mark if timeline is not None else lambda _phase: None
+        mark("body")
         hidden = out.shape[1]
-        x = packed[:, :hidden].contiguous()
-        weights = packed[:, hidden + k:]
-        plan = plan_layer_triton(self.tables, self.rule, base_id, packed[:, hidden:hidden + k].long(), weights)
+        x = packed[:, :hidden].contiguous()  # a view for one token
+        # The ids (exact in fp32) and weights are read where they are staged.
+        plan = plan_layer_triton(self.tables, self.rule, base_id, packed[:, hidden:hidden + k], packed[:, hidden + k:])
         # The CPU's job first: it computes while the GPU fills slots and runs the device pairs.
         self.kernels.post_job(plan, x)
-        self._count(plan)
+        self.counts.add(plan.counts)
+        mark("plan")
         gather_fills(self.rows, self.store.slots, plan)
+        mark("fills")
         out.zero_()
         # The device kernel skips the CPU's pairs (slot -1).
-        self.store.experts_on_device(x, plan.device_pairs(weights), out)
-        self.kernels.wait_and_join(out)
-
-    def _count(self, plan: LayerPlan) -> None:
-        """The call's counts and its miss bound."""
-        self.counts[0] += 1
-        self.counts[1:] += plan.counts
-        fills, cpu = plan.counts[1].double(), plan.counts[2].double()
-        self.bound_s += self.planner.bound_s_tensor(fills + cpu, fills, self.store.header.expert_stride)
+        self.store.experts_on_device(x, plan.pairs, out)
+        mark("hits")
+        self.kernels.wait_and_join(out, plan, self.rule)
+        mark("cpu_wait")
 
     def fold_into(self, stats: OffloadStats) -> None:
         """Adds the counts since the last fold to `stats` (reads the device: a safe point)."""
         self.kernels.check()
-        stats.add(*self.counts.tolist(), float(self.bound_s))
-        self.counts.zero_()
-        self.bound_s.zero_()
+        counts, bound_s = self.counts.take()
+        stats.add(*counts, bound_s)

@@ -5,7 +5,11 @@ graph to hold:
   device mapping, then, after a barrier and a system-scope fence, rings with the next job number
   (kept on the device, so that replays of one graph number their jobs on);
 - `wait_and_join`: spins until the CPU answers that number, then adds the CPU's result, read
-  through the mapping, into the layer's device output.
+  through the mapping, into the layer's device output. Under the adaptive policy it also moves
+  the split's bias (`PlanRule`) by whether it had to wait: the GPU reaches the wait when its
+  fills and its own experts are done, so a wait means the CPU's share took longer (more fills
+  next), an answer already there means the GPU's did (fewer). Layers without a choice are left
+  out: fewer than two misses, or no CPU job because the recent misses took every fill.
 
 Both are one program: a decode call's job is at most 16 tokens and 16·k entries. The flags are
 read and written with `ld.acquire.sys` / `st.release.sys` (inline PTX): plain loads could be
@@ -21,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ftc_runtime.decode.cpu_doorbell import DONE, RING, CpuDoorbell, DoorbellError
-from ftc_runtime.decode.device_plan import LayerPlan
+from ftc_runtime.decode.device_plan import LayerPlan, PlanRule
 from ftc_runtime.io.host_memory import mapped_address
 
 XBLOCK = 4096  # elements of x or out a step moves
@@ -83,7 +87,17 @@ def _post_job(counts, cpu_ids, cpu_offsets, cpu_tok, cpu_w, x, n_tokens, n, hidd
 
 
 @triton.jit
-def _wait_and_join(done, counter, box_out, out, size, status, SPINS: tl.constexpr, XBLOCK: tl.constexpr):
+def _tune(counts, bias, waited, step):
+    """The split's bias moved by `step` towards the side that finished last, within [-1, 1]."""
+    fills, cpu, q_split = tl.load(counts + 1), tl.load(counts + 2), tl.load(counts + 3)
+    if (fills + cpu >= 2) & ((cpu > 0) | (q_split >= fills + cpu)):
+        b = tl.load(bias) + tl.where(waited, step, -step)
+        tl.store(bias, tl.minimum(tl.maximum(b, -1.0), 1.0))
+
+
+@triton.jit
+def _wait_and_join(done, counter, box_out, out, size, status, counts, bias, step, SPINS: tl.constexpr,
+                   XBLOCK: tl.constexpr, TUNE: tl.constexpr):
     seq = tl.load(counter)
     answered = _load_acquire_sys(done)
     spins = 0
@@ -93,6 +107,8 @@ def _wait_and_join(done, counter, box_out, out, size, status, SPINS: tl.constexp
     if answered < seq:  # no answer: the step's result is wrong, and the host is told
         tl.store(status, 1)
         return
+    if TUNE:
+        _tune(counts, bias, spins > 0, step)
     for start in range(0, size, XBLOCK):
         offs = start + tl.arange(0, XBLOCK)
         mask = offs < size
@@ -120,10 +136,12 @@ class DoorbellKernels:
                         b["cpu_tok"], b["cpu_w"], b["x"], self.counter, self.ring,
                         NP=max(16, triton.next_power_of_2(n + 1)), XBLOCK=XBLOCK, num_warps=4)
 
-    def wait_and_join(self, out: torch.Tensor) -> None:
-        """out ([T, hidden] fp32, contiguous) += the CPU's result, once the CPU has answered."""
-        _wait_and_join[(1,)](self.done, self.counter, self.box["out"], out, out.numel(), self.status, SPINS=SPINS,
-                             XBLOCK=XBLOCK, num_warps=4)
+    def wait_and_join(self, out: torch.Tensor, plan: LayerPlan, rule: PlanRule) -> None:
+        """out ([T, hidden] fp32, contiguous) += the CPU's result, once the CPU has answered; the
+        rule's bias tuned by the wait where it has a `tune_step`."""
+        _wait_and_join[(1,)](self.done, self.counter, self.box["out"], out, out.numel(), self.status, plan.counts,
+                             rule.bias, rule.tune_step, SPINS=SPINS, XBLOCK=XBLOCK, TUNE=rule.tune_step > 0,
+                             num_warps=4)
 
     def check(self) -> None:
         """Raises if a wait gave up since the last check (reads a device flag: a safe point only)."""

@@ -13,9 +13,10 @@ Per layer one graph, cut where the step must leave the GPU for the routed expert
 then, outside the graph, the host round trip of the experts (`launch_staged`, `finish_staged`),
 whose own device part is one more graph. One graph for the final norm and lm_head ends the step.
 Where the expert backend can run a MoE layer on the device alone (`device_step_ready`: the
-plan as data, `FTC_DEVICE_PLAN=1`), the whole step is one graph instead: every layer's body, each
-MoE layer's `run_staged_on_device` (plan kernels, the CPU's share through the doorbell, gathered
-fills, joined on the device) and the head, with no host round trip.
+plan as data, `FTC_DEVICE_PLAN=1`), the whole step is one graph instead: the token's embedding
+and the position's rotary table (the host writes only the token and the position), every layer's
+body, each MoE layer's `run_staged_on_device` (plan kernels, the CPU's share through the doorbell,
+gathered fills, joined on the device) and the head, with no host round trip.
 Graphs are captured in the second step on a KV storage (the first runs the same code eagerly,
 which warms up every kernel), and again whenever the storage moves (a new sequence, or growth by
 doubling) or the expert backend's slots or mailbox do (its `generation`).
@@ -35,6 +36,7 @@ import torch
 
 from ftc_runtime.cache.base import SequenceState
 from ftc_runtime.cache.kv import KVCache
+from ftc_runtime.decode.timeline import DeviceTimeline
 
 
 class DecodeGraphs(ABC):
@@ -54,6 +56,7 @@ class DecodeGraphs(ABC):
         self.cos = torch.zeros(1, 1, model.inv_freq.numel() * 2, dtype=dt, device=dev)
         self.sin = torch.zeros_like(self.cos)
         self.position = torch.zeros(1, dtype=torch.long, device=dev)
+        self.token = torch.zeros(1, dtype=torch.long, device=dev)  # a whole step's input token
         self.logits = torch.zeros(1, spec.vocab_size, dtype=torch.float32, device=dev)
         self.cpu_part = torch.zeros(1, hidden, dtype=torch.float32, device=dev)  # a CPU part, copied in
         self.shared: torch.Tensor | None = None  # a shared expert's output, where the family has one
@@ -83,6 +86,13 @@ class DecodeGraphs(ABC):
         self.pool = torch.cuda.graph_pool_handle()
         self.warm = False  # a step ran eagerly on the current storage
         self.step_done = torch.cuda.Event(blocking=True)  # a whole-step graph's end, waited for asleep
+        self.timeline: DeviceTimeline | None = None  # a whole step's phases, where measured
+
+    def set_timeline(self, timeline: DeviceTimeline | None) -> None:
+        """Records (or stops recording) a whole step's device timeline from the next step on: the
+        graphs are captured again, with the timeline's events or without them."""
+        self.timeline = timeline
+        self.graph_storage = None
 
     @abstractmethod
     def functions(self) -> dict[str, Callable]:
@@ -114,13 +124,9 @@ class DecodeGraphs(ABC):
             self.pool = torch.cuda.graph_pool_handle()
             self.graph_storage = (cache.generation, m.experts.generation)
             self.warm = False
-        cos, sin = m.rope_at(torch.tensor([position], device=m.device))
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
         self.position.fill_(position)
-        self.x.copy_(m.embed[ids.to(m.device)].to(m.dtype))
-        self.mlp.zero_()
-        if whole:
+        if whole:  # the step's input is made inside its graph
+            self.token.fill_(int(ids.reshape(-1)[0]))
             try:
                 self._run(("step", 0), lambda: self._device_step(cache))
             finally:
@@ -132,7 +138,10 @@ class DecodeGraphs(ABC):
             # sync on a core that the CPU experts and the doorbell thread need meanwhile.
             self.step_done.record()
             self.step_done.synchronize()
+            if self.timeline is not None:
+                self.timeline.collect()
             return logits
+        self._prologue(ids.to(m.device))
         clock = m.experts.stats.host_s
         for i in range(m.spec.num_layers):
             t0 = time.perf_counter()
@@ -148,12 +157,27 @@ class DecodeGraphs(ABC):
 
     def _device_step(self, cache: SequenceState) -> None:
         """The whole step with its MoE layers on the device (`run_staged_on_device`): one graph."""
-        m = self.model
+        m, timeline = self.model, self.timeline
+        if timeline is not None:
+            timeline.restart()
+        self._prologue(self.token)
         for i in range(m.spec.num_layers):
             self._layer(i, cache)
             if m.is_moe(i):
-                m.experts.run_staged_on_device(m.moe_index[i], m.spec.moe.top_k, self.position)
+                m.experts.run_staged_on_device(m.moe_index[i], m.spec.moe.top_k, self.position, timeline)
         self._head()
+        if timeline is not None:
+            timeline.mark("head")
+
+    def _prologue(self, token: torch.Tensor) -> None:
+        """The step's input: the embedding of `token` (int64 [1] on the device) and the rotary
+        table of the step's position; no MLP output to join yet."""
+        m = self.model
+        cos, sin = m.rope_at(self.position)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+        self.x.copy_(m.embed[token].to(m.dtype))
+        self.mlp.zero_()
 
     def _run(self, key: tuple[str, int], fn: Callable[[], None]) -> None:
         graph = self.graphs.get(key)

@@ -49,12 +49,15 @@ def _victims(cands, n_cands, n_slots, slot, hit, NP: tl.constexpr, CANDS: tl.con
 
 
 @triton.jit
-def _plan(ids, weights, base_id, n, k, slot_of, id_of, last_used, cpu_step, step_ptr, q_for_m, recent_steps,
-          allow_fills, cands, n_cands, n_slots, pair_slot, fill_rows, fill_slots, cpu_ids, cpu_offsets, cpu_tok,
-          cpu_w, counts, NP: tl.constexpr, CANDS: tl.constexpr):
+def _plan(ids, ids_stride, weights, weights_stride, base_id, n, k, slot_of, id_of, last_used, cpu_step, step_ptr,
+          q_for_m, bias, recent_steps, allow_fills, cands, n_cands, n_slots, pair_slot, fill_rows, fill_slots, cpu_ids,
+          cpu_offsets, cpu_tok, cpu_w, counts, pairs, NP: tl.constexpr, CANDS: tl.constexpr):
     e = tl.arange(0, NP)
     valid = e < n
-    row = tl.where(valid, base_id + tl.load(ids + e, mask=valid, other=0), -1)
+    # entry e is token e // k's j = e % k: its id and weight read in place (rows `*_stride` apart)
+    entry_id = tl.load(ids + e // k * ids_stride + e % k, mask=valid, other=0).to(tl.int64)
+    weight = tl.load(weights + e // k * weights_stride + e % k, mask=valid, other=0.0).to(tl.float32)
+    row = tl.where(valid, base_id + entry_id, -1)
     eq = (row[:, None] == row[None, :]) & valid[:, None] & valid[None, :]
     before = eq & (e[None, :] < e[:, None])  # the same row at an earlier entry
     first = valid & (tl.sum(before.to(tl.int32), axis=1) == 0)
@@ -66,7 +69,9 @@ def _plan(ids, weights, base_id, n, k, slot_of, id_of, last_used, cpu_step, step
     last_cpu = tl.load(cpu_step + row, mask=miss, other=-1)
     recent = miss & (last_cpu >= step - recent_steps) & (recent_steps > 0)
     n_miss = tl.sum(miss.to(tl.int64))
-    q = tl.maximum(tl.load(q_for_m + n_miss), tl.sum(recent.to(tl.int64)))
+    q_split = tl.load(q_for_m + n_miss) + tl.floor(n_miss.to(tl.float32) * tl.load(bias) + 0.5).to(tl.int64)
+    q_split = tl.minimum(tl.maximum(q_split, 0), n_miss)
+    q = tl.maximum(q_split, tl.sum(recent.to(tl.int64)))
     q = tl.where(allow_fills != 0, q, 0)
     # Misses in the host's order: recent first, then more tokens first, then ascending rows.
     okey = tl.where(miss, ((1 - recent.to(tl.int64)) * (n + 1) + (n - count)) * n + uidx, _LAST)
@@ -79,6 +84,9 @@ def _plan(ids, weights, base_id, n, k, slot_of, id_of, last_used, cpu_step, step
     own = eq & first[None, :]  # entry → the first entry of its row
     where_all = tl.sum(tl.where(own, where_first[None, :] + 1, 0), axis=1) - 1
     tl.store(pair_slot + e, where_all, mask=valid)
+    tl.store(pairs + e, where_all.to(tl.int32), mask=valid)
+    tl.store(pairs + n + e, (e // k).to(tl.int32), mask=valid)
+    tl.store(pairs + 2 * n + e, weight.to(tl.int32, bitcast=True), mask=valid)
     tl.store(fill_rows + rank, row, mask=is_fill)
     tl.store(fill_slots + rank, victim, mask=is_fill)
     tl.store(fill_rows + e, -1, mask=valid & (e >= n_fill))
@@ -96,12 +104,13 @@ def _plan(ids, weights, base_id, n, k, slot_of, id_of, last_used, cpu_step, step
     on_cpu = valid & (where_all < 0)
     at = tl.sum(tl.where(own, start[None, :], 0), axis=1) + tl.sum(before.to(tl.int64), axis=1)
     tl.store(cpu_tok + at, e // k, mask=on_cpu)
-    tl.store(cpu_w + at, tl.load(weights + e, mask=valid, other=0.0), mask=on_cpu)
+    tl.store(cpu_w + at, weight, mask=on_cpu)
     tl.store(cpu_tok + e, 0, mask=valid & (e >= total))
     tl.store(cpu_w + e, 0.0, mask=valid & (e >= total))
     tl.store(counts + 0, tl.sum(hit.to(tl.int64)))
     tl.store(counts + 1, n_fill)
     tl.store(counts + 2, n_cpu)
+    tl.store(counts + 3, tl.where(allow_fills != 0, q_split, n_fill))
     _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_fill, is_cpu, victim, where_first)
 
 
@@ -120,7 +129,9 @@ def _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_
 
 def plan_layer_triton(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.Tensor,
                       weights: torch.Tensor) -> LayerPlan:
-    """`device_plan.plan_layer` on the GPU: the same arguments, plan and table updates."""
+    """`device_plan.plan_layer` on the GPU: the same arguments, plan and table updates. `ids` and
+    `weights` [T, k] are read in place (rows of any stride, unit stride within one): the ids may
+    be integers or exact floats (as `OffloadedExperts.stage` packs them beside x)."""
     n_tok, k = ids.shape
     n, dev = n_tok * k, ids.device
     np2 = max(16, triton.next_power_of_2(n))
@@ -128,12 +139,16 @@ def plan_layer_triton(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.T
     cands = torch.empty(max(blocks, 1) * np2, dtype=torch.int64, device=dev)
     if blocks:
         _lru_candidates[(blocks,)](t.last_used, t.n_slots, cands, NP=np2, BLOCK=BLOCK)
-    shapes = ((n_tok, k), (n,), (n,), (n,), (n + 1,), (n,), (n,), (3,))  # LayerPlan's fields in order
-    out = LayerPlan(*(torch.empty(shape, dtype=torch.float32 if i == 6 else torch.int64, device=dev)
+    if ids.stride(1) != 1 or weights.stride(1) != 1:
+        raise ValueError(f"plan_layer_triton: ids and weights need unit stride within a row, not "
+                         f"{ids.stride()} and {weights.stride()}")
+    shapes = ((n_tok, k), (n,), (n,), (n,), (n + 1,), (n,), (n,), (4,), (3, n))  # LayerPlan's fields in order
+    dtypes = {6: torch.float32, 8: torch.int32}
+    out = LayerPlan(*(torch.empty(shape, dtype=dtypes.get(i, torch.int64), device=dev)
                       for i, shape in enumerate(shapes)))
-    _plan[(1,)](ids.reshape(-1).long().contiguous(), weights.reshape(-1).float().contiguous(), base_id, n, k,
-                t.slot_of, t.id_of, t.last_used, t.cpu_step, t.step, rule.q_for_m, rule.recent_steps,
+    _plan[(1,)](ids, ids.stride(0), weights, weights.stride(0), base_id, n, k,
+                t.slot_of, t.id_of, t.last_used, t.cpu_step, t.step, rule.q_for_m, rule.bias, rule.recent_steps,
                 int(rule.allow_fills), cands, blocks * np2, max(t.n_slots, 1), out.pair_slot, out.fill_rows,
-                out.fill_slots, out.cpu_ids, out.cpu_offsets, out.cpu_tok, out.cpu_w, out.counts, NP=np2,
+                out.fill_slots, out.cpu_ids, out.cpu_offsets, out.cpu_tok, out.cpu_w, out.counts, out.pairs, NP=np2,
                 CANDS=max(np2, triton.next_power_of_2(blocks * np2)), num_warps=max(4, min(32, np2 // 4)))
     return out

@@ -7,8 +7,6 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 MissPolicy = Literal["adaptive", "gpu", "cpu", "half"]
 MISS_POLICIES: tuple[str, ...] = ("adaptive", "gpu", "cpu", "half")
 
@@ -78,10 +76,3 @@ class MissPlanner:
             return m * expert_bytes / (self.b_p * 1e9)
         copy, cpu = self.rates()
         return max(q * expert_bytes / (copy * 1e9), (m - q) * expert_bytes / (cpu * 1e9))
-
-    def bound_s_tensor(self, m: torch.Tensor, q: torch.Tensor, expert_bytes: int) -> torch.Tensor:
-        """`bound_s` on device scalars (fp64), without reading them back (inside a CUDA graph)."""
-        copy, cpu = self.rates()
-        both = torch.maximum(q * expert_bytes / (copy * 1e9), (m - q) * expert_bytes / (cpu * 1e9))
-        alone = torch.where(q == 0, m * expert_bytes / (self.b_h * 1e9), m * expert_bytes / (self.b_p * 1e9))
-        return torch.where((q == 0) | (q == m), alone, both)

@@ -18,6 +18,7 @@ import torch
 
 from ftc_runtime.decode.cpu_doorbell import CpuDoorbell
 from ftc_runtime.decode.device_plan import CacheTables, LayerPlan, PlanRule, plan_layer
+from ftc_runtime.decode.timeline import DeviceTimeline
 from ftc_runtime.experts.base import DeviceRoutingHook, ExpertBackend, Routing
 from ftc_runtime.experts.cache import CachePolicy, ExpertCache
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
@@ -113,6 +114,16 @@ class OffloadedExperts(ExpertBackend):
             self._tables_newer = False
         self._host_touched = True  # whoever reads it may change it
         return self.store.cache
+
+    @property
+    def split_bias(self) -> float:
+        """Where the device steps' waits have moved the split (`PlanRule.bias`; reads the device)."""
+        return float(self._tables[1].bias) if self._tables is not None else 0.0
+
+    @property
+    def n_slots(self) -> int:
+        """The slot count, without a safe point (`cache` writes the device's tables back)."""
+        return self.store.cache.n_slots
 
     @property
     def stats(self) -> OffloadStats:
@@ -244,17 +255,18 @@ class OffloadedExperts(ExpertBackend):
     def end_device_step(self) -> None:
         self.device_step_active = False
 
-    def run_staged_on_device(self, moe_layer: int, k: int, position: torch.Tensor) -> None:
+    def run_staged_on_device(self, moe_layer: int, k: int, position: torch.Tensor,
+                             timeline: DeviceTimeline | None = None) -> None:
         """The one-token call `stage` queued, at `position` (int64 [1] on the device), carried out
         on the device alone (`DeviceStep`): no host work, so that the step's graph holds it; its
-        output lands in `token_outputs()[0]`."""
+        output lands in `token_outputs()[0]`. `timeline`: its phases marked."""
         h = self.hidden
         packed = self._buffer("in", 1, h + 2 * k, self.device)
         if self.routing is not None:  # a `DeviceRoutingHook` (device_step_ready)
             ids, w = self.routing.route_on_device(moe_layer, position, packed[:, h:h + k].long(), packed[:, h + k:])
             packed[:, h:h + k].copy_(ids)
             packed[:, h + k:].copy_(w)
-        self._device_step.run(moe_layer * self.num_experts, packed, k, self.token_outputs()[0])
+        self._device_step.run(moe_layer * self.num_experts, packed, k, self.token_outputs()[0], timeline)
 
     def launch_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> None:
         """Plans the staged call and starts both parts; `finish_staged` returns them."""
@@ -407,7 +419,7 @@ class OffloadedExperts(ExpertBackend):
         weights = packed[:, hidden + k:]
         plan = self._plan_layer(tables, rule, moe_layer * self.num_experts, packed[:, hidden:hidden + k].long(),
                                 weights)
-        hits, n_fill, n_cpu = plan.counts.tolist()
+        hits, n_fill, n_cpu = plan.counts[:3].tolist()
         self._count(hits, n_fill, n_cpu)
         cpu_out = self._buffer("cpu_out", t, hidden).zero_()
         self._cpu_t0 = time.perf_counter()
@@ -429,7 +441,7 @@ class OffloadedExperts(ExpertBackend):
         out = self._buffer("device_out", t, hidden, self.device).zero_()
         self._outputs = (out, cpu_out)
         if hits + n_fill:
-            pairs = plan.device_pairs(weights)
+            pairs = plan.pairs
             with self.stats.compute.measure():
                 self.store.experts_on_device(packed[:, :hidden].contiguous(), pairs[:, pairs[0] >= 0], out)
 
@@ -452,7 +464,7 @@ class OffloadedExperts(ExpertBackend):
             self._open_doorbell(k)
         bell, n = self._doorbell, t * k
         bell.n_tokens.fill_(t)
-        bell.counts.copy_(plan.counts)
+        bell.counts.copy_(plan.counts[:3])
         for box, part in ((bell.cpu_ids, plan.cpu_ids), (bell.cpu_tok, plan.cpu_tok), (bell.cpu_w, plan.cpu_w)):
             box[:n].copy_(part)
         bell.cpu_offsets[:n + 1].copy_(plan.cpu_offsets)
