@@ -1,8 +1,9 @@
 """Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1 (Triton reads
-it when the kernels are defined): the decode plan's, the fills' and the step counters' Triton
-kernels, interpreted on the CPU, against the torch plan (`plan_layer`), a plain copy and sums of
-`MissPlanner.bound_s`, on random routings, batch sizes, slot counts (up to several candidate
-blocks), rules and rates.
+it when the kernels are defined): the decode plan's, the fills', the step counters' and decode
+attention's Triton kernels, interpreted on the CPU, against the torch plan (`plan_layer`), a plain
+copy, sums of `MissPlanner.bound_s` and softmax attention over the tokens, on random routings,
+batch sizes, slot counts (up to several candidate blocks), rules, rates, head shapes, capacities
+and positions.
 
     TRITON_INTERPRET=1 python tests/interpreted_kernels.py SEED RUNS STEPS
 """
@@ -20,6 +21,7 @@ from ftc_runtime.decode.plan_kernel import plan_layer_triton
 from ftc_runtime.decode.step_counts import StepCounts
 from ftc_runtime.experts.cache import ExpertCache
 from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
+from ftc_runtime.models.layers.decode_attention_kernel import SPAN, decode_attention_gpu
 
 PLAN_FIELDS = ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts",
                "pairs")
@@ -99,12 +101,34 @@ def check_counts(rng: random.Random) -> None:
         assert counts.take() == ([0, 0, 0, 0], 0.0), "take resets the counters"
 
 
+def check_decode_attention(rng: random.Random, g: torch.Generator) -> None:
+    for trial in range(6):
+        n_kv, group, d = rng.choice([1, 2, 4]), rng.choice([1, 3, 8]), rng.choice([16, 24, 64])
+        capacity = rng.choice([1, 40, SPAN, 2 * SPAN + 8])
+        position = rng.randrange(capacity)
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        keys = torch.randn(capacity, n_kv, d, generator=g).to(dtype)
+        values = torch.randn(capacity, n_kv, d, generator=g).to(dtype)
+        q = torch.randn(1, n_kv * group, d, generator=g).to(dtype)
+        got = decode_attention_gpu(q, keys, values, torch.tensor([position]), (n_kv * group, n_kv, d))
+        # softmax over the keys up to the position, per query head and its KV head, in fp64
+        k = keys[:position + 1].double().repeat_interleave(group, dim=1)
+        v = values[:position + 1].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[0].double(), k) / d ** 0.5
+        want = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v).reshape(1, -1)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        err = float((got.double() - want).abs().max() / want.abs().max())
+        what = f"attention, trial {trial}: {n_kv} kv × {group}, d {d}, capacity {capacity}, position {position}"
+        assert got.dtype == dtype and got.shape == want.shape and err < tol, f"{what}, {dtype}: {err:.2e}"
+
+
 def main() -> None:
     seed, runs, steps = (int(a) for a in sys.argv[1:4])
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     check_plans(rng, g, runs, steps)
     check_fills(rng, g)
     check_counts(rng)
+    check_decode_attention(rng, g)
     print("ok")
 
 

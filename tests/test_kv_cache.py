@@ -1,9 +1,11 @@
-"""The KV cache's growth and the masked one-token attention that decode graphs replay."""
+"""The KV cache's growth and the one-token attention over its storage that decode graphs replay (in
+torch on the CPU; on a GPU, marked `gpu`, its Triton kernels)."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from ftc_runtime.cache.kv import KVCache
@@ -29,19 +31,20 @@ def test_growth_keeps_the_tokens_and_renews_the_generation(seed):
     assert len(set(generations)) == 3 and KVCache(1, 1, 1, torch.float32).generation not in generations
 
 
-def test_masked_attention_over_the_storage_equals_attention_over_the_tokens(seed):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_attention_over_the_storage_equals_attention_over_the_tokens(device, seed):
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    n_kv, group, d = 2, 3, 16
-    heads = (n_kv * group, n_kv, d)
     for _ in range(10):
-        capacity = rng.choice([8, 32, 64])
+        n_kv, group, d = rng.choice([1, 2, 4]), rng.choice([1, 3, 8]), rng.choice([16, 64, 128])
+        heads = (n_kv * group, n_kv, d)
+        capacity = rng.choice([8, 32, 64, 1100])
         length = rng.randrange(1, capacity + 1)
         keys, values = torch.randn(capacity, n_kv, d, generator=g), torch.randn(capacity, n_kv, d, generator=g)
         q = torch.randn(1, n_kv * group, d, generator=g)
-        valid = torch.arange(capacity) < length
-        got = decode_attention(q, keys, values, valid, heads)
+        position = torch.tensor([length - 1], device=device)
+        got = decode_attention(q.to(device), keys.to(device), values.to(device), position, heads).cpu()
         # Reference: softmax over the first `length` keys, per query head and its KV head.
         k, v = keys[:length].repeat_interleave(group, dim=1), values[:length].repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", q[0], k) / d ** 0.5
         want = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v).reshape(1, -1)
-        assert torch.allclose(got, want, atol=1e-5), (capacity, length)
+        assert torch.allclose(got, want, atol=1e-5), (heads, capacity, length)

@@ -69,7 +69,7 @@ class DecodeGraphs(ABC):
             inductor_config.compile_threads = 1
             # decode_attention stays eager: its key length changes with every doubling of the KV
             # storage, and each new length would compile it again until dynamo's recompile limit
-            # fails the step (in a long agent session); it is two matmuls and a softmax.
+            # fails the step (in a long agent session); on the GPU it is two Triton kernels.
             eager, self.fns = self.fns, {name: f if name == "decode_attention" else
                                          torch.compile(f, dynamic=False, fullgraph=True)
                                          for name, f in self.fns.items()}
@@ -213,11 +213,11 @@ class DecodeGraphs(ABC):
     def store_kv(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Writes k, v at the step's position (a device tensor) of the cache's `layer`: its whole
-        key and value storage and the mask of the positions this token sees."""
+        key and value storage and that position, up to which this token sees them."""
         keys, values = cache.storage(layer)
         keys.index_copy_(0, self.position, k)
         values.index_copy_(0, self.position, v)
-        return keys, values, torch.arange(keys.shape[0], device=keys.device) <= self.position
+        return keys, values, self.position
 
 
 def decode_graphs_for(model, kind: type[DecodeGraphs] | None, enabled: bool,

@@ -37,17 +37,21 @@ def attention_out(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: t
     return x, rms_norm(x, norm_w, eps)
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
                      heads: tuple[int, int, int]) -> torch.Tensor:
-    """One query q [1, heads, d] over keys/values [C, kv, d] (`valid` bool [C] marks the keys it
-    may see; None: all): [1, heads · d]. Decode passes the cache's whole storage with the tail
-    masked off, so that the shapes stay fixed for CUDA graphs. The query heads of one KV head form
-    its rows, so two batched matmuls do it: SDPA's backend choice costs more than the work here (its
-    cuDNN backend builds a graph per new key length)."""
+    """One query q [1, heads, d] over keys/values [C, kv, d], of which it sees those up to
+    `position` (int64 [1] on q's device): [1, heads · d]. Decode passes the cache's whole storage
+    and the step's position, so that the shapes stay fixed for CUDA graphs. On a GPU two Triton
+    kernels that read only the keys up to the position (`decode_attention_kernel`); elsewhere
+    torch: the query heads of one KV head form its rows, two batched matmuls over the storage with
+    its tail masked off."""
+    if q.is_cuda:
+        from ftc_runtime.models.layers.decode_attention_kernel import decode_attention_gpu  # Triton: beside a GPU
+
+        return decode_attention_gpu(q, keys, values, position, heads)
     n_q, n_kv, d = heads
     scores = torch.matmul(q.view(n_kv, n_q // n_kv, d), keys.permute(1, 2, 0)) * d ** -0.5
-    if valid is not None:
-        scores = scores.masked_fill(~valid, float("-inf"))
+    scores = scores.masked_fill(torch.arange(keys.shape[0], device=q.device) > position, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     return torch.matmul(probs, values.transpose(0, 1)).reshape(1, n_q * d)
 
@@ -59,10 +63,10 @@ def cached_attention(cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tenso
     n_q, n_kv, d = heads
     t = q.shape[0]
     keys, values = cache.append(layer, k, v)
-    if t == 1:  # over the whole storage, tail masked: the very kernels that decode graphs replay
+    if t == 1:  # over the whole storage up to this token: the very kernels that decode graphs replay
         stored_k, stored_v = cache.storage(layer)
-        valid = torch.arange(stored_k.shape[0], device=q.device) < keys.shape[0]
-        return decode_attention(q, stored_k, stored_v, valid, heads)
+        position = torch.full((1,), keys.shape[0] - 1, dtype=torch.long, device=q.device)
+        return decode_attention(q, stored_k, stored_v, position, heads)
     q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=lower_right_causal(t, keys.shape[2], q.device),
                                          enable_gqa=n_q != n_kv)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from ftc_runtime.cache.kv import INITIAL_CAPACITY
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.decode.graphs import DecodeGraphs
@@ -25,8 +23,7 @@ class AttentionDecodeGraphs(DecodeGraphs):
         m, eps = self.model, self.model.spec.norm.eps
         q, k, _ = self.fns["attention_in"](self.x, *m.attention_in_weights(0), self.cos, self.sin, eps, m.heads)
         keys = k.new_zeros(INITIAL_CAPACITY, *k.shape[1:])
-        valid = torch.arange(INITIAL_CAPACITY, device=keys.device) <= self.position
-        attn = self.fns["decode_attention"](q, keys, keys, valid, m.heads)
+        attn = self.fns["decode_attention"](q, keys, keys, self.position, m.heads)
         _, h = self.fns["attention_out"](self.x, attn, *m.attention_out_weights(0), eps)
         kinds = {m.is_moe(i): i for i in reversed(range(m.spec.num_layers))}
         if True in kinds:

@@ -50,8 +50,7 @@ class HybridDecodeGraphs(DecodeGraphs):
             q, k, v, gate = f["gated_attention_in"](h, *m.attention_in_weights(i), self.cos, self.sin, eps, m.heads,
                                                     m.spec.attention.output_gate)
             keys = k.new_zeros(INITIAL_CAPACITY, *k.shape[1:])
-            valid = torch.arange(INITIAL_CAPACITY, device=keys.device) <= self.position
-            attn = f["decode_attention"](q, keys, keys, valid, m.heads)
+            attn = f["decode_attention"](q, keys, keys, self.position, m.heads)
             f["gated_attention_out"](attn, gate, m.w[f"model.layers.{i}.self_attn.o_proj.weight"])
         _, h = f["residual_norm"](self.x, h, m.w["model.layers.0.post_attention_layernorm.weight"], eps)
         for i in [*m.moe_index][:1]:

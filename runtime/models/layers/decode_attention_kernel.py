@@ -1,0 +1,102 @@
+"""One decode token's grouped-query attention over a KV storage of fixed capacity, up to the
+token's position (a device tensor), as two Triton kernels for the decode graphs:
+
+- `_partial`, one program per (KV head, span of SPAN keys): the query heads of that KV head against
+  the span's keys up to the position, an online softmax in fp32 ("flash decoding"): the span's
+  running maximum, sum and weighted values;
+- `_combine`, one program per KV head: the spans rescaled to the global maximum and summed.
+
+Only the keys up to the position are read, however large the storage (its tail is never touched),
+and the graph's grid stays fixed: spans past the position return at once. In torch the same
+attention is two batched matmuls over the whole storage, a mask, a softmax and conversions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPAN = 512  # keys per program of `_partial`
+BLOCK_N = 64  # keys per step
+
+
+@triton.jit
+def _partial(q, keys, values, position, acc_out, max_out, sum_out, scale, k_stride_c, k_stride_h, v_stride_c,
+             v_stride_h, spans, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
+             BLOCK_N: tl.constexpr, SPAN: tl.constexpr, PRECISION: tl.constexpr):
+    h, s = tl.program_id(0), tl.program_id(1)
+    g, d = tl.arange(0, GP), tl.arange(0, DP)
+    # Tiles in fp32, dots in tf32 for 16-bit inputs (which tf32 holds exactly) or full fp32.
+    q_tile = tl.load(q + (h * G + g[:, None]) * D + d[None, :], mask=(g[:, None] < G) & (d[None, :] < D),
+                     other=0.0).to(tl.float32)
+    lo = s * SPAN
+    hi = tl.minimum(lo + SPAN, tl.load(position) + 1)  # keys lo .. hi - 1 (none past the position)
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, DP], dtype=tl.float32)
+    # A fixed loop whose steps past the position do nothing: Triton's interpreter (the CPU tests)
+    # takes no loaded value as a loop bound.
+    for step in range(0, SPAN, BLOCK_N):
+        if lo + step < hi:
+            n = lo + step + tl.arange(0, BLOCK_N)
+            kv_mask = (n[:, None] < hi) & (d[None, :] < D)
+            k = tl.load(keys + n[:, None] * k_stride_c + h * k_stride_h + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            scores = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(n[None, :] < hi, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(values + n[:, None] * v_stride_c + h * v_stride_h + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            m_i = m_new
+    at = (h * spans + s) * GP + g
+    tl.store(acc_out + at[:, None] * DP + d[None, :], acc)
+    tl.store(max_out + at, m_i)
+    tl.store(sum_out + at, l_i)
+
+
+@triton.jit
+def _combine(acc_in, max_in, sum_in, out, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
+             SPANS: tl.constexpr):
+    h = tl.program_id(0)
+    g, d = tl.arange(0, GP), tl.arange(0, DP)
+    top = tl.full([GP], float("-inf"), dtype=tl.float32)
+    for s in range(0, SPANS):  # span 0 always holds key 0: the maximum is finite
+        top = tl.maximum(top, tl.load(max_in + (h * SPANS + s) * GP + g))
+    num = tl.zeros([GP, DP], dtype=tl.float32)
+    den = tl.zeros([GP], dtype=tl.float32)
+    for s in range(0, SPANS):
+        at = (h * SPANS + s) * GP + g
+        w = tl.exp(tl.load(max_in + at) - top)  # 0 for a span past the position
+        num += tl.load(acc_in + at[:, None] * DP + d[None, :]) * w[:, None]
+        den += tl.load(sum_in + at) * w
+    result = num / den[:, None]
+    tl.store(out + (h * G + g[:, None]) * D + d[None, :], result.to(out.dtype.element_ty),
+             mask=(g[:, None] < G) & (d[None, :] < D))
+
+
+def decode_attention_gpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
+                         heads: tuple[int, int, int]) -> torch.Tensor:
+    """`attention.decode_attention` on the GPU: q [1, heads, d] over keys/values [C, kv, d] up to
+    `position` (int64 [1] on the device): [1, heads · d] in q's dtype."""
+    n_q, n_kv, d = heads
+    group = n_q // n_kv
+    if keys.stride(2) != 1 or values.stride(2) != 1:
+        raise ValueError(f"decode attention: keys and values need unit stride along d, not "
+                         f"{keys.stride()} and {values.stride()}")
+    spans = triton.cdiv(keys.shape[0], SPAN)
+    gp, dp = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(d))
+    partial = torch.empty(n_kv, spans, gp, dp, dtype=torch.float32, device=q.device)
+    maxima = torch.empty(n_kv, spans, gp, dtype=torch.float32, device=q.device)
+    sums = torch.empty_like(maxima)
+    out = torch.empty(1, n_q * d, dtype=q.dtype, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _partial[(n_kv, spans)](q.contiguous(), keys, values, position, partial, maxima, sums, d ** -0.5,
+                            keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), spans,
+                            G=group, D=d, GP=gp, DP=dp, BLOCK_N=BLOCK_N, SPAN=SPAN, PRECISION=precision)
+    _combine[(n_kv,)](partial, maxima, sums, out, G=group, D=d, GP=gp, DP=dp, SPANS=spans)
+    return out
