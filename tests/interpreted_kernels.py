@@ -1,9 +1,9 @@
 """Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1 (Triton reads
-it when the kernels are defined): the decode plan's, the fills', the step counters' and decode
-attention's Triton kernels, interpreted on the CPU, against the torch plan (`plan_layer`), a plain
-copy, sums of `MissPlanner.bound_s` and softmax attention over the tokens, on random routings,
-batch sizes, slot counts (up to several candidate blocks), rules, rates, head shapes, capacities
-and positions.
+it when the kernels are defined): the decode plan's, the fills', the step counters', decode
+attention's and the router's Triton kernels, interpreted on the CPU, against the torch plan
+(`plan_layer`), a plain copy, sums of `MissPlanner.bound_s`, softmax attention over the tokens and
+torch's softmax top-k, on random routings, batch sizes, slot counts (up to several candidate
+blocks), rules, rates, head shapes, capacities, positions and router shapes.
 
     TRITON_INTERPRET=1 python tests/interpreted_kernels.py SEED RUNS STEPS
 """
@@ -22,6 +22,8 @@ from ftc_runtime.decode.step_counts import StepCounts
 from ftc_runtime.experts.cache import ExpertCache
 from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
 from ftc_runtime.models.layers.decode_attention_kernel import SPAN, decode_attention_gpu
+from ftc_runtime.models.layers.router import softmax_top_k
+from ftc_runtime.models.layers.router_kernel import softmax_top_k_gpu
 
 PLAN_FIELDS = ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts",
                "pairs")
@@ -122,6 +124,21 @@ def check_decode_attention(rng: random.Random, g: torch.Generator) -> None:
         assert got.dtype == dtype and got.shape == want.shape and err < tol, f"{what}, {dtype}: {err:.2e}"
 
 
+def check_router(rng: random.Random, g: torch.Generator) -> None:
+    for trial in range(8):
+        t, e, k = rng.choice([1, 3, 17]), rng.choice([8, 60, 128, 256]), rng.choice([1, 2, 6, 8])
+        renormalize = rng.random() < 0.5
+        logits = (3 * torch.randn(t, e, generator=g)).to(rng.choice([torch.float32, torch.bfloat16]))
+        got_ids, got_w = softmax_top_k_gpu(logits, k, renormalize)
+        want_ids, want_w = softmax_top_k(logits, k, renormalize)
+        what = f"router, trial {trial}: {t} tokens, {e} experts, top {k}, renormalize {renormalize}, {logits.dtype}"
+        # bf16 logits can tie: then any of the tied experts is right, at the same weight
+        same = got_ids == want_ids
+        tied = torch.gather(logits, 1, got_ids) == torch.gather(logits, 1, want_ids)
+        assert bool((same | tied).all()) and got_ids.dtype == torch.int64, what
+        assert torch.allclose(got_w, want_w, rtol=1e-5, atol=1e-7), what
+
+
 def main() -> None:
     seed, runs, steps = (int(a) for a in sys.argv[1:4])
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -129,6 +146,7 @@ def main() -> None:
     check_fills(rng, g)
     check_counts(rng)
     check_decode_attention(rng, g)
+    check_router(rng, g)
     print("ok")
 
 

@@ -41,17 +41,14 @@ class DeviceStep:
             self.kernels.counter.fill_(int(self.bell.flags[RING]))
             self.bell.rung_by_host = False
 
-    def run(self, base_id: int, packed: torch.Tensor, k: int, out: torch.Tensor,
+    def run(self, base_id: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
             timeline: DeviceTimeline | None = None) -> None:
-        """The call staged in `packed` ([T, hidden + 2k]: x, ids, weights in fp32) for the MoE
-        layer whose first FTW row is `base_id`; out ([T, hidden] fp32) = its routed experts.
-        `timeline`: the call's phases marked."""
+        """The call of x ([T, hidden] fp32, contiguous) routed to `ids` [T, k] (in the MoE layer
+        whose first FTW row is `base_id`) with fp32 `weights` [T, k]; out ([T, hidden] fp32) = its
+        routed experts. `timeline`: the call's phases marked."""
         mark = timeline.mark if timeline is not None else lambda _phase: None
         mark("body")
-        hidden = out.shape[1]
-        x = packed[:, :hidden].contiguous()  # a view for one token
-        # The ids (exact in fp32) and weights are read where they are staged.
-        plan = plan_layer_triton(self.tables, self.rule, base_id, packed[:, hidden:hidden + k], packed[:, hidden + k:])
+        plan = plan_layer_triton(self.tables, self.rule, base_id, ids, weights)
         # The CPU's job first: it computes while the GPU fills slots and runs the device pairs.
         self.kernels.post_job(plan, x)
         self.counts.add(plan.counts)

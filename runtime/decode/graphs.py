@@ -38,6 +38,8 @@ from ftc_runtime.cache.base import SequenceState
 from ftc_runtime.cache.kv import KVCache
 from ftc_runtime.decode.timeline import DeviceTimeline
 
+EAGER_FUNCTIONS = ("decode_attention", "route")  # not given to torch.compile (see __init__)
+
 
 class DecodeGraphs(ABC):
     """The machinery shared by the model families: static buffers, one graph per layer and one
@@ -69,8 +71,9 @@ class DecodeGraphs(ABC):
             inductor_config.compile_threads = 1
             # decode_attention stays eager: its key length changes with every doubling of the KV
             # storage, and each new length would compile it again until dynamo's recompile limit
-            # fails the step (in a long agent session); on the GPU it is two Triton kernels.
-            eager, self.fns = self.fns, {name: f if name == "decode_attention" else
+            # fails the step (in a long agent session); on the GPU it is two Triton kernels. The
+            # router is a matmul and a Triton kernel there, which nothing would fuse.
+            eager, self.fns = self.fns, {name: f if name in EAGER_FUNCTIONS else
                                          torch.compile(f, dynamic=False, fullgraph=True)
                                          for name, f in self.fns.items()}
             try:

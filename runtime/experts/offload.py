@@ -104,6 +104,7 @@ class OffloadedExperts(ExpertBackend):
         self.generation = 0  # bumped when the slots or the device step's buffers change: graphs holding them are stale
         self._doorbell: CpuDoorbell | None = None
         self._rung: tuple[int, int] | None = None  # the doorbell job of the current call and its tokens
+        self._on_device_call: tuple[torch.Tensor, ...] = ()  # a device step's staged x, ids, weights
 
     @property
     def cache(self) -> ExpertCache:
@@ -202,13 +203,17 @@ class OffloadedExperts(ExpertBackend):
 
     def stage(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Queues x (fp32), ids and weights into one device buffer [T, hidden + 2k] and its copy to
-        the host (ids are exact in fp32 below 2^24). Capturable in a CUDA graph."""
+        the host (ids are exact in fp32 below 2^24). Capturable in a CUDA graph. In a device step
+        they are only kept: `run_staged_on_device`, next in the same graph, reads them where they are."""
+        if self.device_step_active:
+            self._on_device_call = (x, ids, weights)
+            return
         (t, hidden), k = x.shape, ids.shape[1]
         packed = self._buffer("in", t, hidden + 2 * k, self.device)
         packed[:, :hidden].copy_(x)
         packed[:, hidden:hidden + k].copy_(ids)
         packed[:, hidden + k:].copy_(weights)
-        if self.on_gpu and not self.device_step_active:
+        if self.on_gpu:
             self._buffer("in_host", t, hidden + 2 * k).copy_(packed, non_blocking=True)
 
     def forward_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> torch.Tensor:
@@ -260,13 +265,10 @@ class OffloadedExperts(ExpertBackend):
         """The one-token call `stage` queued, at `position` (int64 [1] on the device), carried out
         on the device alone (`DeviceStep`): no host work, so that the step's graph holds it; its
         output lands in `token_outputs()[0]`. `timeline`: its phases marked."""
-        h = self.hidden
-        packed = self._buffer("in", 1, h + 2 * k, self.device)
+        x, ids, weights = self._on_device_call
         if self.routing is not None:  # a `DeviceRoutingHook` (device_step_ready)
-            ids, w = self.routing.route_on_device(moe_layer, position, packed[:, h:h + k].long(), packed[:, h + k:])
-            packed[:, h:h + k].copy_(ids)
-            packed[:, h + k:].copy_(w)
-        self._device_step.run(moe_layer * self.num_experts, packed, k, self.token_outputs()[0], timeline)
+            ids, weights = self.routing.route_on_device(moe_layer, position, ids, weights)
+        self._device_step.run(moe_layer * self.num_experts, x, ids, weights, self.token_outputs()[0], timeline)
 
     def launch_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> None:
         """Plans the staged call and starts both parts; `finish_staged` returns them."""
