@@ -509,6 +509,25 @@ def test_bench_agent_passes_its_options_and_writes_the_printed_json(engine, tmp_
     assert turns[1]["prompt_tokens"] - turns[0]["prompt_tokens"] > tool  # a tool turn carries a whole output
 
 
+def test_bench_decode_sequences_reports_each_count_decoding_together(engine, loaded):
+    """--sequences: a row per count of concurrent sequences, every step one MoE call per layer
+    over the batch (its unique experts at most count × top-k), aggregate = count × per sequence."""
+    counts = sorted(random.sample(range(1, 6), 2))
+    r = ok("bench", "decode", engine, "--device", "cpu", "--slots", "12", "--sequences", ",".join(map(str, counts)),
+           "--new-tokens", "6", "--prompt-tokens", "4")
+    x = json.loads(r.stdout)
+    assert x["decode_steps"] == 4 and [row["sequences"] for row in x["rows"]] == counts
+    moe_layers, k = len(loaded.spec.moe_layers), loaded.spec.moe.top_k
+    for row in x["rows"]:
+        e = row["experts"]
+        assert e["calls"] == 4 * moe_layers and e["hits"] + e["fills"] + e["cpu"] == e["unique"], row
+        assert 0 < row["mean_unique_per_call"] <= row["sequences"] * k, row
+        assert row["aggregate_tok_s"] == pytest.approx(row["sequences"] * row["per_sequence_tok_s"], rel=1e-3)
+    r = CliRunner().invoke(app, ["bench", "decode", str(engine), "--device", "cpu", "--sequences", "2",
+                                 "--synthetic-locality", "0.5"])
+    assert r.exit_code == 1 and "--sequences" in _said(r) and "--synthetic-locality" in _said(r), r.output
+
+
 def test_bench_builds_a_spec_with_random_weights_in_memory():
     r = ok("bench", "experts", TINY, "--random-weights", "--seed", random.randrange(1000), "--seconds", "0.1")
     assert json.loads(r.stdout)["engine"] == "qwen3-moe-tiny"
@@ -667,7 +686,8 @@ def bad_option_cases(engine: Path, tmp: Path) -> list[tuple[str, list, str]]:
         (exp, "-o", [missing, tmp]), (pre, "--lengths", ["0,-1", ","]), (pre, "--prefill-chunk", ["0"]),
         (pre, "--plot", [missing]), (pre, "--stream-min-tokens", ["0"]), (pre, "--seed", ["-1"]),
         (dec, "--synthetic-locality", ["2", "-0.1", "nan"]), (dec, "--slots", ["-1"]), (dec, "--prompt-tokens", ["0"]),
-        (dec, "--new-tokens", ["1"]), (agent, "--session-tokens", ["0"]), (agent, "--tool-output-tokens", ["0"]),
+        (dec, "--new-tokens", ["1"]), (dec, "--sequences", ["0", "1,-2", ","]), (agent, "--session-tokens", ["0"]),
+        (agent, "--tool-output-tokens", ["0"]),
         (prof, "--seconds", ["0", "nan"]), (prof, "-o", [missing]), (trace, "--max-new-tokens", ["0"]),
         (["trace", engine, "--prompt-ids", "1"], "-o", [missing])) for v in vs]
     if not torch.cuda.is_available():  # without a GPU, the default --device of `bench decode` and cuda itself

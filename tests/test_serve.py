@@ -47,14 +47,17 @@ def client(url: str, key: str = "none") -> openai.OpenAI:
 
 
 def _expected(engine: Engine, messages: list[dict], n: int) -> str:
-    """What the engine itself generates, greedily, for the rendered conversation."""
+    """What the engine itself generates, greedily, for the rendered conversation, as the server
+    shows it: control tokens (`hidden_token_ids`, such as <|im_start|> from a random model) count
+    but show no text."""
     ids = engine.tokenizer.encode(engine.chat_template.render(messages))
     eos = set(engine.spec.eos_token_ids)
     out = []
     for t in engine.generate(ids, n, SamplingParams(0.0), stop_at_eos=True):
         if t in eos:
             break
-        out.append(t)
+        if t not in engine.hidden_token_ids:
+            out.append(t)
     return engine.tokenizer.decode(out)
 
 

@@ -121,6 +121,9 @@ def decode(
                                                              "of this locality, in [0, 1].")] = None,
     prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length (random tokens).")] = 128,
     new_tokens: Annotated[int, typer.Option(min=2, help="Tokens to generate.")] = 64,
+    sequences: Annotated[str | None, typer.Option(help="Concurrent sequences, comma-separated (e.g. 1,2,4,8,16): "
+                                                  "the aggregate throughput of each count decoding together, "
+                                                  "with the model's own router and sampled tokens.")] = None,
     device: DeviceArg = "cuda",
     vram_budget: VramBudgetArg = None,
     slots: SlotsArg = None,
@@ -137,14 +140,24 @@ def decode(
     """Decode speed with the experts split between a device slot cache and the CPU.
 
     Tok/s, the split's statistics (hits, fills, CPU misses) and the bandwidth bound of the steps
-    that ran; the router's own choices, or a replayed trace."""
+    that ran; the router's own choices, or a replayed trace. With --sequences, the aggregate
+    throughput of several sequences at once instead."""
     from ftc.bench.decode import bench_decode
+    from ftc.bench.decode_batches import bench_decode_batches
     from ftc_runtime.artifact import EngineManifest
 
     with failing_on_user_errors():
         offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
                                  stream_min_tokens)
+        counts = parse_ids(sequences, "--sequences", low=1) if sequences is not None else None
+        if counts is not None and (routing_trace is not None or synthetic_locality is not None):
+            raise ValueError("--sequences decodes with the model's own router: leave out --routing-trace and "
+                             "--synthetic-locality")
         with _engine(engine, random_weights, seed, target, override) as (path, pool):
+            if counts is not None:
+                print(_report(bench_decode_batches(path, offload, counts, prompt_tokens, new_tokens, pool=pool),
+                              output))
+                return
             trace, routing = routing_for(routing_trace, synthetic_locality, EngineManifest.read(path).spec, 0)
             text = _report(bench_decode(path, offload, trace, routing, prompt_tokens, new_tokens, pool=pool), output)
     print(text)
