@@ -105,7 +105,7 @@ def check_counts(rng: random.Random) -> None:
 
 def check_decode_attention(rng: random.Random, g: torch.Generator) -> None:
     for trial in range(6):
-        n_kv, group, d = rng.choice([1, 2, 4]), rng.choice([1, 3, 8]), rng.choice([16, 24, 64])
+        n_kv, group, d = rng.choice([1, 2, 4]), rng.choice([1, 3, 8]), rng.choice([16, 24, 64, 256])
         capacity = rng.choice([1, 40, SPAN, 2 * SPAN + 8])
         position = rng.randrange(capacity)
         dtype = rng.choice([torch.float32, torch.bfloat16])

@@ -338,14 +338,17 @@ def test_fla_delta_rule_matches_the_torch_recurrence(trial, seed, monkeypatch):
         assert rel(a, b) < 1e-2
 
 
-@pytest.mark.parametrize("compiled,device_plan", [(False, False), (True, False), (False, True)])
-def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled, device_plan, seed):
+@pytest.mark.parametrize("compiled,device_plan,quant", [(False, False, None), (True, False, None), (False, True, None),
+                                                        (False, True, "mxfp4"), (False, True, "nvfp4")])
+def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled, device_plan, quant, seed):
     """The hybrid family's decode graphs (Gated DeltaNet steps with their state updated in place,
     gated attention, the shared expert) give the eager path's logits, across a restored checkpoint
     and a second sequence (graphs captured again); compiled, both are held to the fp32 CPU engine
-    as the qwen3_moe graphs are above, and so is the whole step as one graph (`device_plan`)."""
+    as the qwen3_moe graphs are above, and so is the whole step as one graph (`device_plan`), in
+    bf16 and in the 4-bit expert formats."""
     spec = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3.6-moe-tiny.yaml"
-    engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, output=tmp_path / "hybrid"))
+    engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, quant=quant,
+                                           output=tmp_path / "hybrid"))
     if device_plan:
         monkeypatch.setenv("FTC_DEVICE_PLAN", "1")
     graphs, eager = _graphs_and_eager(engine, monkeypatch, compiled, random.Random(seed))

@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 SPAN = 512  # keys per program of `_partial`
-BLOCK_N = 64  # keys per step
 
 
 @triton.jit
@@ -95,8 +94,11 @@ def decode_attention_gpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     sums = torch.empty_like(maxima)
     out = torch.empty(1, n_q * d, dtype=q.dtype, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # keys per step and warps: a step's key and value tiles are BLOCK_N × dp fp32 in registers
+    block_n, warps = (64, 4) if dp <= 128 else (32, 8)
     _partial[(n_kv, spans)](q.contiguous(), keys, values, position, partial, maxima, sums, d ** -0.5,
                             keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), spans,
-                            G=group, D=d, GP=gp, DP=dp, BLOCK_N=BLOCK_N, SPAN=SPAN, PRECISION=precision)
+                            G=group, D=d, GP=gp, DP=dp, BLOCK_N=block_n, SPAN=SPAN, PRECISION=precision,
+                            num_warps=warps)
     _combine[(n_kv,)](partial, maxima, sums, out, G=group, D=d, GP=gp, DP=dp, SPANS=spans)
     return out
