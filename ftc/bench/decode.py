@@ -55,7 +55,7 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
         raise ValueError(f"new_tokens = {new_tokens}: decode benchmarks need at least {warmup + 2}")
     decode_s, warmup_s, host_cpu_s = _timed_decode(engine, prompt, new_tokens, sampling, warmup)
     s = experts.stats
-    split_bias = getattr(experts, "split_bias", 0.0)
+    split_bias = experts.split_bias
     timeline = _device_timeline(engine, prompt, sampling, warmup)
     steps = new_tokens - 1 - warmup
     planner = experts.planner

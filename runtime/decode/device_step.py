@@ -29,7 +29,7 @@ class DeviceStep:
 
     def __init__(self, store: SlotStore, planner: MissPlanner, bell: CpuDoorbell, rows: MappedRows,
                  tables: CacheTables, rule: PlanRule):
-        self.store, self.planner, self.rows, self.tables, self.rule = store, planner, rows, tables, rule
+        self.store, self.rows, self.tables, self.rule = store, rows, tables, rule
         self.bell, self.kernels = bell, DoorbellKernels(bell, store.device)
         self.counts = StepCounts(planner, store.header.expert_stride, store.device)
 

@@ -53,7 +53,7 @@ class DeviceTimeline:
         phase is MoE layer k's."""
         seen = {p: 0 for p in PHASES}
         for (_, before), (phase, after) in zip(self._marks, self._marks[1:], strict=False):
-            add(self._ms[phase], seen[phase], before.elapsed_time(after))
+            _add_at(self._ms[phase], seen[phase], before.elapsed_time(after))
             seen[phase] += 1
         self.steps += 1
 
@@ -71,7 +71,7 @@ class DeviceTimeline:
         }
 
 
-def add(sums: list[float], i: int, value: float) -> None:
+def _add_at(sums: list[float], i: int, value: float) -> None:
     """sums[i] += value, growing the list to reach i."""
     if i == len(sums):
         sums.append(0.0)
