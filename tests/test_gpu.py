@@ -375,6 +375,49 @@ def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compil
     assert_graphs_match(got, want, lambda: session(Engine.load(engine)), compiled or device_plan)
 
 
+# Which sequences decode together at each step: four of them (the second grows its KV storage
+# past its first 256 tokens at the fourth step, so the batch's graph is captured again), then one
+# leaves, then one alone (the one-sequence step), then two again.
+_BATCH_SCHEDULE = [[0, 1, 2, 3]] * 6 + [[0, 2, 3]] * 4 + [[1]] * 2 + [[3, 1]] * 3
+_BATCH_PROMPTS = (5, 253, 17, 40)
+
+
+def _batch_session(engine: Engine, seed: int) -> list[torch.Tensor]:
+    """Each prompt's last logits, then the logits of every sequence at every step of
+    `_BATCH_SCHEDULE` (`decode_batch`, the tokens drawn from `seed`: the same for every engine)."""
+    rng = random.Random(seed)
+    vocab = engine.spec.vocab_size
+    caches = [engine.model.new_cache() for _ in _BATCH_PROMPTS]
+    out = [engine.model.forward(torch.tensor([rng.randrange(vocab) for _ in range(n)]), cache)[-1:].cpu()
+           for n, cache in zip(_BATCH_PROMPTS, caches, strict=True)]
+    for rows in _BATCH_SCHEDULE:
+        logits = engine.model.decode_batch([rng.randrange(vocab) for _ in rows], [caches[r] for r in rows])
+        out += list(logits.cpu().split(1))
+    return out
+
+
+@pytest.mark.parametrize("spec_name,quant", [("qwen3-moe-tiny", None), ("qwen3-moe-tiny", "mxfp4"),
+                                             ("qwen3.6-moe-tiny", None), ("qwen3.6-moe-tiny", "nvfp4")])
+def test_batched_decode_graphs_equal_the_eager_batch(tmp_path, monkeypatch, spec_name, quant, seed):
+    """Several sequences decoding together as one whole-step graph (`step_batch`: the projections,
+    router, experts and head over the rows, each sequence's attention and recurrence on its own
+    state), as a server's batch changes: held with the eager `decode_batch` on the same device
+    plan to the fp32 CPU engine (its mean error at most 4× the eager one's plus 2e-3, and the top
+    tokens near the best), in both families and in bf16 and the 4-bit formats."""
+    spec = Path(__file__).resolve().parents[1] / "model_specs" / f"{spec_name}.yaml"
+    engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=5, quant=quant,
+                                           output=tmp_path / "engine"))
+    graphs, eager = _graphs_and_eager(engine, monkeypatch, False, random.Random(seed), device_plan=True)
+    got, want = _batch_session(graphs, seed), _batch_session(eager, seed)
+    ref = _batch_session(Engine.load(engine), seed)
+    captures = graphs.model.decode_graphs.captures
+    assert sorted(captures) == [1, 2] and list(captures[2].graphs) == [("step", 0)]  # the last batch's width
+    err_graphs = sum(rel(a, r) for a, r in zip(got, ref, strict=True)) / len(ref)
+    err_eager = sum(rel(b, r) for b, r in zip(want, ref, strict=True)) / len(ref)
+    assert err_graphs < 4 * err_eager + 2e-3, f"batched graphs {err_graphs:.2e}, eager batch {err_eager:.2e}"
+    assert near_best_share(torch.cat(got), torch.cat(ref)) >= 0.95
+
+
 # Another process on the GPU: it starts CUDA, then holds the number of bytes it reads on stdin
 # until its stdin closes.
 _HOLDER = ("import sys, torch; torch.zeros(1, device='cuda'); print('ready', flush=True); "

@@ -17,9 +17,13 @@ plan as data, `FTC_DEVICE_PLAN=1`), the whole step is one graph instead: the tok
 and the position's rotary table (the host writes only the token and the position), every layer's
 body, each MoE layer's `run_staged_on_device` (plan kernels, the CPU's share through the doorbell,
 gathered fills, joined on the device) and the head, with no host round trip.
-Graphs are captured in the second step on a KV storage (the first runs the same code eagerly,
-which warms up every kernel), and again whenever the storage moves (a new sequence, or growth by
-doubling) or the expert backend's slots or mailbox do (its `generation`).
+Several sequences decode together (`step_batch`, the server's batches) in the whole-step mode
+only: one graph per width n (2 to the backend's largest planned call), the projections, router,
+experts and head over the n rows, each sequence's attention (and recurrence) on its own state.
+Graphs are captured in the second step on a set of storages (the first runs the same code
+eagerly, which warms up every kernel), and again whenever a storage moves (a new sequence, growth
+by doubling, another set of sequences in a batch) or the expert backend's slots or mailbox do (its
+`generation`). Widths above 1 run the functions uncompiled: each width would compile them again.
 The family's functions are fused by torch.compile first, at load (FTC_TORCH_COMPILE=0 turns it
 off; a compiler failure falls back to the same functions uncompiled); docs/performance.md has
 what it gains.
@@ -36,6 +40,7 @@ import torch
 
 from ftc_runtime.cache.base import SequenceState
 from ftc_runtime.cache.kv import KVCache
+from ftc_runtime.decode.step_buffers import Captures, StepBuffers
 from ftc_runtime.decode.timeline import DeviceTimeline
 
 EAGER_FUNCTIONS = ("decode_attention", "route")  # not given to torch.compile (see __init__)
@@ -51,18 +56,9 @@ class DecodeGraphs(ABC):
         if model.device.type != "cuda":
             raise ValueError("DecodeGraphs needs a CUDA device")
         self.model = model
-        spec, dev, dt = model.spec, model.device, model.dtype
-        hidden = spec.hidden_size
-        self.x = torch.zeros(1, hidden, dtype=dt, device=dev)
-        self.mlp = torch.zeros(1, hidden, dtype=dt, device=dev)
-        self.cos = torch.zeros(1, 1, model.inv_freq.numel() * 2, dtype=dt, device=dev)
-        self.sin = torch.zeros_like(self.cos)
-        self.position = torch.zeros(1, dtype=torch.long, device=dev)
-        self.token = torch.zeros(1, dtype=torch.long, device=dev)  # a whole step's input token
-        self.logits = torch.zeros(1, spec.vocab_size, dtype=torch.float32, device=dev)
-        self.cpu_part = torch.zeros(1, hidden, dtype=torch.float32, device=dev)  # a CPU part, copied in
-        self.shared: torch.Tensor | None = None  # a shared expert's output, where the family has one
-        self.fns = self.functions()
+        self._buffers = {1: StepBuffers.make(model, 1)}
+        self.io = self._buffers[1]  # the buffers of the step being run or captured
+        self.fns = self.eager_fns = self.functions()
         if compile_fns:
             # Compiled in this process, without a pool of compile workers: those workers, still
             # busy after compiling, would sit on the cores of the CPU expert workers.
@@ -83,11 +79,8 @@ class DecodeGraphs(ABC):
                 print(f"ftc: torch.compile failed for decode, running uncompiled ({type(e).__name__}: {e})",
                       file=sys.stderr)
                 self.fns = eager
-        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        # (KVCache.generation, OffloadedExperts.generation) the graphs were captured on
-        self.graph_storage: tuple[int, int] | None = None
-        self.pool = torch.cuda.graph_pool_handle()
-        self.warm = False  # a step ran eagerly on the current storage
+        self.f = self.fns  # the functions of the step being run (uncompiled above width 1)
+        self.captures: dict[int, Captures] = {}  # by width
         self.step_done = torch.cuda.Event(blocking=True)  # a whole-step graph's end, waited for asleep
         self.timeline: DeviceTimeline | None = None  # a whole step's phases, where measured
 
@@ -95,7 +88,13 @@ class DecodeGraphs(ABC):
         """Records (or stops recording) a whole step's device timeline from the next step on: the
         graphs are captured again, with the timeline's events or without them."""
         self.timeline = timeline
-        self.graph_storage = None
+        self.captures.clear()
+
+    @property
+    def graphs(self) -> dict[tuple[str, int], torch.cuda.CUDAGraph]:
+        """The one-sequence step's graphs, by (kind, index)."""
+        captures = self.captures.get(1)
+        return {} if captures is None else captures.graphs
 
     @abstractmethod
     def functions(self) -> dict[str, Callable]:
@@ -107,120 +106,157 @@ class DecodeGraphs(ABC):
         of the first layer of each kind; the outputs are discarded."""
 
     @abstractmethod
-    def _layer(self, i: int, cache: SequenceState) -> None:
-        """Layer i's non-expert work on x: joins the previous MLP output, mixes tokens, and either
-        stages the routed experts' input for the host or writes a dense MLP's output to `mlp`."""
+    def _layer(self, i: int, caches: list[SequenceState]) -> None:
+        """Layer i's non-expert work on the rows of x (one per cache): joins the previous MLP
+        output, mixes tokens (each row on its own cache), and either stages the routed experts'
+        input or writes a dense MLP's output to `mlp`."""
+
+    def batch_ready(self, n: int) -> bool:
+        """Whether `step_batch` can decode n sequences together: n ≥ 2 within the expert backend's
+        whole-step calls."""
+        return n >= 2 and self.model.experts.device_step_ready(n)
 
     def step(self, ids: torch.Tensor, cache: SequenceState) -> torch.Tensor:
         """Logits [1, vocab] fp32 of the token `ids` (one) after the cache's tokens."""
         m, position = self.model, cache.length
         cache.reserve(position + 1)
-        whole = m.experts.device_step_ready()
-        if whole:
-            m.experts.begin_device_step(m.spec.moe.top_k)
-        if (cache.generation, m.experts.generation) != self.graph_storage:
-            # New storage: the next graphs capture new addresses (and new shapes, after growth),
-            # into a new memory pool (a pool whose graphs are all freed cannot take new ones).
-            # This step runs eagerly first, so that every kernel is warmed up (and compiled) for
-            # the new shapes outside a capture.
-            self.graphs.clear()
-            self.pool = torch.cuda.graph_pool_handle()
-            self.graph_storage = (cache.generation, m.experts.generation)
-            self.warm = False
-        self.position.fill_(position)
-        if whole:  # the step's input is made inside its graph
-            self.token.fill_(int(ids.reshape(-1)[0]))
-            try:
-                self._run(("step", 0), lambda: self._device_step(cache))
-            finally:
-                m.experts.end_device_step()
-            cache.length += 1
-            self.warm = True
-            logits = self.logits.clone()
-            # The thread sleeps until the step is done, rather than spinning in the caller's next
-            # sync on a core that the CPU experts and the doorbell thread need meanwhile.
-            self.step_done.record()
-            self.step_done.synchronize()
-            if self.timeline is not None:
-                self.timeline.collect()
-            return logits
+        token = int(ids.reshape(-1)[0])
+        if m.experts.device_step_ready():
+            return self._whole_step([token], [cache])
+        captures = self._select([cache])
+        self.io.set_inputs([token], [position])
         self._prologue(ids.to(m.device))
         clock = m.experts.stats.host_s
         for i in range(m.spec.num_layers):
             t0 = time.perf_counter()
-            self._run(("layer", i), lambda i=i: self._layer(i, cache))
+            self._run(captures, ("layer", i), lambda i=i: self._layer(i, [cache]))
             clock["layer_launch"] += time.perf_counter() - t0
             if m.is_moe(i):
                 m.experts.launch_staged(m.moe_index[i], 1, m.spec.moe.top_k, position)
                 m.experts.finish_staged()
         cache.length += 1
-        self._run(("head", 0), self._head)
-        self.warm = True
-        return self.logits.clone()
+        self._run(captures, ("head", 0), self._head)
+        captures.warm = True
+        return self.io.logits.clone()
 
-    def _device_step(self, cache: SequenceState) -> None:
+    def step_batch(self, tokens: list[int], caches: list[SequenceState]) -> torch.Tensor:
+        """Logits [n, vocab] fp32 of one token of each of n sequences (`batch_ready(n)`), each
+        after its own cache's tokens: the whole step as one graph."""
+        for cache in caches:
+            cache.reserve(cache.length + 1)
+        return self._whole_step(tokens, caches)
+
+    def _whole_step(self, tokens: list[int], caches: list[SequenceState]) -> torch.Tensor:
+        m = self.model
+        m.experts.begin_device_step(m.spec.moe.top_k)  # may renew the backend's generation: first
+        try:
+            captures = self._select(caches)
+            self.io.set_inputs(tokens, [c.length for c in caches])
+            self._run(captures, ("step", 0), lambda: self._device_step(caches))
+        finally:
+            m.experts.end_device_step()
+        for cache in caches:
+            cache.length += 1
+        captures.warm = True
+        logits = self.io.logits.clone()
+        # The thread sleeps until the step is done, rather than spinning in the caller's next
+        # sync on a core that the CPU experts and the doorbell thread need meanwhile.
+        self.step_done.record()
+        self.step_done.synchronize()
+        if self.timeline is not None:
+            self.timeline.collect()
+        return logits
+
+    def _select(self, caches: list[SequenceState]) -> Captures:
+        """Makes the buffers and functions of a step over `caches` current, and returns its width's
+        graphs, renewed if a storage changed: new addresses (and new shapes, after growth), in a
+        new memory pool (a pool whose graphs are all freed cannot take new ones). Their next step
+        runs eagerly first, warming every kernel (and compiling it) outside a capture. One batch
+        width keeps graphs besides the single sequence's."""
+        n = len(caches)
+        if n not in self._buffers:
+            self._buffers[n] = StepBuffers.make(self.model, n)
+        self.io, self.f = self._buffers[n], self.fns if n == 1 else self.eager_fns
+        storage = (*(c.generation for c in caches), self.model.experts.generation)
+        captures = self.captures.get(n)
+        if captures is None or captures.storage != storage:
+            if n > 1:
+                self.captures = {w: c for w, c in self.captures.items() if w == 1}
+            captures = self.captures[n] = Captures(storage)
+        return captures
+
+    def _device_step(self, caches: list[SequenceState]) -> None:
         """The whole step with its MoE layers on the device (`run_staged_on_device`): one graph."""
         m, timeline = self.model, self.timeline
         if timeline is not None:
             timeline.restart()
-        self._prologue(self.token)
+        self._prologue(self.io.token)
         for i in range(m.spec.num_layers):
-            self._layer(i, cache)
+            self._layer(i, caches)
             if m.is_moe(i):
-                m.experts.run_staged_on_device(m.moe_index[i], m.spec.moe.top_k, self.position, timeline)
+                m.experts.run_staged_on_device(m.moe_index[i], m.spec.moe.top_k, self.io.position, timeline)
         self._head()
         if timeline is not None:
             timeline.mark("head")
 
-    def _prologue(self, token: torch.Tensor) -> None:
-        """The step's input: the embedding of `token` (int64 [1] on the device) and the rotary
-        table of the step's position; no MLP output to join yet."""
-        m = self.model
-        cos, sin = m.rope_at(self.position)
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
-        self.x.copy_(m.embed[token].to(m.dtype))
-        self.mlp.zero_()
+    def _prologue(self, tokens: torch.Tensor) -> None:
+        """The step's input: the embeddings of `tokens` (int64 [n] on the device) and the rotary
+        tables of the step's positions; no MLP output to join yet."""
+        m, io = self.model, self.io
+        cos, sin = m.rope_at(io.position)
+        io.cos.copy_(cos)
+        io.sin.copy_(sin)
+        io.x.copy_(m.embed[tokens].to(m.dtype))
+        io.mlp.zero_()
 
-    def _run(self, key: tuple[str, int], fn: Callable[[], None]) -> None:
-        graph = self.graphs.get(key)
-        if graph is None and not self.warm:
+    @staticmethod
+    def _run(captures: Captures, key: tuple[str, int], fn: Callable[[], None]) -> None:
+        graph = captures.graphs.get(key)
+        if graph is None and not captures.warm:
             fn()
             return
         if graph is None:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=captures.pool):
                 fn()
-            self.graphs[key] = graph
+            captures.graphs[key] = graph
         graph.replay()
 
     def _join_previous(self, i: int) -> None:
         """x += the previous layer's MLP output; a MoE layer's is its device part plus its CPU part
         (plus its shared expert's, where there is one)."""
-        m = self.model
+        m, io = self.model, self.io
         if i > 0 and m.is_moe(i - 1):
-            on_device, on_host = m.experts.token_outputs()
+            on_device, on_host = m.experts.token_outputs(io.width)
             if on_host is None:  # a device step: the CPU's part is in the device's already
-                self.mlp.copy_(on_device)
+                io.mlp.copy_(on_device)
             else:
-                self.cpu_part.copy_(on_host, non_blocking=True)
-                self.mlp.copy_(on_device + self.cpu_part)
-            if self.shared is not None:
-                self.mlp.add_(self.shared)
-        self.x.add_(self.mlp)
+                io.cpu_part.copy_(on_host, non_blocking=True)
+                io.mlp.copy_(on_device + io.cpu_part)
+            if io.shared is not None:
+                io.mlp.add_(io.shared)
+        io.x.add_(io.mlp)
 
     def _head(self) -> None:
         self._join_previous(self.model.spec.num_layers)
-        self.logits.copy_(self.model.head(self.x))
+        self.io.logits.copy_(self.model.head(self.io.x))
 
-    def store_kv(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor
+    def store_kv(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, row: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Writes k, v at the step's position (a device tensor) of the cache's `layer`: its whole
-        key and value storage and that position, up to which this token sees them."""
+        """Writes k, v (one token's) at the position of the step's `row` (a device tensor) in the
+        cache's `layer`: its whole key and value storage and that position, up to which this
+        token sees them."""
         keys, values = cache.storage(layer)
-        keys.index_copy_(0, self.position, k)
-        values.index_copy_(0, self.position, v)
-        return keys, values, self.position
+        position = self.io.position[row:row + 1]
+        keys.index_copy_(0, position, k)
+        values.index_copy_(0, position, v)
+        return keys, values, position
+
+    def per_sequence(self, fn: Callable[[int, SequenceState], torch.Tensor], caches: list[SequenceState]
+                     ) -> torch.Tensor:
+        """fn(row, cache) of each of the step's sequences ([1, ...] each), as the rows of one tensor."""
+        rows = [fn(r, cache) for r, cache in enumerate(caches)]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 def decode_graphs_for(model, kind: type[DecodeGraphs] | None, enabled: bool,

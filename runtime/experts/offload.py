@@ -222,21 +222,25 @@ class OffloadedExperts(ExpertBackend):
         on_device, on_cpu = self.finish_staged()
         return on_device + on_cpu.to(self.device, non_blocking=True)
 
-    def token_outputs(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Where one-token calls leave their two parts ([1, hidden] fp32, on the device and on the
-        host): their sum is the layer's output. Fixed buffers, for CUDA graphs to read. In a device
-        step the device part holds the whole output (the host part: None)."""
-        device_out = self._buffer("device_out", 1, self.hidden, self.device)
-        return device_out, None if self.device_step_active else self._buffer("cpu_out", 1, self.hidden)
+    def token_outputs(self, t: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where decode calls of t tokens leave their two parts ([t, hidden] fp32, on the device
+        and on the host): their sum is the layer's output. Fixed buffers, for CUDA graphs to read
+        (a batch's: one of PLANNED_TOKENS rows, never regrown). In a device step the device part
+        holds the whole output (the host part: None)."""
+        if t == 1:
+            device_out = self._buffer("device_out", 1, self.hidden, self.device)
+        else:
+            device_out = self._buffer("batch_out", PLANNED_TOKENS, self.hidden, self.device)[:t]
+        return device_out, None if self.device_step_active else self._buffer("cpu_out", t, self.hidden)
 
-    def device_step_ready(self) -> bool:
-        """Whether a decode step can run its MoE layers on the device in one graph: the device
-        plan on a GPU, the pool mapped into it, a device kernel, the CPU kernel's pool in the
-        background, no routing hook but one that routes on the device, and no static cache still
-        counting its prompt."""
+    def device_step_ready(self, t: int = 1) -> bool:
+        """Whether a decode step of t tokens can run its MoE layers on the device in one graph:
+        the device plan on a GPU, t within its calls, the pool mapped into it, a device kernel, the
+        CPU kernel's pool in the background, no routing hook but one that routes on the device,
+        and no static cache still counting its prompt."""
         cache = self.store.cache
-        return (self.device_plan and self.on_gpu and self._gather_fills is not None and self.kernel.background
-                and self.store.device_kernel is not None
+        return (self.device_plan and self.on_gpu and t <= PLANNED_TOKENS and self._gather_fills is not None
+                and self.kernel.background and self.store.device_kernel is not None
                 and (self.routing is None or isinstance(self.routing, DeviceRoutingHook))
                 and not (cache.policy == "static" and not cache.frozen))
 
@@ -262,13 +266,15 @@ class OffloadedExperts(ExpertBackend):
 
     def run_staged_on_device(self, moe_layer: int, k: int, position: torch.Tensor,
                              timeline: DeviceTimeline | None = None) -> None:
-        """The one-token call `stage` queued, at `position` (int64 [1] on the device), carried out
-        on the device alone (`DeviceStep`): no host work, so that the step's graph holds it; its
-        output lands in `token_outputs()[0]`. `timeline`: its phases marked."""
+        """The decode call `stage` queued (t tokens, one per sequence, at `position`: int64 [t] on
+        the device), carried out on the device alone (`DeviceStep`): no host work, so that the
+        step's graph holds it; its output lands in `token_outputs(t)[0]`. `timeline`: its phases
+        marked."""
         x, ids, weights = self._on_device_call
         if self.routing is not None:  # a `DeviceRoutingHook` (device_step_ready)
             ids, weights = self.routing.route_on_device(moe_layer, position, ids, weights)
-        self._device_step.run(moe_layer * self.num_experts, x, ids, weights, self.token_outputs()[0], timeline)
+        out = self.token_outputs(x.shape[0])[0]
+        self._device_step.run(moe_layer * self.num_experts, x, ids, weights, out, timeline)
 
     def launch_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> None:
         """Plans the staged call and starts both parts; `finish_staged` returns them."""

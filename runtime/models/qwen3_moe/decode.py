@@ -21,25 +21,27 @@ class AttentionDecodeGraphs(DecodeGraphs):
 
     def _warm_up(self) -> None:
         m, eps = self.model, self.model.spec.norm.eps
-        q, k, _ = self.fns["attention_in"](self.x, *m.attention_in_weights(0), self.cos, self.sin, eps, m.heads)
+        io = self.io
+        q, k, _ = self.fns["attention_in"](io.x, *m.attention_in_weights(0), io.cos, io.sin, eps, m.heads)
         keys = k.new_zeros(INITIAL_CAPACITY, *k.shape[1:])
-        attn = self.fns["decode_attention"](q, keys, keys, self.position, m.heads)
-        _, h = self.fns["attention_out"](self.x, attn, *m.attention_out_weights(0), eps)
+        attn = self.fns["decode_attention"](q, keys, keys, io.position, m.heads)
+        _, h = self.fns["attention_out"](io.x, attn, *m.attention_out_weights(0), eps)
         kinds = {m.is_moe(i): i for i in reversed(range(m.spec.num_layers))}
         if True in kinds:
             self.fns["route"](h, *m.router_args(kinds[True]))
         if False in kinds:
             self.fns["dense_mlp"](h, *m.dense_mlp_weights(kinds[False]))
 
-    def _layer(self, i: int, cache: SequenceCache) -> None:
-        m, f, eps = self.model, self.fns, self.model.spec.norm.eps
+    def _layer(self, i: int, caches: list[SequenceCache]) -> None:
+        m, f, io, eps = self.model, self.f, self.io, self.model.spec.norm.eps
         self._join_previous(i)
-        q, k, v = f["attention_in"](self.x, *m.attention_in_weights(i), self.cos, self.sin, eps, m.heads)
-        attn = f["decode_attention"](q, *self.store_kv(cache.kv, i, k, v), m.heads)
-        x, h = f["attention_out"](self.x, attn, *m.attention_out_weights(i), eps)
-        self.x.copy_(x)
+        q, k, v = f["attention_in"](io.x, *m.attention_in_weights(i), io.cos, io.sin, eps, m.heads)
+        attn = self.per_sequence(lambda r, cache: f["decode_attention"](
+            q[r:r + 1], *self.store_kv(cache.kv, i, k[r:r + 1], v[r:r + 1], r), m.heads), caches)
+        x, h = f["attention_out"](io.x, attn, *m.attention_out_weights(i), eps)
+        io.x.copy_(x)
         if m.is_moe(i):
             ids, weights = f["route"](h, *m.router_args(i))
             m.experts.stage(h.float(), ids, weights)
         else:
-            self.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
+            io.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))

@@ -87,9 +87,12 @@ class Qwen3MoeModel:
     def decode_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
         """One new token for each of several sequences, each after its own cache's tokens: logits
         [B, vocab] fp32. The projections, router, experts and head run once over the batch (the
-        experts of B tokens as one call); attention runs per sequence over its own cache."""
+        experts of B tokens as one call); attention runs per sequence over its own cache. On a GPU
+        whose experts run a step on the device, the whole step is one CUDA graph (`step_batch`)."""
         if len(tokens) != len(caches) or not tokens:
             raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
+        if self.decode_graphs is not None and self.decode_graphs.batch_ready(len(tokens)):
+            return self.decode_graphs.step_batch(tokens, caches)
         if len(tokens) == 1:
             return self.forward(torch.tensor(tokens), caches[0])
         positions = [c.length for c in caches]

@@ -29,30 +29,25 @@ from ftc_runtime.models.layers.router import route
 
 
 class HybridDecodeGraphs(DecodeGraphs):
-    def __init__(self, model, compile_fns: bool):
-        super().__init__(model, compile_fns)
-        if model.spec.moe.num_shared_experts:
-            self.shared = torch.zeros_like(self.mlp)
-
     def functions(self) -> dict[str, Callable]:
         return {f.__name__: f for f in (rms_norm, project, finish, gated_attention_in, decode_attention,
                                         gated_attention_out, residual_norm, route, shared_expert, dense_mlp)}
 
     def _warm_up(self) -> None:
-        m, f, eps = self.model, self.fns, self.model.spec.norm.eps
-        h = f["rms_norm"](self.x, m.w["model.layers.0.input_layernorm.weight"], eps)
+        m, f, io, eps = self.model, self.fns, self.io, self.model.spec.norm.eps
+        h = f["rms_norm"](io.x, m.w["model.layers.0.input_layernorm.weight"], eps)
         for i in [*m.linear_index][:1]:
             w, shape = m.delta_weights[i], m.delta_shape
             conv = torch.zeros(shape.conv_channels, shape.conv_kernel - 1, dtype=m.dtype, device=m.device)
             q, k, v, g, beta, _, _ = f["project"](h, *w.projections(), conv, shape.heads)
             f["finish"](v.float(), h, *w.outputs(), eps)
         for i in [*m.kv_index][:1]:
-            q, k, v, gate = f["gated_attention_in"](h, *m.attention_in_weights(i), self.cos, self.sin, eps, m.heads,
+            q, k, v, gate = f["gated_attention_in"](h, *m.attention_in_weights(i), io.cos, io.sin, eps, m.heads,
                                                     m.spec.attention.output_gate)
             keys = k.new_zeros(INITIAL_CAPACITY, *k.shape[1:])
-            attn = f["decode_attention"](q, keys, keys, self.position, m.heads)
+            attn = f["decode_attention"](q, keys, keys, io.position, m.heads)
             f["gated_attention_out"](attn, gate, m.w[f"model.layers.{i}.self_attn.o_proj.weight"])
-        _, h = f["residual_norm"](self.x, h, m.w["model.layers.0.post_attention_layernorm.weight"], eps)
+        _, h = f["residual_norm"](io.x, h, m.w["model.layers.0.post_attention_layernorm.weight"], eps)
         for i in [*m.moe_index][:1]:
             f["route"](h, *m.router_args(i))
             if m.spec.moe.num_shared_experts:
@@ -60,33 +55,42 @@ class HybridDecodeGraphs(DecodeGraphs):
         for i in [i for i in range(m.spec.num_layers) if not m.is_moe(i)][:1]:
             f["dense_mlp"](h, *m.dense_mlp_weights(i))
 
-    def _layer(self, i: int, cache: SequenceCache) -> None:
-        m, f, eps = self.model, self.fns, self.model.spec.norm.eps
+    def _layer(self, i: int, caches: list[SequenceCache]) -> None:
+        m, f, io, eps = self.model, self.f, self.io, self.model.spec.norm.eps
         p = f"model.layers.{i}."
         self._join_previous(i)
-        h = f["rms_norm"](self.x, m.w[p + "input_layernorm.weight"], eps)
-        out = self._linear(i, h, cache) if i in m.linear_index else self._attention(i, h, cache)
-        x, h = f["residual_norm"](self.x, out, m.w[p + "post_attention_layernorm.weight"], eps)
-        self.x.copy_(x)
+        h = f["rms_norm"](io.x, m.w[p + "input_layernorm.weight"], eps)
+        out = self._linear(i, h, caches) if i in m.linear_index else self._attention(i, h, caches)
+        x, h = f["residual_norm"](io.x, out, m.w[p + "post_attention_layernorm.weight"], eps)
+        io.x.copy_(x)
         if m.is_moe(i):
             ids, weights = f["route"](h, *m.router_args(i))
             m.experts.stage(h.float(), ids, weights)
-            if self.shared is not None:
-                self.shared.copy_(f["shared_expert"](h, *m.shared_expert_weights(i)))
+            if io.shared is not None:
+                io.shared.copy_(f["shared_expert"](h, *m.shared_expert_weights(i)))
         else:
-            self.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
+            io.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
 
-    def _linear(self, i: int, h: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
-        m, f = self.model, self.fns
-        w, shape, state = m.delta_weights[i], m.delta_shape, cache.linear[m.linear_index[i]]
-        q, k, v, g, beta, _, conv = f["project"](h, *w.projections(), state.conv, shape.heads)
-        out, recurrent, _ = delta_rule(q, k, v, g, beta, state.recurrent)
-        state.assign(DeltaNetState(conv, recurrent))
-        return f["finish"](out, h, *w.outputs(), shape.eps)
+    def _linear(self, i: int, h: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
+        """The Gated DeltaNet step of each sequence on its own state, then the gated norm and the
+        output projection over the rows."""
+        m, f = self.model, self.f
+        w, shape, j = m.delta_weights[i], m.delta_shape, m.linear_index[i]
 
-    def _attention(self, i: int, h: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
-        m, f = self.model, self.fns
-        q, k, v, gate = f["gated_attention_in"](h, *m.attention_in_weights(i), self.cos, self.sin,
+        def recurrence(r: int, cache: SequenceCache) -> torch.Tensor:
+            state = cache.linear[j]
+            q, k, v, g, beta, _, conv = f["project"](h[r:r + 1], *w.projections(), state.conv, shape.heads)
+            out, recurrent, _ = delta_rule(q, k, v, g, beta, state.recurrent)
+            state.assign(DeltaNetState(conv, recurrent))
+            return out
+
+        return f["finish"](self.per_sequence(recurrence, caches), h, *w.outputs(), shape.eps)
+
+    def _attention(self, i: int, h: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
+        m, f, io = self.model, self.f, self.io
+        q, k, v, gate = f["gated_attention_in"](h, *m.attention_in_weights(i), io.cos, io.sin,
                                                 m.spec.norm.eps, m.heads, m.spec.attention.output_gate)
-        attn = f["decode_attention"](q, *self.store_kv(cache.kv, m.kv_index[i], k, v), m.heads)
+        layer = m.kv_index[i]
+        attn = self.per_sequence(lambda r, cache: f["decode_attention"](
+            q[r:r + 1], *self.store_kv(cache.kv, layer, k[r:r + 1], v[r:r + 1], r), m.heads), caches)
         return f["gated_attention_out"](attn, gate, m.w[f"model.layers.{i}.self_attn.o_proj.weight"])

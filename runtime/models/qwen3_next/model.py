@@ -120,9 +120,12 @@ class Qwen3NextModel:
     def decode_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
         """One new token for each of several sequences, each after its own tokens: logits [B, vocab]
         fp32. Projections, router, experts and head run once over the batch; attention and the
-        linear layers' recurrence run per sequence on its own state."""
+        linear layers' recurrence run per sequence on its own state. On a GPU whose experts run a
+        step on the device, the whole step is one CUDA graph (`step_batch`)."""
         if len(tokens) != len(caches) or not tokens:
             raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
+        if self.decode_graphs is not None and self.decode_graphs.batch_ready(len(tokens)):
+            return self.decode_graphs.step_batch(tokens, caches)
         positions = [c.length for c in caches]
         self.experts.begin_pass(len(tokens), prompt=False)
         cos, sin = self.rope_at(torch.tensor(positions, device=self.device))
