@@ -126,6 +126,8 @@ class Qwen3NextModel:
             raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
         if self.decode_graphs is not None and self.decode_graphs.batch_ready(len(tokens)):
             return self.decode_graphs.step_batch(tokens, caches)
+        if len(tokens) == 1:
+            return self.forward(torch.tensor(tokens), caches[0])
         positions = [c.length for c in caches]
         self.experts.begin_pass(len(tokens), prompt=False)
         cos, sin = self.rope_at(torch.tensor(positions, device=self.device))
