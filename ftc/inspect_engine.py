@@ -36,8 +36,14 @@ def _rows(title: str, rows: tuple[tuple[str, str], ...]) -> Table:
 
 
 def _token_mixers(spec: ModelSpec) -> str:
-    la = spec.linear_attention
+    la, ml, ix = spec.linear_attention, spec.mla, spec.indexer
     mixers = f"{len(spec.full_attention_layers)} full attention" + (" (gated)" if spec.attention.output_gate else "")
+    if ml is not None:
+        mixers = (f"{len(spec.full_attention_layers)} latent attention (a {ml.kv_lora_rank} + {ml.rope_dim} cache row "
+                  f"per token)")
+        if ix is not None:
+            mixers += (f", sparse: each query on the top {ix.top_k} tokens of its indexer, run in "
+                       f"{ix.layer_types.count('full')} layers")
     if spec.linear_attention_layers:
         mixers = (f"{len(spec.linear_attention_layers)} Gated DeltaNet ({la.num_k_heads} k / {la.num_v_heads} v "
                   f"heads of {la.k_head_dim} / {la.v_head_dim}), " + mixers)

@@ -72,6 +72,34 @@ class LinearAttentionSpec:
 
 
 @dataclass(frozen=True)
+class MlaSpec:
+    """Multi-head latent attention (`attention.kind` "mla", GLM-5 and DeepSeek): queries through a
+    low-rank `q_lora_rank`, keys and values from one `kv_lora_rank` latent per token plus a
+    `rope_dim` rotary key shared by the heads, which is all the cache keeps; per head `nope_dim` +
+    `rope_dim` query/key dims and `v_dim` value dims (`attention.head_dim` is nope_dim + rope_dim).
+    `softmax_scale`: 0 for (nope_dim + rope_dim)^-0.5, else that factor as the config gives it."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    softmax_scale: float = 0.0
+
+
+@dataclass(frozen=True)
+class IndexerSpec:
+    """The DSA indexer of sparse attention: per query the `top_k` cached tokens with the highest
+    index scores (`num_heads` heads of `head_dim`); `layer_types` per layer: "full" layers run it,
+    "shared" ones reuse the previous full layer's choice."""
+
+    num_heads: int
+    head_dim: int
+    top_k: int
+    layer_types: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class RopeSpec:
     theta: float = 1_000_000.0
     partial_rotary_factor: float = 1.0
@@ -89,6 +117,11 @@ class MoESpec:
     # Layers that use a dense MLP instead of experts (HF `mlp_only_layers` / `decoder_sparse_step`).
     dense_layers: tuple[int, ...] = ()
     dense_intermediate_size: int = 0
+    # router "sigmoid_topk" (GLM-5, DeepSeek-V3): experts chosen by sigmoid scores plus a learned
+    # bias, within the best `topk_group` of `n_group` groups; weights × routed_scaling_factor.
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
 
 
 @dataclass(frozen=True)
@@ -118,6 +151,8 @@ class ModelSpec:
     # their linear-attention layers here.
     layer_kinds: tuple[str, ...] = ()
     linear_attention: LinearAttentionSpec | None = None
+    mla: MlaSpec | None = None  # where attention.kind is "mla"
+    indexer: IndexerSpec | None = None  # sparse attention's indexer, where the family has one
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     expert_format: str = "bf16"  # how the routed experts are stored: a module of ftc_runtime.formats
@@ -280,6 +315,7 @@ def _check(s: ModelSpec, source: str) -> None:
          f"a divisor of attention.num_heads ({a.num_heads})")
     need(a.head_dim % 2 == 0, "attention.head_dim", a.head_dim, "an even number (RoPE pairs)")
     need(m.top_k <= m.num_experts, "moe.top_k", m.top_k, f"at most moe.num_experts ({m.num_experts})")
+    _check_groups(m, need)
     need(0 < s.norm.eps < 1, "norm.eps", s.norm.eps, "a number in (0, 1)")
     need(0 < s.rope.theta < math.inf, "rope.theta", s.rope.theta, "a positive finite number")
     need(0 < s.rope.partial_rotary_factor <= 1, "rope.partial_rotary_factor",
@@ -296,6 +332,7 @@ def _check(s: ModelSpec, source: str) -> None:
         for i, k in enumerate(s.layer_kinds):
             need(k in LAYER_KINDS, f"layer_kinds[{i}]", k, "one of " + ", ".join(LAYER_KINDS))
     _check_linear_attention(s, need)
+    _check_mla(s, need)
     need(len(s.full_attention_layers) > 0, "layer_kinds", list(s.layer_kinds), "at least one full_attention layer")
     _check_tokens(s, need)
 
@@ -313,6 +350,51 @@ def _check_linear_attention(s: ModelSpec, need: Need) -> None:
         _bounded(need, path, v, 1, top)
     need(la.num_v_heads % la.num_k_heads == 0, "linear_attention.num_v_heads", la.num_v_heads,
          f"a multiple of linear_attention.num_k_heads ({la.num_k_heads})")
+
+
+def _check_groups(m: MoESpec, need: Need) -> None:
+    """The sigmoid router's expert groups and scale."""
+    for path, v, top in (("moe.n_group", m.n_group, m.num_experts), ("moe.topk_group", m.topk_group, m.n_group)):
+        _bounded(need, path, v, 1, top)
+    need(m.num_experts % m.n_group == 0, "moe.n_group", m.n_group, f"a divisor of moe.num_experts ({m.num_experts})")
+    need(m.top_k <= m.topk_group * (m.num_experts // m.n_group), "moe.topk_group", m.topk_group,
+         f"enough groups for moe.top_k ({m.top_k}) experts")
+    need(0 < m.routed_scaling_factor < math.inf, "moe.routed_scaling_factor", m.routed_scaling_factor,
+         "a positive finite number")
+
+
+def _check_mla(s: ModelSpec, need: Need) -> None:
+    a, ml = s.attention, s.mla
+    if a.kind != "mla":
+        need(ml is None, "mla", ml, "no latent attention shapes unless attention.kind is 'mla'")
+        need(s.indexer is None, "indexer", s.indexer, "no sparse-attention indexer unless attention.kind is 'mla'")
+        return
+    need(ml is not None, "mla", ml, "the latent attention's shapes (attention.kind is 'mla')")
+    for path, v in (("mla.q_lora_rank", ml.q_lora_rank), ("mla.kv_lora_rank", ml.kv_lora_rank),
+                    ("mla.nope_dim", ml.nope_dim), ("mla.rope_dim", ml.rope_dim), ("mla.v_dim", ml.v_dim)):
+        _bounded(need, path, v, 1, MAX_HIDDEN)
+    need(ml.rope_dim % 2 == 0, "mla.rope_dim", ml.rope_dim, "an even number (RoPE pairs)")
+    need(a.head_dim == ml.nope_dim + ml.rope_dim, "attention.head_dim", a.head_dim,
+         f"mla.nope_dim + mla.rope_dim ({ml.nope_dim + ml.rope_dim})")
+    need(0 <= ml.softmax_scale < math.inf, "mla.softmax_scale", ml.softmax_scale,
+         "0 (the default) or a positive number")
+    if s.indexer is not None:
+        _check_indexer(s, s.indexer, need)
+
+
+def _check_indexer(s: ModelSpec, ix: IndexerSpec, need: Need) -> None:
+    ml = s.mla
+    for path, v, top in (("indexer.num_heads", ix.num_heads, MAX_HEADS),
+                         ("indexer.head_dim", ix.head_dim, MAX_HEAD_DIM), ("indexer.top_k", ix.top_k, MAX_POSITIONS)):
+        _bounded(need, path, v, 1, top)
+    need(ix.head_dim >= ml.rope_dim, "indexer.head_dim", ix.head_dim, f"at least mla.rope_dim ({ml.rope_dim})")
+    need(len(ix.layer_types) == s.num_layers, "indexer.layer_types", len(ix.layer_types),
+         f"one entry per layer ({s.num_layers})")
+    for i, kind in enumerate(ix.layer_types):
+        need(kind in ("full", "shared"), f"indexer.layer_types[{i}]", kind, "'full' or 'shared'")
+    if ix.layer_types:
+        need(ix.layer_types[0] == "full", "indexer.layer_types[0]", ix.layer_types[0],
+             "'full' (a shared layer reuses an earlier full layer's choice)")
 
 
 def _check_tokens(s: ModelSpec, need: Need) -> None:

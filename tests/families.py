@@ -19,6 +19,7 @@ from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
 
 from fp4_checkpoints import FP4_INTERMEDIATE, LAYOUTS, save_quantized_checkpoint, widen_experts
+from hf_glm_models import build_glm, save_glm_checkpoint
 from hf_hybrid_models import build_hybrid, save_hybrid_checkpoint
 from hf_models import TinyShape, build_model, save_checkpoint
 
@@ -90,6 +91,9 @@ QWEN3_MOE_BF16 = Bounds(prompt=Closeness(8e-2, argmax=0.8, per_position=(1.5e-2,
 # 1.0e-4 for 13 steps against the engine's own prompt path (6 models of each checkpoint, 12 draws
 # each). A lost state or a wrong position is off by more than 1e-2.
 HYBRID_AVX2 = Bounds(prompt=Closeness(1e-4, argmax=1.0), own_steps=1e-3, steps=1e-3)
+# GLM-5's latent attention runs absorbed in the engine (the latent never expanded into per-head
+# keys), expanded in transformers: the same sums in another order, ~1e-6 apart in fp32.
+GLM_AVX2 = Bounds(prompt=Closeness(1e-4, argmax=1.0), own_steps=1e-3, steps=1e-3)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,10 @@ def _qwen3_moe(id_: str, shape: TinyShape, layout: str, shards: int, dtype: torc
 def _hybrid(family: str, layout: str, nested: bool = False) -> Checkpoint:
     return Checkpoint(layout + ("-nested" if nested else ""), partial(build_hybrid, family),
                       partial(save_hybrid_checkpoint, layout=layout, nested=nested))
+
+
+def _glm(layout: str) -> Checkpoint:
+    return Checkpoint(layout, build_glm, partial(save_glm_checkpoint, layout=layout))
 
 
 def _build_fp4_hybrid(family: str, seed: int) -> torch.nn.Module:
@@ -159,6 +167,11 @@ TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in [
     # Qwen3-Next: grouped in_proj_qkvz / in_proj_ba.
     TinyFamily("qwen3_next", (_hybrid("qwen3_next", "fused"), _hybrid("qwen3_next", "per_expert")),
                targets=("cpu",), bounds={"avx2": HYBRID_AVX2}),
+    # GLM-5.x: transformers' fused experts and GLM's own per-expert tensors, and NVFP4 experts in
+    # ModelOpt's layout (GLM-5.2's NVFP4 releases).
+    TinyFamily("glm_moe_dsa", (_glm("fused"), _glm("per_expert"),
+                               _fp4("nvfp4_modelopt", partial(build_glm, intermediate=FP4_INTERMEDIATE))),
+               targets=("cpu",), bounds={"avx2": GLM_AVX2}),
 ]}
 
 

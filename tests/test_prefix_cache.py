@@ -19,7 +19,7 @@ SPECS = Path(__file__).resolve().parents[1] / "model_specs"
 NEW = 6  # greedy tokens per turn
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe-tiny", "qwen3.6-moe-tiny"])
+@pytest.fixture(scope="module", params=["qwen3-moe-tiny", "qwen3.6-moe-tiny", "glm-5-tiny"])
 def engine_dir(request, tmp_path_factory) -> Path:
     return compile_engine(CompileOptions(source=SPECS / f"{request.param}.yaml", target="cpu", random_weights=True,
                                          seed=3, output=tmp_path_factory.mktemp("prefix") / request.param))

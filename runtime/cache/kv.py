@@ -11,17 +11,21 @@ INITIAL_CAPACITY = 256  # tokens per layer before the first doubling
 
 
 class KVCache:
+    """Keys [capacity, kv heads, head_dim] and values [capacity, kv heads, value_dim] per layer
+    (value_dim: head_dim unless given; latent attention keeps its latent row as the key and the
+    sparse-attention indexer's key as the value)."""
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", capacity: int = INITIAL_CAPACITY):
+                 device: torch.device | str = "cpu", capacity: int = INITIAL_CAPACITY, value_dim: int | None = None):
         self.length = 0  # tokens whose keys and values every layer holds
         # Unique in the process, renewed when the storage moves: what CUDA graphs that hold the
         # storage's addresses are keyed on.
         self.generation = next(_GENERATIONS)
         # Zeros, not empty: one-token decode graphs attend over the whole capacity with the tail
         # masked off, and a masked NaN would still poison the probabilities' product with values.
-        shape = (capacity, num_kv_heads, head_dim)
-        self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        v_shape = (capacity, num_kv_heads, head_dim if value_dim is None else value_dim)
+        self._k = [torch.zeros(capacity, num_kv_heads, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
     def num_layers(self) -> int:
@@ -34,8 +38,10 @@ class KVCache:
     def bytes_for(self, n: int) -> int:
         """Device bytes of this cache once it holds n tokens (growth doubles, as `reserve` does)."""
         cap = self.capacity if n <= self.capacity else max(n, 2 * self.capacity)
-        k = self._k[0] if self._k else None
-        return 0 if k is None else 2 * len(self._k) * cap * k[0].numel() * k.element_size()
+        if not self._k:
+            return 0
+        k, v = self._k[0], self._v[0]
+        return len(self._k) * cap * (k[0].numel() + v[0].numel()) * k.element_size()
 
     def reserve(self, n: int) -> None:
         """Makes room for n tokens in every layer (storage moves when it grows)."""

@@ -66,12 +66,20 @@ def dense_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
     return 2 * sum(math.prod(shape) for shape in shapes.values())
 
 
+def kv_row_elements(spec: ModelSpec) -> int:
+    """Elements one token keeps in one attention layer's cache: keys and values per KV head, or
+    with latent attention the latent row, its rotary key and the indexer's key."""
+    a, ml, ix = spec.attention, spec.mla, spec.indexer
+    if ml is None:
+        return 2 * a.num_kv_heads * a.head_dim
+    return ml.kv_lora_rank + ml.rope_dim + (ix.head_dim if ix is not None else 1)
+
+
 def plan_vram(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], budget: int, expert_stride: int,
               pool_experts: int, max_context: int) -> VramPlan:
-    a = spec.attention
     # Keys and values of the full-attention layers, and one sequence's Gated DeltaNet state (its
     # recurrent part fp32) in each linear layer: the "KV" share of the budget.
-    kv = max_context * len(spec.full_attention_layers) * 2 * a.num_kv_heads * a.head_dim * 2
+    kv = max_context * len(spec.full_attention_layers) * kv_row_elements(spec) * 2
     la = spec.linear_attention
     if la is not None:
         conv = (2 * la.num_k_heads * la.k_head_dim + la.num_v_heads * la.v_head_dim) * (la.conv_kernel - 1) * 2

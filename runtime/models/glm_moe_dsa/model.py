@@ -1,0 +1,171 @@
+"""GLM-5.x (transformers' glm_moe_dsa) decoder in torch: multi-head latent attention whose cache is
+one latent row per token, made sparse by the DSA indexer (each query attends to the `top_k`
+cached tokens it scores highest; "shared" layers reuse the previous full layer's choice); dense
+SwiGLU MLPs in the first layers, then the sigmoid-routed experts on an `ExpertBackend` beside one
+shared expert.
+
+Tensor names follow the HF checkpoint (`model.layers.L.self_attn.q_a_proj.weight`, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ftc_runtime.cache.kv import KVCache
+from ftc_runtime.cache.sequence import SequenceCache
+from ftc_runtime.experts.base import ExpertBackend
+from ftc_runtime.models.layers.dsa_indexer import IndexerShape, index_scores, indexer_keys, select_keys
+from ftc_runtime.models.layers.mla import MlaShape, mla_attention, mla_in
+from ftc_runtime.models.layers.mlp import dense_mlp
+from ftc_runtime.models.layers.norm import rms_norm
+from ftc_runtime.models.layers.rope import rope_cos_sin, rope_inv_freq
+from ftc_runtime.models.layers.sigmoid_router import route_sigmoid
+from ftc_runtime.spec import ModelSpec
+
+# Kept in fp32 on every device, as transformers keeps them: sigmoid scores of many experts differ in
+# their last bits, and the indexer's head weights scale fp32 scores.
+FP32_TENSORS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+QUERY_BLOCK = 256  # queries of a prompt chunk whose attention scores are held at once
+
+
+class GlmMoeDsaModel:
+    """One sequence at a time (or several decoding together), on `device`: fp32 activations on the
+    CPU, bf16 on a GPU."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertBackend,
+                 device: torch.device | str = "cpu"):
+        self.spec, self.experts, self.device = spec, experts, torch.device(device)
+        self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.embed = weights["model.embed_tokens.weight"].to(self.device)
+        self.w = {k: v.to(self.device, torch.float32 if k.endswith(FP32_TENSORS) else self.dtype)
+                  for k, v in weights.items() if k != "model.embed_tokens.weight"}
+        self.lm_head = self.embed.to(self.dtype) if spec.tie_word_embeddings else self.w["lm_head.weight"]
+        self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        a, ml, ix = spec.attention, spec.mla, spec.indexer
+        scale = ml.softmax_scale or a.head_dim ** -0.5
+        self.mla = MlaShape(a.num_heads, ml.q_lora_rank, ml.kv_lora_rank, ml.nope_dim, ml.rope_dim, ml.v_dim,
+                            1e-6, scale)
+        self.indexer = None if ix is None else IndexerShape(ix.num_heads, ix.head_dim, ml.rope_dim, ix.top_k)
+        self.inv_freq = rope_inv_freq(spec).to(self.device)
+        self.decode_graphs = None  # no decode graphs for this family yet: eager decode on a GPU
+
+    def new_cache(self) -> SequenceCache:
+        """Per layer and token the latent row and the shared rotary key (as the cache's keys) and
+        the indexer's key (as its values; zeros in layers that reuse another layer's choice)."""
+        ml = self.spec.mla
+        index_dim = self.indexer.head_dim if self.indexer is not None else 1
+        return SequenceCache(KVCache(self.spec.num_layers, 1, ml.kv_lora_rank + ml.rope_dim, self.dtype, self.device,
+                                     value_dim=index_dim))
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
+                checkpoint_at: tuple[int, ...] = (), between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32.
+        `between_layers` is called after each layer and may raise to abandon the pass (the
+        cache's length then stays where it was)."""
+        if checkpoint_at:
+            raise ValueError(f"{self.spec.family} has no recurrent state to checkpoint")
+        start, n = cache.length, ids.numel()
+        self.experts.begin_pass(n)
+        positions = torch.arange(start, start + n, device=self.device)
+        cos, sin = self.rope_at(positions)
+        x = self.embed[ids.to(self.device)].to(self.dtype)
+        visible = None
+        for i in range(self.spec.num_layers):
+            h = rms_norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.spec.norm.eps)
+            out, visible = self.attention(i, h, cos, sin, positions, cache, visible)
+            x = x + out
+            x = x + self.mlp(i, rms_norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"],
+                                         self.spec.norm.eps), start)
+            if between_layers is not None:
+                between_layers()
+        cache.length = start + n
+        return self.head(x if all_logits else x[-1:])
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
+        """One new token for each of several sequences, each after its own cache's tokens: logits
+        [B, vocab] fp32. Projections, router, experts and head run once over the batch; attention
+        runs per sequence over its own cache."""
+        if len(tokens) != len(caches) or not tokens:
+            raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
+        if len(tokens) == 1:
+            return self.forward(torch.tensor(tokens), caches[0])
+        positions = torch.tensor([c.length for c in caches], device=self.device)
+        self.experts.begin_pass(len(tokens), prompt=False)
+        cos, sin = self.rope_at(positions)
+        x = self.embed[torch.tensor(tokens, device=self.device)].to(self.dtype)
+        chosen: list[torch.Tensor | None] = [None] * len(caches)
+        for i in range(self.spec.num_layers):
+            h = rms_norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.spec.norm.eps)
+            rows = []
+            for j, cache in enumerate(caches):
+                row, chosen[j] = self.attention(i, h[j:j + 1], cos[j:j + 1], sin[j:j + 1], positions[j:j + 1],
+                                                cache, chosen[j])
+                rows.append(row)
+            x = x + torch.cat(rows)
+            x = x + self.mlp(i, rms_norm(x, self.w[f"model.layers.{i}.post_attention_layernorm.weight"],
+                                         self.spec.norm.eps), int(positions[0]))
+        for c in caches:
+            c.length += 1
+        return self.head(x)
+
+    def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  cache: SequenceCache, visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's latent attention of h [T, hidden] at `positions`, its latent rows appended to
+        the cache: (output [T, hidden], the keys each query saw [T, tokens so far], which the next
+        "shared" layer reuses)."""
+        p = f"model.layers.{i}.self_attn."
+        w = self.w
+        q_nope, q_rope, latent, k_rope, q_resid = mla_in(
+            h, w[p + "q_a_proj.weight"], w[p + "q_a_layernorm.weight"], w[p + "q_b_proj.weight"],
+            w[p + "kv_a_proj_with_mqa.weight"], w[p + "kv_a_layernorm.weight"], cos, sin, self.mla)
+        full = self.indexer is not None and self.spec.indexer.layer_types[i] == "full"
+        index_key = (indexer_keys(h, w[p + "indexer.wk.weight"], w[p + "indexer.k_norm.weight"],
+                                  w[p + "indexer.k_norm.bias"], cos, sin, self.indexer) if full
+                     else h.new_zeros(h.shape[0], cache.kv.storage(i)[1].shape[-1]))
+        rows, index_keys = cache.kv.append(i, torch.cat([latent, k_rope], dim=-1)[:, None], index_key[:, None])
+        kv, outs, seen = self.spec.mla.kv_lora_rank, [], []
+        # In blocks of queries: the scores of a block are [heads, block, tokens so far], not of the whole prompt.
+        for b in range(0, h.shape[0], QUERY_BLOCK):
+            q = slice(b, b + QUERY_BLOCK)
+            if full:
+                scores = index_scores(h[q], q_resid[q], w[p + "indexer.wq_b.weight"],
+                                      w[p + "indexer.weights_proj.weight"], index_keys[:, 0], cos[q], sin[q],
+                                      self.indexer)
+                seen.append(select_keys(scores, positions[q], self.indexer.top_k))
+            elif self.indexer is None:
+                seen.append(torch.arange(rows.shape[0], device=h.device)[None, :] <= positions[q, None])
+            else:
+                seen.append(visible[q])
+            outs.append(mla_attention(q_nope[q], q_rope[q], rows[:, 0, :kv], rows[:, 0, kv:],
+                                      w[p + "kv_b_proj.weight"], seen[-1], self.mla))
+        out, visible = torch.cat(outs), torch.cat(seen)
+        return F.linear(out, w[p + "o_proj.weight"]), visible
+
+    def mlp(self, i: int, h: torch.Tensor, first_position: int) -> torch.Tensor:
+        p = f"model.layers.{i}.mlp."
+        if i not in self.moe_index:
+            return dense_mlp(h, *self._mlp_weights(p))
+        m = self.spec.moe
+        ids, weights = route_sigmoid(h, self.w[p + "gate.weight"], self.w[p + "gate.e_score_correction_bias"],
+                                     m.top_k, m.n_group, m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
+        out = self.experts.forward(self.moe_index[i], h.float(), ids, weights, first_position).to(self.dtype)
+        if m.num_shared_experts:
+            out = out + dense_mlp(h, *self._mlp_weights(p + "shared_experts."))
+        return out
+
+    def _mlp_weights(self, prefix: str) -> tuple[torch.Tensor, ...]:
+        return tuple(self.w[f"{prefix}{n}_proj.weight"] for n in ("gate", "up", "down"))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x, self.w["model.norm.weight"], self.spec.norm.eps), self.lm_head).float()
+
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(self.inv_freq, positions, self.dtype)
+
+    def is_moe(self, i: int) -> bool:
+        return i in self.moe_index

@@ -1,0 +1,70 @@
+"""The indexer of DeepSeek Sparse Attention (DSA, DeepSeek-V3.2 / GLM-MoE-DSA): a few small heads
+score every cached token for each query, and the query's MLA attends only to its top_k tokens.
+The indexer caches one key [head_dim] per token beside MLA's latent. Functions of tensors only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ftc_runtime.models.layers.mla import interleaved_rope
+
+KEY_NORM_EPS = 1e-6  # the key LayerNorm's eps, fixed by the reference (not in the config)
+
+
+@dataclass(frozen=True)
+class IndexerShape:
+    num_heads: int  # index_n_heads
+    head_dim: int  # index_head_dim
+    rope_dim: int  # qk_rope_head_dim: the first rope_dim dims of q and k are rotated (interleaved), the rest pass
+    top_k: int  # index_topk
+
+
+def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """Interleaved RoPE of the first rope_dim dims of x [T, n, head_dim]; the rest pass unchanged."""
+    return torch.cat((interleaved_rope(x[..., :rope_dim], cos, sin), x[..., rope_dim:]), dim=-1)
+
+
+def indexer_keys(x: torch.Tensor, wk_w: torch.Tensor, k_norm_w: torch.Tensor, k_norm_b: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, shape: IndexerShape) -> torch.Tensor:
+    """The indexer keys [T, head_dim] of the normalized input x [T, hidden] (one head, shared by the
+    indexer's query heads): LayerNorm of wk x, then RoPE of its first rope_dim dims."""
+    k = F.layer_norm(F.linear(x, wk_w), (shape.head_dim,), k_norm_w, k_norm_b, KEY_NORM_EPS)
+    return _partial_rope(k[:, None, :], cos, sin, shape.rope_dim)[:, 0]
+
+
+def index_scores(x: torch.Tensor, q_resid: torch.Tensor, wq_b_w: torch.Tensor, weights_proj_w: torch.Tensor,
+                 keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: IndexerShape) -> torch.Tensor:
+    """fp32 scores [T, C] of C cached keys [C, head_dim] for T queries: x [T, hidden] the normalized
+    input, q_resid [T, q_lora] MLA's low-rank query (`mla_in`). score[t, c] = Σ_h w[t, h] ·
+    ReLU(q[t, h] · keys[c] / √head_dim), with per-query head weights w = weights_proj x / √heads.
+    The scores are selected by rank, so fp32 throughout, as the reference, lest bf16 rounding reorder
+    them. Holds [T, heads, C] fp32 at once: a long prompt is scored in chunks of queries."""
+    t = x.shape[0]
+    q = F.linear(q_resid, wq_b_w).view(t, shape.num_heads, shape.head_dim)
+    q = _partial_rope(q, cos, sin, shape.rope_dim)
+    per_head = torch.relu(torch.matmul(q.float(), keys.float().T) * shape.head_dim ** -0.5)  # [T, heads, C]
+    w = F.linear(x, weights_proj_w).float() * shape.num_heads ** -0.5  # [T, heads]
+    return torch.matmul(w[:, None, :], per_head)[:, 0]
+
+
+def select_keys(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Which keys each query attends to, bool [T, C]: of the keys at or before its position
+    (positions int64 [T]; key c is the token at position c), the top_k by score (scores [T, C]).
+    A query with at most top_k such keys sees them all. Keys past a query's position (later tokens
+    of its chunk, or the unused tail of a fixed-size cache) are never visible.
+
+    Equal scores are common: a key that every head's ReLU zeroes scores exactly 0, and with
+    negative head weights zeros rank mid-list. Among equals the latest keys win, by a stable sort
+    over the keys in reverse order, so that the choice does not depend on how many columns the
+    scores have (a prompt whole or in chunks, a resumed prefix). transformers' topk breaks such
+    ties in no fixed order."""
+    c = scores.shape[1]
+    causal = torch.arange(c, device=scores.device)[None, :] <= positions[:, None]
+    latest_first = scores.masked_fill(~causal, float("-inf")).flip(-1)
+    order = torch.sort(latest_first, dim=-1, descending=True, stable=True).indices[:, :min(top_k, c)]
+    # Where a query has fewer than top_k causal keys the order reaches masked keys, which `& causal` drops.
+    return torch.zeros_like(causal).scatter_(-1, c - 1 - order, True) & causal

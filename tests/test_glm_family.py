@@ -1,0 +1,131 @@
+"""GLM-5.x beyond the shared parity tests (tests/families.py): prompts longer than a query block of
+latent attention against transformers; prompts longer than the indexer's top_k, each query on a
+sparse choice of keys, the same whole, in chunks and in steps; the tiny spec
+(model_specs/glm-5-tiny.yaml) compiled from random weights in bf16 and NVFP4."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import GlmMoeDsaConfig
+
+from ftc.compile.pipeline import CompileOptions, compile_engine
+from ftc.compile.spec_loader import load_spec
+from ftc_runtime import Engine
+from ftc_runtime.experts.vram_plan import kv_row_elements
+from ftc_runtime.models.glm_moe_dsa.model import QUERY_BLOCK
+from ftc_runtime.spec import SpecError
+
+from families import reference_logits, rel
+from hf_glm_models import VOCAB, build_glm, save_glm_checkpoint
+
+TINY_SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "glm-5-tiny.yaml"
+
+
+def test_a_long_prompt_matches_transformers(tmp_path, seed):
+    """A prompt of more than QUERY_BLOCK tokens (the indexer's top_k above its length: dense, as
+    exact parity needs), whole and in uneven chunks, then one-token steps."""
+    rng = random.Random(seed)
+    model = build_glm(seed, index_top_k=1024)
+    engine_dir = compile_engine(CompileOptions(source=save_glm_checkpoint(model, tmp_path / "ckpt", "fused"),
+                                               target="cpu", output=tmp_path / "engine"))
+    ids = [rng.randrange(VOCAB) for _ in range(QUERY_BLOCK + rng.randrange(20, 60))]
+    want = reference_logits(model, ids)
+    assert rel(Engine.load(engine_dir).logits(ids), want) < 1e-4
+    chunked = Engine.load(engine_dir, prefill_chunk=rng.randrange(40, 120))
+    assert rel(chunked.logits(ids), want) < 1e-4
+    assert rel(_last_as_steps(chunked, ids, 4), want[-4:]) < 1e-4
+
+
+def test_a_sparse_prompt_gives_the_same_logits_in_chunks_and_steps(tmp_path, seed):
+    """Each query past its 48th token attends to 48 keys, the indexer's choice, ties broken the same
+    way whatever the chunks (select_keys): the prompt whole, in uneven chunks and its last tokens as
+    one-token steps agree (the AVX2 kernels are fp32: the same sums in other orders)."""
+    rng = random.Random(seed)
+    model = build_glm(seed, index_top_k=48)
+    engine_dir = compile_engine(CompileOptions(source=save_glm_checkpoint(model, tmp_path / "ckpt", "fused"),
+                                               target="cpu", output=tmp_path / "engine"))
+    ids = [rng.randrange(VOCAB) for _ in range(QUERY_BLOCK + rng.randrange(20, 60))]
+    whole = Engine.load(engine_dir).logits(ids)
+    chunk = rng.randrange(30, 120)
+    assert rel(Engine.load(engine_dir, prefill_chunk=chunk).logits(ids), whole) < 1e-4, f"chunks of {chunk}"
+    assert rel(_last_as_steps(Engine.load(engine_dir), ids, 6), whole[-6:]) < 1e-4
+
+
+def _last_as_steps(engine: Engine, ids: list[int], n: int) -> torch.Tensor:
+    """The logits of the last n tokens, each as a one-token step after the ones before."""
+    cache = engine.model.new_cache()
+    engine.model.forward(torch.tensor(ids[:-n]), cache)
+    return torch.cat([engine.model.forward(torch.tensor([t]), cache) for t in ids[-n:]])
+
+
+@pytest.mark.parametrize("quant", [None, "nvfp4"])
+def test_the_tiny_spec_compiles_and_decodes(tmp_path, quant, seed):
+    """glm-5-tiny from random weights (its indexer's top_k of 32 below the prompt's length): the
+    prompt's logits whole, in chunks and as one-token steps agree (the AVX2 kernels are fp32: the
+    same sums in other orders) and are finite."""
+    rng = random.Random(seed)
+    engine_dir = compile_engine(CompileOptions(source=TINY_SPEC, random_weights=True, seed=seed % 1000, quant=quant,
+                                               target="cpu", output=tmp_path / "engine"))
+    engine = Engine.load(engine_dir)
+    assert engine.spec.family == "glm_moe_dsa" and engine.spec.indexer.top_k < 60
+    ids = [rng.randrange(500) for _ in range(rng.randrange(60, 90))]
+    whole = engine.logits(ids)
+    assert rel(Engine.load(engine_dir, prefill_chunk=rng.randrange(7, 30)).logits(ids), whole) < 1e-4
+    assert rel(_last_as_steps(engine, ids, len(ids) - 40), whole[40:]) < 1e-4
+    assert torch.isfinite(whole).all()
+
+
+# Each case: (the edit of the tiny spec, as (section, field, value)), the field path the refusal must
+# name and the bad value it must show (None: no value to show).
+GLM_INVALID = {
+    "mla_on_gqa": (("attention", "kind", "gqa"), "mla", None),
+    "head_dim_not_nope_plus_rope": (("attention", "head_dim", 32), "attention.head_dim", 32),
+    "layer_types_too_short": (("indexer", "layer_types", ["full"] * 3), "indexer.layer_types", 3),
+    "unknown_layer_type": (("indexer", "layer_types", ["full", "sparse", "full", "shared"]),
+                           "indexer.layer_types[1]", "sparse"),
+    "first_layer_shared": (("indexer", "layer_types", ["shared", "full", "full", "shared"]),
+                           "indexer.layer_types[0]", "shared"),
+    "groups_not_dividing": (("moe", "n_group", 3), "moe.n_group", 3),
+    "too_few_groups_for_top_k": (("moe", "top_k", 9), "moe.topk_group", 2),
+    "softmax_router": (("moe", "router", "softmax_topk"), "moe.router", "softmax_topk"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GLM_INVALID))
+def test_an_invalid_glm_spec_is_refused_naming_field_and_value(case, tmp_path):
+    data = yaml.safe_load(TINY_SPEC.read_text())
+    (section, key, bad), field, value = GLM_INVALID[case]
+    data[section][key] = bad
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    msg = str(info.value)
+    assert f"'{field}'" in msg and str(path) in msg, msg
+    if value is not None:
+        assert f"= {value!r}" in msg, msg
+
+
+def test_glm_5_2_config_maps_onto_its_spec(tmp_path):
+    """GLM-5.2's config.json (its real shapes; IndexShare: the indexer every 4th layer from layer 3
+    on, and in layers 0-2) as transformers writes it: the spec has its shapes, the indexer's
+    layers are transformers' own `indexer_types`, and the KV row is the latent, its rotary key and
+    the indexer's key."""
+    cfg = GlmMoeDsaConfig(index_topk_freq=4, index_skip_topk_offset=3, rope_parameters={"rope_type": "default",
+                                                                                         "rope_theta": 1e6})
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    spec, _ = load_spec(tmp_path)
+    assert (spec.family, spec.num_layers, spec.hidden_size, spec.vocab_size) == ("glm_moe_dsa", 78, 6144, 154880)
+    assert spec.indexer.layer_types == tuple(cfg.indexer_types)
+    assert [i for i, t in enumerate(spec.indexer.layer_types) if t == "full"][:5] == [0, 1, 2, 6, 10]
+    assert (spec.mla.kv_lora_rank, spec.mla.rope_dim, spec.mla.nope_dim, spec.mla.v_dim) == (512, 64, 192, 256)
+    assert spec.moe_layers[0] == 3 and spec.moe.dense_intermediate_size == 12288
+    assert (spec.moe.num_experts, spec.moe.top_k, spec.moe.routed_scaling_factor) == (256, 8, 2.5)
+    assert spec.moe.shared_expert_intermediate_size == 2048 and spec.indexer.top_k == 2048
+    assert kv_row_elements(spec) == 512 + 64 + 128
