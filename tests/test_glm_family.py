@@ -5,6 +5,7 @@ sparse choice of keys, the same whole, in chunks and in steps; the tiny spec
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from rich.console import Console
+from safetensors.torch import load_file, save_file
 from transformers import GlmMoeDsaConfig
 
 from ftc.compile.pipeline import CompileOptions, compile_engine
@@ -129,3 +132,42 @@ def test_glm_5_2_config_maps_onto_its_spec(tmp_path):
     assert (spec.moe.num_experts, spec.moe.top_k, spec.moe.routed_scaling_factor) == (256, 8, 2.5)
     assert spec.moe.shared_expert_intermediate_size == 2048 and spec.indexer.top_k == 2048
     assert kv_row_elements(spec) == 512 + 64 + 128
+
+
+@pytest.mark.parametrize("name", ["glm-5.2", "glm-5"])
+def test_a_real_spec_without_its_checkpoint_says_which_and_how_to_pass_it(tmp_path, name):
+    """The shipped real-shape specs name their checkpoint; where it is not there, compiling stops
+    before any work, naming the folder, where it was named, and --checkpoint."""
+    data = yaml.safe_load((TINY_SPEC.parent / f"{name}.yaml").read_text())
+    spec, checkpoint = load_spec(TINY_SPEC.parent / f"{name}.yaml")
+    assert spec.num_layers == 78 and spec.indexer.layer_types[:3] == ("full",) * 3 and checkpoint is not None
+    missing = tmp_path / "not-downloaded"
+    data["checkpoint"] = str(missing)
+    spec_path = tmp_path / f"{name}.yaml"
+    spec_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(SpecError) as info:
+        compile_engine(CompileOptions(source=spec_path, target="cpu", output=tmp_path / "engine"))
+    msg = str(info.value)
+    assert str(missing) in msg and str(spec_path) in msg and "--checkpoint DIR" in msg, msg
+    assert not (tmp_path / "engine").exists()
+
+
+def test_the_multi_token_prediction_layer_is_named_and_not_read(tmp_path, seed):
+    """A checkpoint with a layer past the config's (GLM's multi-token prediction, model.layers.N):
+    compiling names it in one line and builds the engine of the N layers, which still matches
+    transformers' model without it."""
+    model = build_glm(seed)
+    ckpt = save_glm_checkpoint(model, tmp_path / "ckpt", "fused")
+    state = load_file(ckpt / "model.safetensors")
+    n = model.config.num_hidden_layers
+    extra = {k.replace("model.layers.1.", f"model.layers.{n}.", 1): v.clone() for k, v in state.items()
+             if k.startswith("model.layers.1.")}
+    save_file(state | extra, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    out = io.StringIO()
+    engine_dir = compile_engine(CompileOptions(source=ckpt, target="cpu", output=tmp_path / "engine"),
+                                Console(file=out, width=200))
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("not read:")]
+    assert lines == [f"not read: model.layers.{n} ({len(extra)} tensors), past the spec's {n} layers "
+                     "(multi-token prediction)"], out.getvalue()
+    ids = [random.Random(seed).randrange(VOCAB) for _ in range(12)]
+    assert rel(Engine.load(engine_dir).logits(ids), reference_logits(model, ids)) < 1e-4

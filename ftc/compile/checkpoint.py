@@ -60,6 +60,10 @@ class SafetensorsCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def names(self) -> list[str]:
+        """Every tensor's name, in no particular order."""
+        return list(self._where)
+
     def _slice(self, name: str):
         if name not in self._where:
             raise CheckpointError(f"{self.directory}: tensor {name} not found in the checkpoint")

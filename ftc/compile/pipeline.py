@@ -137,6 +137,11 @@ def _compile(opts: CompileOptions, console: Console | None, experts_in_memory: b
     source = resolve_source(opts.source)
     spec, spec_checkpoint = load_spec(source.path, list(opts.overrides), opts.quant, _engine_name(opts, source))
     checkpoint = None if opts.random_weights else opts.checkpoint or spec_checkpoint
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        named = "--checkpoint" if opts.checkpoint else f"{source.path} (its `checkpoint:`)"
+        raise SpecError(f"{spec.name} needs its checkpoint at {checkpoint}, named by {named}, which is not a "
+                        f"folder: download the model's HF files there, or pass --checkpoint DIR where they are "
+                        f"(--random-weights for a benchmark engine)")
     if checkpoint is not None:
         check_checkpoint_tokenizer(spec, checkpoint)
     target = resolve_target(opts.target)
@@ -148,6 +153,9 @@ def _compile(opts: CompileOptions, console: Console | None, experts_in_memory: b
     staging = _fresh_dir(out, "partial")
     console.print(f"[bold]ftc compile[/] {spec.name} ({spec.family}) from {weights.description} "
                   f"for target {target.name} ({plan.isa}) → {out}")
+    if weights.extra_layers:
+        skipped = ", ".join(f"{p} ({n} tensors)" for p, n in sorted(weights.extra_layers.items()))
+        console.print(f"not read: {skipped}, past the spec's {spec.num_layers} layers (multi-token prediction)")
     try:
         pool = _build_engine(spec, target, plan, weights, checkpoint, staging, console, experts_in_memory)
         _replace(staging, out, opts.force)

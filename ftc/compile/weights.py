@@ -7,6 +7,7 @@ compiler streams experts into FTW and never holds the model in memory twice.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +25,7 @@ from ftc_runtime.spec import ModelSpec
 
 class WeightSource(Protocol):
     description: str
+    extra_layers: dict[str, int]  # layers past the spec's that the source holds and the engine skips
 
     def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every non-expert tensor, bf16, by checkpoint name."""
@@ -32,6 +34,18 @@ class WeightSource(Protocol):
         """Expert `expert` of decoder layer `layer`: float tensors gate_up [2I, H] (gate rows first)
         and down [H, I], which the expert format encodes into its FTW banks, or the quantized
         matrices gate, up and down that a checkpoint stores in the format, which it repacks."""
+
+
+def extra_layers(names: list[str], num_layers: int) -> dict[str, int]:
+    """Decoder layers a checkpoint holds past the spec's `num_layers` (GLM-5's and DeepSeek's
+    multi-token-prediction layers), which the engine does not read: tensors by layer prefix."""
+    counts: dict[str, int] = {}
+    for name in names:
+        match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        if match and int(match.group(1)) >= num_layers:
+            prefix = name[:match.end()].rstrip(".")
+            counts[prefix] = counts.get(prefix, 0) + 1
+    return counts
 
 
 class CheckpointWeights:
@@ -44,6 +58,7 @@ class CheckpointWeights:
         self.spec, self.ckpt = spec, SafetensorsCheckpoint(directory)
         self.layout = family(spec.family).checkpoint_layout(DequantizedDense(self.ckpt), spec)
         self.description = f"checkpoint {directory}"
+        self.extra_layers = extra_layers(self.ckpt.names(), spec.num_layers)
         self.shapes = family(spec.family).dense_tensor_shapes(spec)
         for name, shape in self.shapes.items():
             if name not in self.layout:
@@ -122,6 +137,7 @@ class RandomWeights:
     def __init__(self, spec: ModelSpec, seed: int = 0):
         self.spec, self.seed = spec, seed
         self.description = f"random weights (seed {seed})"
+        self.extra_layers: dict[str, int] = {}
         self.shapes = family(spec.family).dense_tensor_shapes(spec)
 
     def _generator(self, name: str) -> torch.Generator:
