@@ -1,4 +1,5 @@
-"""`ftc inspect`: what an engine holds and how it will run (from engine.json and the FTW header)."""
+"""`ftc inspect`: what an engine holds and how it will run (from engine.json and the FTW header), or
+for a spec with no engine yet, its memory split and predicted speeds on a target (`ftc.predict`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,38 @@ def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None =
     if vram_budget is not None:
         tables.insert(2, _vram_table(m, vram_budget, max_context))
     return tables
+
+
+def inspect_spec(source: Path, target: str, vram_budget: int | None, max_context: int = 4096,
+                 quant: str | None = None) -> list:
+    """The tables of `ftc inspect SPEC --target T --vram-budget B`: the model, its memory, the GPU
+    split of the budget (the target's memory when none is given) and the predicted speeds; `quant`:
+    the experts in that format instead of the spec's."""
+    from ftc.compile.spec_loader import load_spec
+    from ftc.compile.targets import resolve_target
+    from ftc.predict import predict
+
+    spec, _ = load_spec(source, quant=quant)
+    t = resolve_target(target)
+    budget = vram_budget if vram_budget is not None else t.vram_bytes
+    if budget is None:
+        raise ValueError(f"--target {t.name} names no GPU memory: give --vram-budget")
+    p = predict(spec, t, budget, max_context)
+    prefill = (f"{p.prefill_tok_s:,.0f} tok/s (chunks of {p.prefill_chunk} tokens, whole MoE layers streamed at "
+               f"B_P {t.b_p:g} GB/s)" if p.prefill_tok_s is not None else
+               f"not predicted: {p.vram.n_slots} slots hold all the experts or fewer than two layers' "
+               f"({2 * spec.moe.num_experts})")
+    v = p.vram
+    return [_model_table(spec, f"spec {source}"), _memory_table(spec), _rows(
+        f"on {t.name} ({t.gpu}) within {gib(budget)}, KV for {max_context} tokens", (
+            ("non-expert weights / KV / workspace", f"{gib(v.dense)} / {gib(v.kv)} / {gib(v.workspace)}"),
+            ("expert slots", f"{v.n_slots} × {v.expert_stride / 2**20:.2f} MiB = {gib(v.slots)}, "
+                             f"{100 * v.pool_share:.1f}% of {v.pool_experts} experts"),
+            ("decode (one sequence, no routing locality)", f"{p.decode_tok_s:.2f} tok/s: {p.decode_ms:.2f} ms per "
+             f"token, of which misses {p.miss_ms:.2f} ({p.misses_per_layer:.2f} per MoE layer at B_P {t.b_p:g} / "
+             f"B_H {t.b_h:g} GB/s), GPU reads {p.device_ms:.2f}"),
+            ("prefill", prefill),
+        ))]
 
 
 def _rows(title: str, rows: tuple[tuple[str, str], ...]) -> Table:

@@ -105,17 +105,25 @@ def compile(
 
 @app.command()
 def inspect(
-    engine: Annotated[Path, typer.Argument(help="Engine directory.")],
+    engine: Annotated[Path, typer.Argument(help="Engine directory, or a model spec (.yaml) or checkpoint folder "
+                                           "with --target: its predicted memory split and speeds.")],
     verify: Annotated[bool, typer.Option("--verify", help="Also check every file's sha256.")] = False,
     vram_budget: Annotated[int | None, typer.Option(parser=size, metavar="SIZE", help="Show the GPU memory split "
                                                     "for this budget, e.g. 8GiB.")] = None,
     max_context: Annotated[int, typer.Option(min=1, help="KV cache tokens the budget reserves.")] = 4096,
+    target: Annotated[str | None, typer.Option(help="For a spec: the hardware target whose GPU and bandwidths the "
+                                               "prediction uses (a preset with a GPU, e.g. rtx-pro-6000).")] = None,
+    quant: Annotated[str | None, typer.Option(help="For a spec: its routed experts in this format (bf16, mxfp4, "
+                                              "nvfp4).")] = None,
 ) -> None:
-    """Show an engine's model, memory split, plan and files."""
-    from ftc.inspect_engine import inspect_engine
+    """Show an engine's model, memory split, plan and files; or a spec's predicted split and speeds."""
+    from ftc.inspect_engine import inspect_engine, inspect_spec
 
     try:
-        tables = inspect_engine(engine, verify, vram_budget, max_context)
+        if target is not None:
+            tables = inspect_spec(engine, target, vram_budget, max_context, quant)
+        else:
+            tables = inspect_engine(engine, verify, vram_budget, max_context)
     except user_errors() as e:
         fail(e)
     out = Console()

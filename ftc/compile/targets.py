@@ -26,6 +26,7 @@ class Target:
     b_h: float | None = None  # CPU expert kernel GB/s with all workers
     b_p_concurrent: float | None = None  # host→GPU GB/s while the CPU kernel runs
     b_h_concurrent: float | None = None  # CPU kernel GB/s while copies run
+    gpu_read_gbps: float | None = None  # the GPU's memory bandwidth (its data sheet's)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -36,15 +37,21 @@ PRESETS: dict[str, Target] = {
     # Portable x86-64-v3: runs on any AVX2 machine, with every physical core it finds there.
     "cpu": Target("cpu", "avx2", None),
     # The FreeToken paper's machines (B_P, B_H as it measured them); their CPUs are taken as AVX2.
-    "rtx-4060-laptop": Target("rtx-4060-laptop", "avx2", None, "RTX 4060 Laptop", 8 * _GB, 11.8, 47.5),
-    "rtx-3090": Target("rtx-3090", "avx2", None, "RTX 3090", 24 * _GB, 25.3, 56.7),
-    "rtx-4090": Target("rtx-4090", "avx2", None, "RTX 4090", 24 * _GB, 25.1, 63.2),
-    "rtx-5090": Target("rtx-5090", "avx2", None, "RTX 5090", 32 * _GB, 49.0, 53.8),
-    "rtx-5090-server": Target("rtx-5090-server", "avx2", None, "RTX 5090", 32 * _GB, 52.7, 77.3),
-    "rtx-pro-6000": Target("rtx-pro-6000", "avx2", None, "RTX PRO 6000", 96 * _GB, 51.5, 178.0),
+    # GPU memory bandwidths from the data sheets.
+    "rtx-4060-laptop": Target("rtx-4060-laptop", "avx2", None, "RTX 4060 Laptop", 8 * _GB, 11.8, 47.5,
+                              gpu_read_gbps=256.0),
+    "rtx-3090": Target("rtx-3090", "avx2", None, "RTX 3090", 24 * _GB, 25.3, 56.7, gpu_read_gbps=936.0),
+    "rtx-4090": Target("rtx-4090", "avx2", None, "RTX 4090", 24 * _GB, 25.1, 63.2, gpu_read_gbps=1008.0),
+    "rtx-5090": Target("rtx-5090", "avx2", None, "RTX 5090", 32 * _GB, 49.0, 53.8, gpu_read_gbps=1792.0),
+    "rtx-5090-server": Target("rtx-5090-server", "avx2", None, "RTX 5090", 32 * _GB, 52.7, 77.3,
+                              gpu_read_gbps=1792.0),
+    "rtx-pro-6000": Target("rtx-pro-6000", "avx2", None, "RTX PRO 6000", 96 * _GB, 51.5, 178.0,
+                           gpu_read_gbps=1792.0),
     # The device machine: B_P at 9.4 MiB and the both-at-once rates (DMA 41 beside AVX-512 reads at 63
-    # GB/s) from DESIGN.md's measurements, B_H from `ftc bench experts` (docs/performance.md).
-    "h200": Target("h200", "avx512_bf16", 16, "NVIDIA H200", 143771 * 2**20, 51.0, 88.0, 41.0, 63.0),
+    # GB/s) from DESIGN.md's measurements, B_H from `ftc bench experts` (docs/performance.md); the
+    # GPU's read rate as torch measures it there (4057.2 GB/s in `ftc bench decode`).
+    "h200": Target("h200", "avx512_bf16", 16, "NVIDIA H200", 143771 * 2**20, 51.0, 88.0, 41.0, 63.0,
+                   gpu_read_gbps=4057.2),
 }
 
 
