@@ -142,6 +142,7 @@ def test_a_real_spec_without_its_checkpoint_says_which_and_how_to_pass_it(tmp_pa
     spec, checkpoint = load_spec(TINY_SPEC.parent / f"{name}.yaml")
     assert spec.num_layers == 78 and spec.indexer.layer_types[:3] == ("full",) * 3 and checkpoint is not None
     missing = tmp_path / "not-downloaded"
+    assert load_spec(TINY_SPEC.parent / f"{name}.yaml", [f"checkpoint={missing}"])[1] == missing  # --override
     data["checkpoint"] = str(missing)
     spec_path = tmp_path / f"{name}.yaml"
     spec_path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -36,10 +36,7 @@ def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None,
             data = yaml.safe_load(source.read_text())
         except yaml.YAMLError as e:
             raise SpecError(f"{source}: not valid YAML ({e})") from None
-        origin = str(source)
-        checkpoint = None
-        if isinstance(data, dict) and data.get("checkpoint"):
-            checkpoint = (source.parent / data["checkpoint"]).resolve()
+        origin, checkpoint = str(source), None
     else:
         raise SpecError(f"{source}: no such spec file or checkpoint directory")
     if quant is not None and isinstance(data, dict):
@@ -48,6 +45,9 @@ def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None,
         data["name"] = name
     for item in overrides:
         _apply_override(data, item, origin)
+    if checkpoint is None and isinstance(data, dict) and data.get("checkpoint"):
+        # A spec's own (or an override's) checkpoint, relative to the spec's folder
+        checkpoint = (source.parent / str(data["checkpoint"])).resolve()
     return checked_spec(data, source=origin), checkpoint
 
 
