@@ -68,6 +68,10 @@ class Bounds:
 # The fp32 kernels agree with the reference to ~1e-6, so greedy decoding must agree token for token
 # wherever the reference's top-2 gap exceeds this; a prompt whose greedy path has a closer tie is redrawn.
 MIN_GREEDY_MARGIN = 1e-3
+# Likewise the router: where a token's k-th and (k+1)-th expert scores are closer than this, the
+# engine's other summation order can swap them (seen: a gap of 1.4e-5 moved one position by 7.4e-3
+# in the fp32 engine); the parity tests redraw such prompts.
+MIN_ROUTER_MARGIN = 1e-4
 
 # The AVX2 kernel keeps activations in fp32: the engine is the reference to fp32 rounding (over 6 models
 # of each checkpoint, 12 draws each: prompts in chunks at most 4e-6 from transformers, one-token steps 9e-6).
@@ -206,6 +210,29 @@ CASES = [Case(f, c, t) for f in TINY_FAMILIES.values() for t in f.targets for c 
 @torch.no_grad()
 def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def router_margin(model: torch.nn.Module, ids: list[int]) -> float:
+    """The reference's smallest gap, over the prompt's tokens and MoE layers, between a token's k-th
+    and (k+1)-th expert by the score its router chooses on (a sigmoid router: the score plus its
+    selection bias)."""
+    k, gaps = model.config.num_experts_per_tok, []
+
+    def record(module: torch.nn.Module, _inputs: tuple, out: torch.Tensor | tuple) -> None:
+        logits = (out[0] if isinstance(out, tuple) else out).float()
+        bias = getattr(module, "e_score_correction_bias", None)
+        scores = logits if bias is None else logits.sigmoid() + bias.float()
+        top = scores.topk(k + 1, dim=-1).values
+        gaps.append(float((top[:, -2] - top[:, -1]).min()))
+
+    hooks = [m.register_forward_hook(record) for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return min(gaps, default=float("inf"))
 
 
 @torch.no_grad()

@@ -15,7 +15,17 @@ from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
 
 from conftest import seed_for
-from families import CASES, MIN_GREEDY_MARGIN, Bounds, Case, reference_greedy, reference_logits, rel
+from families import (
+    CASES,
+    MIN_GREEDY_MARGIN,
+    MIN_ROUTER_MARGIN,
+    Bounds,
+    Case,
+    reference_greedy,
+    reference_logits,
+    rel,
+    router_margin,
+)
 
 
 @dataclass(frozen=True)
@@ -30,7 +40,12 @@ class Parity:
         return self.engine.spec.vocab_size
 
     def ids(self, rng: random.Random, n: int) -> list[int]:
-        return [rng.randrange(self.vocab) for _ in range(n)]
+        """n random tokens on which the reference's router has no near tie (redrawn where it has)."""
+        for _ in range(100):
+            ids = [rng.randrange(self.vocab) for _ in range(n)]
+            if router_margin(self.model, ids) >= MIN_ROUTER_MARGIN:
+                return ids
+        raise AssertionError(f"100 prompts of {n} tokens each had a router near tie (< {MIN_ROUTER_MARGIN})")
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c.id)
