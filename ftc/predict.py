@@ -40,7 +40,7 @@ class Prediction:
     miss_ms: float  # per token: every MoE layer's misses
     device_ms: float  # per token: the GPU's own reads
     prefill_chunk: int
-    prefill_tok_s: float | None  # None: too few slots to stream whole layers
+    prefill_tok_s: float | None  # None: too few slots to stream whole layers, or every expert resident
 
     @property
     def decode_ms(self) -> float:

@@ -39,7 +39,6 @@ from collections.abc import Callable
 import torch
 
 from ftc_runtime.cache.base import SequenceState
-from ftc_runtime.cache.kv import KVCache
 from ftc_runtime.decode.step_buffers import Captures, StepBuffers
 from ftc_runtime.decode.timeline import DeviceTimeline
 
@@ -125,7 +124,7 @@ class DecodeGraphs(ABC):
             return self._whole_step([token], [cache])
         captures = self._select([cache])
         self.io.set_inputs([token], [position])
-        self._prologue(ids.to(m.device))
+        self._prologue(self.io.token)
         clock = m.experts.stats.host_s
         for i in range(m.spec.num_layers):
             t0 = time.perf_counter()
@@ -241,16 +240,19 @@ class DecodeGraphs(ABC):
         self._join_previous(self.model.spec.num_layers)
         self.io.logits.copy_(self.model.head(self.io.x))
 
-    def store_kv(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, row: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Writes k, v (one token's) at the position of the step's `row` (a device tensor) in the
-        cache's `layer`: its whole key and value storage and that position, up to which this
-        token sees them."""
-        keys, values = cache.storage(layer)
-        position = self.io.position[row:row + 1]
-        keys.index_copy_(0, position, k)
-        values.index_copy_(0, position, v)
-        return keys, values, position
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               caches: list[SequenceState]) -> torch.Tensor:
+        """Decode attention of each row's one token (q [n, heads, d], k and v [n, kv heads, d]) on
+        its own cache's KV `layer`: k and v written at the row's position (a device tensor), the
+        query over the cache's whole storage up to that position. [n, heads · d]."""
+        def one(r: int, cache: SequenceState) -> torch.Tensor:
+            keys, values = cache.kv.storage(layer)
+            position = self.io.position[r:r + 1]
+            keys.index_copy_(0, position, k[r:r + 1])
+            values.index_copy_(0, position, v[r:r + 1])
+            return self.f["decode_attention"](q[r:r + 1], keys, values, position, self.model.heads)
+
+        return self.per_sequence(one, caches)
 
     def per_sequence(self, fn: Callable[[int, SequenceState], torch.Tensor], caches: list[SequenceState]
                      ) -> torch.Tensor:

@@ -36,8 +36,7 @@ class AttentionDecodeGraphs(DecodeGraphs):
         m, f, io, eps = self.model, self.f, self.io, self.model.spec.norm.eps
         self._join_previous(i)
         q, k, v = f["attention_in"](io.x, *m.attention_in_weights(i), io.cos, io.sin, eps, m.heads)
-        attn = self.per_sequence(lambda r, cache: f["decode_attention"](
-            q[r:r + 1], *self.store_kv(cache.kv, i, k[r:r + 1], v[r:r + 1], r), m.heads), caches)
+        attn = self.attend(i, q, k, v, caches)
         x, h = f["attention_out"](io.x, attn, *m.attention_out_weights(i), eps)
         io.x.copy_(x)
         if m.is_moe(i):

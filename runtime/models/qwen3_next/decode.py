@@ -90,7 +90,5 @@ class HybridDecodeGraphs(DecodeGraphs):
         m, f, io = self.model, self.f, self.io
         q, k, v, gate = f["gated_attention_in"](h, *m.attention_in_weights(i), io.cos, io.sin,
                                                 m.spec.norm.eps, m.heads, m.spec.attention.output_gate)
-        layer = m.kv_index[i]
-        attn = self.per_sequence(lambda r, cache: f["decode_attention"](
-            q[r:r + 1], *self.store_kv(cache.kv, layer, k[r:r + 1], v[r:r + 1], r), m.heads), caches)
+        attn = self.attend(m.kv_index[i], q, k, v, caches)
         return f["gated_attention_out"](attn, gate, m.w[f"model.layers.{i}.self_attn.o_proj.weight"])
