@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -87,12 +87,13 @@ def measure_profile(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, 
     rate no machine has (cores held by other processes slow the kernel's spinning workers a
     hundredfold) is refused rather than written."""
     prof = _measure(spec, pool, kernel, device, seconds)
-    for name, v in asdict(prof).items():
-        if name in RATES and v is not None and not plausible_gbps(v):
+    rates = {name: v for name, v in asdict(prof).items() if name in RATES and v is not None}
+    for name, v in rates.items():  # as measured: rounded, 0.097 would pass as 0.1
+        if not plausible_gbps(v):
             raise ValueError(f"ftc profile measured {name} = {v} GB/s, outside what a machine has "
                              f"[{PLAUSIBLE_GBPS[0]}, {PLAUSIBLE_GBPS[1]:g}]: were its cores busy with other "
                              "processes? Measure again on an idle machine")
-    return prof
+    return replace(prof, **{name: round(v, 2) for name, v in rates.items()})
 
 
 def _measure(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, device: str | None,
@@ -102,8 +103,8 @@ def _measure(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, device:
     if gpu and len(cpus) > 1 and not kernel.background:  # the GPU engine's workers (see above)
         kernel = kernel.on_cpus(gpu_engine_worker_cpus(cpus), background=True)
     b_h = expert_kernel_gbps(spec, pool, kernel, 1, seconds)["gbps"]
-    base = dict(isa=kernel.isa, physical_cores=len(physical_cpus()), host_read_gbps=round(torch_read_gbps(), 2),
-                b_h=round(b_h, 2), pool_bytes=pool.nbytes, l3_bytes=l3_bytes())
+    base = dict(isa=kernel.isa, physical_cores=len(physical_cpus()), host_read_gbps=torch_read_gbps(), b_h=b_h,
+                pool_bytes=pool.nbytes, l3_bytes=l3_bytes())
     if not gpu:
         return HardwareProfile(**base)
     dev = torch.device(device)
@@ -118,5 +119,5 @@ def _measure(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, device:
     finally:
         stop.set()
         copier.join()
-    return HardwareProfile(**base, gpu=props.name, vram_bytes=props.total_memory, b_p=round(b_p, 2),
-                           b_h_during_copy=round(b_h_during, 2), b_p_during_cpu=round(result["b_p"], 2))
+    return HardwareProfile(**base, gpu=props.name, vram_bytes=props.total_memory, b_p=b_p,
+                           b_h_during_copy=b_h_during, b_p_during_cpu=result["b_p"])
