@@ -146,7 +146,7 @@ class Engine:
                                    grouped_kernel, offload.device_plan or settings().device_plan)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, fam.decode_graphs, settings().decode_graphs,
-                                                settings().torch_compile)
+                                                settings().torch_compile, settings().fused_body)
         engine = cls(manifest, tokenizer, model, pool, vram, prefill_chunk, checked.chat_template)
         if not offload.cpu_experts and offload.n_slots is None:  # an explicit slot count stays fixed
             device = torch.device(offload.device)

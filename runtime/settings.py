@@ -43,6 +43,7 @@ class Settings:
     torch_compile: bool  # FTC_TORCH_COMPILE: fuse that work with torch.compile first (default 1)
     pin_gpu_thread: bool  # FTC_PIN_GPU_THREAD: pin the GPU-driving thread to the core the workers leave (default 0)
     device_plan: bool  # FTC_DEVICE_PLAN: plan decode calls on the device as data (default 0)
+    fused_body: bool  # FTC_FUSED_BODY: a decode layer's attention and router as fused kernels (default 1)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -50,7 +51,8 @@ class Settings:
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ftc")
         return cls(num_threads=_int("FTC_NUM_THREADS"), cache_dir=Path(cache),
                    decode_graphs=_bool("FTC_DECODE_GRAPHS", True), torch_compile=_bool("FTC_TORCH_COMPILE", True),
-                   pin_gpu_thread=_bool("FTC_PIN_GPU_THREAD", False), device_plan=_bool("FTC_DEVICE_PLAN", False))
+                   pin_gpu_thread=_bool("FTC_PIN_GPU_THREAD", False), device_plan=_bool("FTC_DEVICE_PLAN", False),
+                   fused_body=_bool("FTC_FUSED_BODY", True))
 
 
 def settings() -> Settings:

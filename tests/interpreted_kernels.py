@@ -21,7 +21,14 @@ from ftc_runtime.decode.plan_kernel import plan_layer_triton
 from ftc_runtime.decode.step_counts import StepCounts
 from ftc_runtime.experts.cache import ExpertCache
 from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
-from ftc_runtime.models.layers.decode_attention_kernel import SPAN, decode_attention_gpu
+from ftc_runtime.experts.replay_kernel import replay_route_gpu
+from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay
+from ftc_runtime.models.layers.attention import attention_in
+from ftc_runtime.models.layers.decode_attention_kernel import MAX_SPANS, MIN_SPAN, decode_attention_gpu
+from ftc_runtime.models.layers.gemv_kernel import linear_gpu
+from ftc_runtime.models.layers.norm import rms_norm
+from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
+from ftc_runtime.models.layers.rope import rope_cos_sin
 from ftc_runtime.models.layers.router import softmax_top_k
 from ftc_runtime.models.layers.router_kernel import softmax_top_k_gpu
 
@@ -106,7 +113,7 @@ def check_counts(rng: random.Random) -> None:
 def check_decode_attention(rng: random.Random, g: torch.Generator) -> None:
     for trial in range(6):
         n_kv, group, d = rng.choice([1, 2, 4]), rng.choice([1, 3, 8]), rng.choice([16, 24, 64, 256])
-        capacity = rng.choice([1, 40, SPAN, 2 * SPAN + 8])
+        capacity = rng.choice([1, 40, MIN_SPAN, 2 * MIN_SPAN + 8, MIN_SPAN * MAX_SPANS + 8])
         position = rng.randrange(capacity)
         dtype = rng.choice([torch.float32, torch.bfloat16])
         keys = torch.randn(capacity, n_kv, d, generator=g).to(dtype)
@@ -139,6 +146,85 @@ def check_router(rng: random.Random, g: torch.Generator) -> None:
         assert torch.allclose(got_w, want_w, rtol=1e-5, atol=1e-7), what
 
 
+def check_gemv(rng: random.Random, g: torch.Generator) -> None:
+    for trial in range(8):
+        n, k = rng.choice([1, 7, 128, 600]), rng.choice([16, 200, 2048])
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        norm, bias, residual = (rng.random() < 0.5 for _ in range(3))
+        x, w = torch.randn(1, k, generator=g).to(dtype), (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+        norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype) if norm else None
+        b = torch.randn(n, generator=g).to(dtype) if bias else None
+        res = torch.randn(1, n, generator=g).to(dtype) if residual else None
+        normed = torch.zeros(1, k) if norm else None
+        want_normed = rms_norm(x, norm_w, 1e-6) if norm else x
+        # in fp64, rounded to the activation dtype where torch's functions round: after the
+        # projection (and bias), after the residual add; the error relative to the terms' size
+        want = torch.nn.functional.linear(want_normed.double(), w.double(), None if b is None else b.double())
+        scale = want.abs() + (0 if b is None else b.double().abs())
+        want = want.to(dtype).double()
+        if residual:
+            want, scale = (want + res.double()).to(dtype).double(), scale + res.double().abs()
+        got = linear_gpu(x, w, b, norm_w=norm_w, eps=1e-6, residual=res, normed_out=normed)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        what = f"gemv, trial {trial}: [{n}, {k}] {dtype}, norm {norm}, bias {bias}, residual {residual}"
+        err = float((got.double() - want).abs().max() / scale.max())
+        assert got.dtype == dtype and got.shape == (1, n) and err < tol, f"{what}: {err:.2e}"
+        if norm:
+            assert torch.allclose(normed, want_normed.float(), rtol=tol, atol=tol), f"{what}: the normalized row"
+
+
+def check_qk_rope(rng: random.Random, g: torch.Generator) -> None:
+    for trial in range(6):
+        n_kv, group, d = rng.choice([1, 2, 4]), rng.choice([1, 3, 8]), rng.choice([16, 24, 64, 128])
+        heads, capacity = (n_kv * group, n_kv, d), rng.choice([1, 40, 300])
+        rotary = rng.choice([d, d // 2 // 2 * 2])
+        dtype, qk_norm = rng.choice([torch.float32, torch.bfloat16]), rng.random() < 0.7
+        qkv = torch.randn(1, (n_kv * group + 2 * n_kv) * d, generator=g).to(dtype)
+        norms = [(1 + 0.1 * torch.randn(d, generator=g)).to(dtype) if qk_norm else None for _ in range(2)]
+        inv_freq = 1.0 / (1e4 ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary))
+        position = rng.randrange(capacity)
+        cos, sin = rope_cos_sin(inv_freq, torch.tensor([position]), dtype)
+        keys, values = (torch.randn(capacity, n_kv, d, generator=g).to(dtype) for _ in range(2))
+        want_keys, want_values = keys.clone(), values.clone()
+        # attention_in on an identity projection of the row: its tail is what the kernel does
+        eye = torch.eye(qkv.shape[1], dtype=dtype)
+        want_q, k, v = attention_in(qkv, torch.ones(qkv.shape[1], dtype=dtype), eye, None, *norms, cos, sin,
+                                    1e-6, heads)
+        want_keys[position], want_values[position] = k[0], v[0]
+        qkv_in = rms_norm(qkv, torch.ones(qkv.shape[1], dtype=dtype), 1e-6)
+        got_q = qk_norm_rope_store_gpu(qkv_in, *norms, cos, sin, 1e-6, heads, keys, values,
+                                       torch.tensor([position]))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        what = f"qk rope, trial {trial}: {heads}, rotary {rotary}, {dtype}, qk norm {qk_norm}, position {position}"
+        for name, got, want in (("q", got_q, want_q), ("keys", keys, want_keys), ("values", values, want_values)):
+            err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+            assert got.dtype == dtype and got.shape == want.shape and err < tol, f"{what}: {name} {err:.2e}"
+
+
+def check_replay(rng: random.Random, g: torch.Generator) -> None:
+    """The replay kernel against the host's `TraceReplay.route` on traces of fewer, as many and
+    more experts per row than the model routes."""
+    for trial in range(6):
+        e, layers, k, rows = rng.choice([8, 64]), 3, rng.choice([1, 4, 6, 8]), rng.choice([1, 5])
+        trace_k = rng.choice([1, k, k + 2])
+        experts = torch.full((rows, layers, trace_k), -1, dtype=torch.int16)
+        for r in range(rows):
+            for layer in range(layers):
+                n = rng.randrange(0, trace_k + 1)
+                experts[r, layer, :n] = torch.tensor(rng.sample(range(e), n), dtype=torch.int16)
+        replay = TraceReplay(RoutingTrace(experts.numpy(), torch.full(experts.shape, 1.0).numpy(),
+                                          torch.ones(rows, dtype=torch.bool).numpy()))
+        n_tok = rng.choice([1, 3])
+        own = torch.stack([torch.tensor(rng.sample(range(e), k)) for _ in range(n_tok)])
+        positions = torch.tensor([rng.randrange(100) for _ in range(n_tok)])
+        layer = rng.randrange(layers)
+        want_ids, want_w = replay.route(layer, positions.numpy(), own.numpy(), torch.zeros(n_tok, k).numpy())
+        got_ids, got_w = replay_route_gpu(replay._table(own.device, k), layer, positions, own)
+        what = f"replay, trial {trial}: {e} experts, top {k}, trace rows of {trace_k}, {rows} rows"
+        assert torch.equal(got_ids, torch.from_numpy(want_ids)), f"{what}: {got_ids} != {want_ids}"
+        assert torch.equal(got_w, torch.from_numpy(want_w)), what
+
+
 def main() -> None:
     seed, runs, steps = (int(a) for a in sys.argv[1:4])
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -147,6 +233,9 @@ def main() -> None:
     check_counts(rng)
     check_decode_attention(rng, g)
     check_router(rng, g)
+    check_gemv(rng, g)
+    check_qk_rope(rng, g)
+    check_replay(rng, g)
     print("ok")
 
 

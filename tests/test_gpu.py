@@ -164,9 +164,10 @@ def _teacher_forced_logits(engine: Engine, ids: list[int], prompt: int) -> list[
 def _graphs_and_eager(engine_dir: Path, monkeypatch, compiled: bool, rng: random.Random,
                       device_plan: bool = False) -> tuple[Engine, Engine]:
     """The engine on the GPU twice, with the same random slot count: with decode graphs (functions
-    compiled or not; a graph per layer, or the whole step as one with `device_plan`) and without
-    them."""
+    compiled and the MoE layers' fused kernels, or neither: the eager path's very kernels; a graph
+    per layer, or the whole step as one with `device_plan`) and without them."""
     monkeypatch.setenv("FTC_TORCH_COMPILE", "1" if compiled else "0")
+    monkeypatch.setenv("FTC_FUSED_BODY", "1" if compiled else "0")
     monkeypatch.setenv("FTC_DEVICE_PLAN", "1" if device_plan else "0")
     cfg = OffloadConfig(device="cuda", n_slots=rng.randrange(4, 40), b_p=25.0, b_h=50.0)
     graphs = Engine.load(engine_dir, offload=cfg)
@@ -183,8 +184,8 @@ def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled, s
     replays) give the logits of the eager path: uncompiled they run the same kernels, and the
     device experts of one token sum their pairs in a fixed order (with fp32 atomics in no fixed
     order, a last-bit difference once rounded a bf16 activation the other way and flipped one of
-    this tiny model's near-tied router choices: 1.0e-1 at one step of 300). Compiled, the fused
-    kernels round bf16 at other points than eager ops do, and that same router turns such
+    this tiny model's near-tied router choices: 1.0e-1 at one step of 300). Compiled (and with the
+    fused body kernels), the fused kernels round bf16 at other points than eager ops do, and that same router turns such
     differences into other experts, so both are held to the fp32 CPU engine: measured on the
     device 1.6e-2 and 1.7e-2 compiled against 1.2e-2 and 7.1e-3 eager; the bound (4× eager) still
     catches a wrong fusion, whose error would be of order 1."""
@@ -244,7 +245,8 @@ def test_device_step_replays_a_trace_as_the_host_path_does(engine_dir, monkeypat
     from ftc_runtime.experts.routing_trace import TraceReplay, synthetic_trace
 
     rng = random.Random(seed)
-    monkeypatch.setenv("FTC_TORCH_COMPILE", "0")
+    monkeypatch.setenv("FTC_TORCH_COMPILE", "0")  # the eager path's own kernels: no other rounding
+    monkeypatch.setenv("FTC_FUSED_BODY", "0")
     cfg = OffloadConfig(device="cuda", n_slots=rng.randrange(4, 40), b_p=25.0, b_h=50.0,
                         miss_policy=rng.choice(["gpu", "cpu", "half"]))
     engines = {}

@@ -1,6 +1,7 @@
-"""The decode plan's Triton kernels run by Triton's interpreter on the CPU (where Triton is
-installed: the Makefile installs it beside the CPU build of torch), against the torch plan; on a
-GPU the same kernels are compiled and tested by the GPU tests."""
+"""The decode step's Triton kernels run by Triton's interpreter on the CPU (where Triton is
+installed: the Makefile installs it beside the CPU build of torch) against their torch
+references, and a Qwen3-MoE decode layer as the fused kernels run it against the torch layer; on
+a GPU the same kernels are compiled and tested by the GPU tests."""
 
 from __future__ import annotations
 
@@ -17,4 +18,12 @@ def test_plan_and_fill_kernels_equal_the_torch_plan_when_interpreted(seed):
     script = Path(__file__).with_name("interpreted_kernels.py")
     r = subprocess.run([sys.executable, str(script), str(seed), "3", "12"], capture_output=True, text=True,
                        env=os.environ | {"TRITON_INTERPRET": "1"}, timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]
+
+
+def test_fused_decode_layer_equals_the_torch_layer_when_interpreted(engine_dir, seed):
+    pytest.importorskip("triton")
+    script = Path(__file__).with_name("interpreted_fused_layer.py")
+    r = subprocess.run([sys.executable, str(script), str(engine_dir), str(seed)], capture_output=True, text=True,
+                       env=os.environ | {"TRITON_INTERPRET": "1"}, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-4000:]

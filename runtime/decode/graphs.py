@@ -26,7 +26,8 @@ by doubling, another set of sequences in a batch) or the expert backend's slots 
 `generation`). Widths above 1 run the functions uncompiled: each width would compile them again.
 The family's functions are fused by torch.compile first, at load (FTC_TORCH_COMPILE=0 turns it
 off; a compiler failure falls back to the same functions uncompiled); docs/performance.md has
-what it gains.
+what it gains. A family may run a one-sequence layer as its own fused kernels instead
+(`fused_body`; FTC_FUSED_BODY=0 keeps the functions).
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ class DecodeGraphs(ABC):
     round trip of each MoE layer. A family's subclass gives its functions (`functions`, fused by
     torch.compile), their warm-up and the body of one layer (`_layer`)."""
 
-    def __init__(self, model, compile_fns: bool):
+    def __init__(self, model, compile_fns: bool, fused_body: bool = True):
         if model.device.type != "cuda":
             raise ValueError("DecodeGraphs needs a CUDA device")
         self.model = model
+        self.fused_body = fused_body  # the family's fused kernels at width 1, where it has them
         self._buffers = {1: StepBuffers.make(model, 1)}
         self.io = self._buffers[1]  # the buffers of the step being run or captured
         self.fns = self.eager_fns = self.functions()
@@ -261,15 +263,15 @@ class DecodeGraphs(ABC):
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
-def decode_graphs_for(model, kind: type[DecodeGraphs] | None, enabled: bool,
-                      compile_fns: bool) -> DecodeGraphs | None:
+def decode_graphs_for(model, kind: type[DecodeGraphs] | None, enabled: bool, compile_fns: bool,
+                      fused_body: bool = True) -> DecodeGraphs | None:
     """The family's DecodeGraphs (`kind`, None: the family has none) on a CUDA device with an
     expert backend that stages its input (`stage`, `launch_staged`, `finish_staged`,
     `token_outputs`) when enabled; None elsewhere (eager)."""
     if kind is None or not enabled or model.device.type != "cuda" or not hasattr(model.experts, "launch_staged"):
         return None
     try:
-        return kind(model, compile_fns)
+        return kind(model, compile_fns, fused_body)
     except RuntimeError as e:  # a torch without graph support for this device: eager decode still works
         print(f"ftc: CUDA graphs off for decode ({e})", file=sys.stderr)
         return None

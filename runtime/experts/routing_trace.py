@@ -113,9 +113,14 @@ class TraceReplay:
 
     def route_on_device(self, moe_layer: int, positions: torch.Tensor, ids: torch.Tensor,
                         weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`route` on device tensors, with no host work: positions int64 [T], ids int64 [T, k]."""
+        """`route` on device tensors, with no host work: positions int64 [T], ids int64 [T, k]. On
+        a GPU one Triton kernel (`replay_kernel`)."""
         k = ids.shape[1]
         table = self._table(ids.device, k)
+        if ids.is_cuda:
+            from ftc_runtime.experts.replay_kernel import replay_route_gpu  # Triton: beside a GPU
+
+            return replay_route_gpu(table, moe_layer, positions, ids)
         picks = table[positions % table.shape[0], moe_layer]
         return fill_missing(picks, ids), torch.full_like(weights, 1.0 / k)
 

@@ -1,14 +1,18 @@
 """One decode token's grouped-query attention over a KV storage of fixed capacity, up to the
 token's position (a device tensor), as two Triton kernels for the decode graphs:
 
-- `_partial`, one program per (KV head, span of SPAN keys): the query heads of that KV head against
+- `_partial`, one program per (KV head, span of keys): the query heads of that KV head against
   the span's keys up to the position, an online softmax in fp32 ("flash decoding"): the span's
   running maximum, sum and weighted values;
-- `_combine`, one program per KV head: the spans rescaled to the global maximum and summed.
+- `_combine`, one program per KV head: the spans up to the position rescaled to the global
+  maximum and summed.
 
 Only the keys up to the position are read, however large the storage (its tail is never touched),
-and the graph's grid stays fixed: spans past the position return at once. In torch the same
-attention is two batched matmuls over the whole storage, a mask, a softmax and conversions.
+and the graph's grid stays fixed: spans past the position return at once. Spans are as short as
+one step of keys while the storage is small, so that a short context spreads over several
+programs per head, and grow with the storage so that there are never more than `MAX_SPANS` of
+them for the combine to walk. In torch the same attention is two batched matmuls over the whole
+storage, a mask, a softmax and conversions.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-SPAN = 512  # keys per program of `_partial`
+MIN_SPAN = 64  # keys per program of `_partial` at the least: one step of keys
+MAX_SPANS = 64  # spans per KV head at the most
+
+
+def span_for(capacity: int) -> int:
+    """Keys per program of `_partial` over a storage of `capacity` keys."""
+    return max(MIN_SPAN, triton.next_power_of_2(triton.cdiv(capacity, MAX_SPANS)))
 
 
 @triton.jit
@@ -59,20 +69,24 @@ def _partial(q, keys, values, position, acc_out, max_out, sum_out, scale, k_stri
 
 
 @triton.jit
-def _combine(acc_in, max_in, sum_in, out, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
-             SPANS: tl.constexpr):
+def _combine(acc_in, max_in, sum_in, position, out, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
+             DP: tl.constexpr, SPANS: tl.constexpr, SPANS_P: tl.constexpr, SPAN: tl.constexpr):
     h = tl.program_id(0)
     g, d = tl.arange(0, GP), tl.arange(0, DP)
-    top = tl.full([GP], float("-inf"), dtype=tl.float32)
-    for s in range(0, SPANS):  # span 0 always holds key 0: the maximum is finite
-        top = tl.maximum(top, tl.load(max_in + (h * SPANS + s) * GP + g))
+    s_all = tl.arange(0, SPANS_P)
+    last = tl.load(position) // SPAN  # the spans after it saw no key
+    # span 0 always holds key 0: the maximum is finite
+    seen = (s_all[:, None] <= last) & (s_all[:, None] < SPANS)
+    maxima = tl.load(max_in + (h * SPANS + s_all[:, None]) * GP + g[None, :], mask=seen, other=float("-inf"))
+    top = tl.max(maxima, 0)
     num = tl.zeros([GP, DP], dtype=tl.float32)
     den = tl.zeros([GP], dtype=tl.float32)
-    for s in range(0, SPANS):
-        at = (h * SPANS + s) * GP + g
-        w = tl.exp(tl.load(max_in + at) - top)  # 0 for a span past the position
-        num += tl.load(acc_in + at[:, None] * DP + d[None, :]) * w[:, None]
-        den += tl.load(sum_in + at) * w
+    for s in range(0, SPANS):  # a fixed loop (the interpreter's loop bounds are no loaded values)
+        if s <= last:
+            at = (h * SPANS + s) * GP + g
+            w = tl.exp(tl.load(max_in + at) - top)
+            num += tl.load(acc_in + at[:, None] * DP + d[None, :]) * w[:, None]
+            den += tl.load(sum_in + at) * w
     result = num / den[:, None]
     tl.store(out + (h * G + g[:, None]) * D + d[None, :], result.to(out.dtype.element_ty),
              mask=(g[:, None] < G) & (d[None, :] < D))
@@ -87,7 +101,8 @@ def decode_attention_gpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if keys.stride(2) != 1 or values.stride(2) != 1:
         raise ValueError(f"decode attention: keys and values need unit stride along d, not "
                          f"{keys.stride()} and {values.stride()}")
-    spans = triton.cdiv(keys.shape[0], SPAN)
+    span = span_for(keys.shape[0])
+    spans = triton.cdiv(keys.shape[0], span)
     gp, dp = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(d))
     partial = torch.empty(n_kv, spans, gp, dp, dtype=torch.float32, device=q.device)
     maxima = torch.empty(n_kv, spans, gp, dtype=torch.float32, device=q.device)
@@ -98,7 +113,8 @@ def decode_attention_gpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     block_n, warps = (64, 4) if dp <= 128 else (32, 8)
     _partial[(n_kv, spans)](q.contiguous(), keys, values, position, partial, maxima, sums, d ** -0.5,
                             keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), spans,
-                            G=group, D=d, GP=gp, DP=dp, BLOCK_N=block_n, SPAN=SPAN, PRECISION=precision,
-                            num_warps=warps)
-    _combine[(n_kv,)](partial, maxima, sums, out, G=group, D=d, GP=gp, DP=dp, SPANS=spans)
+                            G=group, D=d, GP=gp, DP=dp, BLOCK_N=min(block_n, span), SPAN=span,
+                            PRECISION=precision, num_warps=warps)
+    _combine[(n_kv,)](partial, maxima, sums, position, out, G=group, D=d, GP=gp, DP=dp, SPANS=spans,
+                      SPANS_P=triton.next_power_of_2(spans), SPAN=span)
     return out
