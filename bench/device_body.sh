@@ -5,8 +5,7 @@
 #                                         of the one-graph step), then the GPU tests of the graphs
 #   bash bench/device_body.sh OUT_DIR 2   the fused body: the body benchmark (and linear_gpu's blocks against
 #                                         cuBLAS), its GPU tests, the qwen3-30b-a3b bf16 32 GiB matrix
-#   bash bench/device_body.sh OUT_DIR 3   mxfp4 8 GiB, aggregate throughput at 1-16 sequences; qwen3.6 bf16
-#                                         32 GiB and nvfp4 8 GiB
+#   bash bench/device_body.sh OUT_DIR 3   qwen3-30b-a3b mxfp4 8 GiB; qwen3.6 bf16 32 GiB and nvfp4 8 GiB
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -30,10 +29,8 @@ else
   export FTC_DEVICE_PLAN=1
   timeout 150 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
     --policies cpu,gpu,adaptive --routings uniform,$trace --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
-  timeout 150 ftc bench decode $q30 --random-weights --target h200 --vram-budget 32GiB --sequences 1,2,4,8,16 \
-    -o "$out/sequences_q30_bf16.json" 2>&1 | grep -E "sequences|aggregate_tok_s|per_sequence|ms_per_step"
-  timeout 140 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 32GiB --policies adaptive,cpu \
+  timeout 100 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 32GiB --policies adaptive \
     --routings uniform --new-tokens 66 -o "$out/q36_bf16" 2>&1 | grep "tok/s"
-  timeout 140 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \
-    --policies adaptive,cpu --routings uniform --new-tokens 66 -o "$out/q36_nvfp4" 2>&1 | grep "tok/s"
+  timeout 100 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \
+    --policies adaptive --routings uniform --new-tokens 66 -o "$out/q36_nvfp4" 2>&1 | grep "tok/s"
 fi
