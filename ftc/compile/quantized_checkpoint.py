@@ -7,7 +7,9 @@ Settings: `config.json` `quantization_config` (gpt-oss's `quant_method: mxfp4`; 
 compressed-tensors' `format: nvfp4-pack-quantized`) or ModelOpt's `hf_quant_config.json`. The
 modules they exclude (`modules_to_not_convert`, `exclude_modules`, `ignore`) stay 16-bit and read
 as usual; an NVFP4 linear weight outside the routed experts is dequantized to bf16
-(`DequantizedDense`), since the engine holds dense weights in 16 bits.
+(`DequantizedDense`), since the engine holds dense weights in 16 bits. Block-scaled FP8
+checkpoints (`quant_method: fp8`) declare no 4-bit experts: every weight is dequantized
+(`fp8_checkpoint`).
 
 Expert layouts, found by their tensor names under a layer's experts prefix `P`:
 - gpt-oss: `P gate_up_proj_blocks` u8 [E, 2I, H/32, 16] + `_scales` u8 [E, 2I, H/32], the gate and
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from ftc.compile.checkpoint import SafetensorsCheckpoint
+from ftc.compile.fp8_checkpoint import DEFAULT_BLOCK, fp8_settings, read_fp8_weight
 from ftc_runtime.formats import expert_format
 from ftc_runtime.formats.base import QuantizedMatrix
 from ftc_runtime.models.base import CheckpointError
@@ -63,9 +66,12 @@ def declared_format(directory: Path, config: dict[str, Any]) -> str | None:
         return _modelopt_settings(q, where)
     if method == "compressed-tensors":
         return _compressed_tensors_settings(q, where)
+    if method == "fp8":  # block-scaled FP8 linears, experts included: dequantized (`fp8_checkpoint`)
+        fp8_settings(q, where)
+        return None
     raise CheckpointError(f"{where}: quantization_config.quant_method = {method!r}: ftc reads MXFP4 (gpt-oss, "
-                          "DeepSeek-V4), NVFP4 (ModelOpt, compressed-tensors nvfp4-pack-quantized) or 16/32-bit "
-                          "experts")
+                          "DeepSeek-V4), NVFP4 (ModelOpt, compressed-tensors nvfp4-pack-quantized), block-scaled "
+                          "FP8 (DeepSeek-V3, GLM-5) or 16/32-bit weights")
 
 
 def _modelopt_settings(q: dict[str, Any], where: Path) -> str:
@@ -196,14 +202,15 @@ def find_layout(ckpt: SafetensorsCheckpoint, prefix: str) -> str | None:
 class DequantizedDense:
     """The checkpoint with every NVFP4 linear weight outside the routed experts (those its settings
     do not exclude: ModelOpt's `X.weight` u8 with `.weight_scale` and `.weight_scale_2`,
-    compressed-tensors' `X.weight_packed`) read as `X.weight` in bf16, dequantized: the engine holds
-    dense weights in 16 bits. Any other tensor reads as the checkpoint stores it."""
+    compressed-tensors' `X.weight_packed`) and every block-scaled FP8 weight (`X.weight` e4m3 with
+    `.weight_scale_inv`, blocks of `fp8_block`) read as `X.weight` in bf16, dequantized: the engine
+    holds dense weights in 16 bits. Any other tensor reads as the checkpoint stores it."""
 
-    def __init__(self, ckpt: SafetensorsCheckpoint):
-        self.ckpt, self.directory = ckpt, ckpt.directory
+    def __init__(self, ckpt: SafetensorsCheckpoint, fp8_block: tuple[int, int] = DEFAULT_BLOCK):
+        self.ckpt, self.directory, self.fp8_block = ckpt, ckpt.directory, fp8_block
 
     def _quantized(self, name: str) -> tuple[str, str] | None:
-        """(codes tensor, tensor-scale reader) of a quantized weight `X.weight`, else None."""
+        """(codes tensor, its layout) of a quantized weight `X.weight`, else None."""
         base = name.removesuffix(".weight")
         if base == name:
             return None
@@ -211,6 +218,8 @@ class DequantizedDense:
             return f"{base}.weight_packed", "compressed_tensors_nvfp4"
         if f"{base}.weight_scale_2" in self.ckpt and name in self.ckpt:
             return name, "modelopt_nvfp4"
+        if f"{base}.weight_scale_inv" in self.ckpt and name in self.ckpt:
+            return name, "fp8"
         return None
 
     def __contains__(self, name: str) -> bool:
@@ -218,7 +227,7 @@ class DequantizedDense:
 
     def shape(self, name: str) -> tuple[int, ...]:
         q = self._quantized(name)
-        if q is None:
+        if q is None or q[1] == "fp8":
             return self.ckpt.shape(name)
         rows, half = self.ckpt.shape(q[0])
         return rows, 2 * half
@@ -227,6 +236,8 @@ class DequantizedDense:
         q = self._quantized(name)
         if q is None:
             return self.ckpt.get(name)
+        if q[1] == "fp8":
+            return read_fp8_weight(self.ckpt, name, self.fp8_block)
         rows, cols = self.shape(name)
         reader = QuantizedExperts(self.ckpt, q[1], cols, rows, 1, f"an NVFP4 linear weight [{rows}, {cols}]")
         m = _nvfp4_matrix(reader, name.removesuffix(".weight"), rows, cols)

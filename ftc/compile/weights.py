@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from ftc.compile.checkpoint import CheckpointError, SafetensorsCheckpoint
+from ftc.compile.fp8_checkpoint import checkpoint_fp8_block
 from ftc.compile.quantized_checkpoint import LAYOUT_FORMAT, DequantizedDense, QuantizedExperts, find_layout
 from ftc_runtime.formats import expert_format
 from ftc_runtime.formats.base import Expert
@@ -56,7 +57,8 @@ class CheckpointWeights:
 
     def __init__(self, spec: ModelSpec, directory: Path):
         self.spec, self.ckpt = spec, SafetensorsCheckpoint(directory)
-        self.layout = family(spec.family).checkpoint_layout(DequantizedDense(self.ckpt), spec)
+        self.reader = DequantizedDense(self.ckpt, checkpoint_fp8_block(directory))
+        self.layout = family(spec.family).checkpoint_layout(self.reader, spec)
         self.description = f"checkpoint {directory}"
         self.extra_layers = extra_layers(self.ckpt.names(), spec.num_layers)
         self.shapes = family(spec.family).dense_tensor_shapes(spec)
@@ -110,10 +112,10 @@ class CheckpointWeights:
         return {"gate_up": gate_up, "down": down}
 
     def _checked(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        got = self.ckpt.shape(name)
+        got = self.reader.shape(name)
         if got != shape:
             raise CheckpointError(f"{self.ckpt.directory}: tensor {name} has shape {got}, expected {shape}")
-        return self.ckpt.get(name)
+        return self.reader.get(name)
 
     def _fused(self, name: str, shape: tuple[int, int, int], expert: int,
                transposed: bool | None) -> tuple[torch.Tensor, bool]:
