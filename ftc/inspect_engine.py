@@ -49,11 +49,16 @@ def inspect_spec(source: Path, target: str, vram_budget: int | None, max_context
                f"not predicted: {p.vram.n_slots} slots hold all the experts or fewer than two layers' "
                f"({2 * spec.moe.num_experts})")
     v = p.vram
+    v8 = plan_vram(spec, family(spec.family).dense_tensor_shapes(spec), budget, v.expert_stride, v.pool_experts,
+                   max_context, dense_fp8=True)
     return [_model_table(spec, f"spec {source}"), _memory_table(spec), _rows(
         f"on {t.name} ({t.gpu}) within {gib(budget)}, KV for {max_context} tokens", (
             ("non-expert weights / KV / workspace", f"{gib(v.dense)} / {gib(v.kv)} / {gib(v.workspace)}"),
             ("expert slots", f"{v.n_slots} × {v.expert_stride / 2**20:.2f} MiB = {gib(v.slots)}, "
                              f"{100 * v.pool_share:.1f}% of {v.pool_experts} experts"),
+            ("with projections in FP8", f"non-expert weights {gib(v8.dense)}: {v8.n_slots} slots, "
+                                        f"{100 * v8.pool_share:.1f}% (not yet an engine option: dense weights "
+                                        "are held in bf16)"),
             ("decode (one sequence, no routing locality)", f"{p.decode_tok_s:.2f} tok/s: {p.decode_ms:.2f} ms per "
              f"token, of which misses {p.miss_ms:.2f} ({p.misses_per_layer:.2f} per MoE layer at B_P {t.b_p:g} / "
              f"B_H {t.b_h:g} GB/s), GPU reads {p.device_ms:.2f}"),

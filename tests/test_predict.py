@@ -85,3 +85,24 @@ def test_ftc_inspect_predicts_glm_5_2_on_the_rtx_pro_6000(seed):
                                  "--vram-budget", f"{budget}GiB", "--quant", "nvfp4"], terminal_width=200)
     assert r.exit_code == 0, r.output
     assert f"within {budget}.00 GiB" in r.output and "tok/s" in r.output and "nvfp4" in r.output, r.output
+
+
+@pytest.mark.parametrize("spec_name", ["glm-5.2.yaml", "qwen3-30b-a3b.yaml"])
+def test_fp8_dense_plan_counts_projections_as_an_fp8_release_stores_them(spec_name):
+    """`dense_bytes(fp8=True)`: each attention and MLP projection (and GLM's indexer wq_b, wk) a
+    byte a weight plus an fp32 scale per 128 × 128 block; the embedding, head, norms, router and
+    the indexer's weights_proj stay bf16; the plan gives the saving to expert slots."""
+    from ftc_runtime.experts.vram_plan import dense_bytes, plan_vram
+    from ftc_runtime.models import family
+
+    spec, _ = load_spec(SPECS / spec_name, quant="nvfp4")
+    shapes = family(spec.family).dense_tensor_shapes(spec)
+    projections = {name: s for name, s in shapes.items() if len(s) == 2 and not any(
+        part in name for part in ("embed_tokens", "lm_head", "norm", "mlp.gate.", "weights_proj"))}
+    assert projections and all(name.endswith(".weight") for name in projections)
+    saved = sum(n * k - 4 * -(-n // 128) * -(-k // 128) for n, k in projections.values())
+    assert dense_bytes(shapes) - dense_bytes(shapes, fp8=True) == saved
+    budget = dense_bytes(shapes) + (4 << 30)
+    stride, pool = spec.expert_bytes, len(spec.moe_layers) * spec.moe.num_experts
+    bf16, fp8 = (plan_vram(spec, shapes, budget, stride, pool, 4096, dense_fp8=f) for f in (False, True))
+    assert fp8.dense == bf16.dense - saved and fp8.n_slots > bf16.n_slots

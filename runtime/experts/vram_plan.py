@@ -38,7 +38,7 @@ def gib(n: int) -> str:
 @dataclass(frozen=True)
 class VramPlan:
     budget: int
-    dense: int  # non-expert weights, bf16
+    dense: int  # non-expert weights: bf16 (or their projections in fp8, where planned so)
     kv: int  # KV cache for max_context tokens, bf16
     workspace: int
     expert_stride: int  # bytes of one slot
@@ -61,9 +61,19 @@ class VramPlan:
         return asdict(self) | {"slots_bytes": self.slots, "total": self.total, "pool_share": self.pool_share}
 
 
-def dense_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
-    """Bytes of the non-expert tensors in bf16."""
-    return 2 * sum(math.prod(shape) for shape in shapes.values())
+FP8_BLOCK = 128  # rows and columns of one scale's block in the FP8 releases (DeepSeek-V3, GLM-5)
+_FP8_LINEAR = re.compile(r"(?<!weights)_proj(_with_mqa)?\.weight$|\.indexer\.(wq_b|wk)\.weight$")
+
+
+def dense_bytes(shapes: dict[str, tuple[int, ...]], fp8: bool = False) -> int:
+    """Bytes of the non-expert tensors in bf16, or with `fp8` their linear projections as an FP8
+    release stores them (a byte a weight and an fp32 scale per 128 × 128 block; the embedding,
+    head, norms and router in bf16)."""
+    def size(name: str, shape: tuple[int, ...]) -> int:
+        if fp8 and len(shape) == 2 and _FP8_LINEAR.search(name):
+            return math.prod(shape) + 4 * math.ceil(shape[0] / FP8_BLOCK) * math.ceil(shape[1] / FP8_BLOCK)
+        return 2 * math.prod(shape)
+    return sum(size(name, shape) for name, shape in shapes.items())
 
 
 def kv_row_elements(spec: ModelSpec) -> int:
@@ -76,7 +86,7 @@ def kv_row_elements(spec: ModelSpec) -> int:
 
 
 def plan_vram(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], budget: int, expert_stride: int,
-              pool_experts: int, max_context: int) -> VramPlan:
+              pool_experts: int, max_context: int, dense_fp8: bool = False) -> VramPlan:
     # Keys and values of the full-attention layers, and one sequence's Gated DeltaNet state (its
     # recurrent part fp32) in each linear layer: the "KV" share of the budget.
     kv = max_context * len(spec.full_attention_layers) * kv_row_elements(spec) * 2
@@ -85,7 +95,7 @@ def plan_vram(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], budget: int, 
         conv = (2 * la.num_k_heads * la.k_head_dim + la.num_v_heads * la.v_head_dim) * (la.conv_kernel - 1) * 2
         kv += len(spec.linear_attention_layers) * (conv + la.num_v_heads * la.k_head_dim * la.v_head_dim * 4)
     workspace = LIBRARY_WORKSPACE + 4 * spec.vocab_size * 4 + 16 * spec.hidden_size * 4 * 64
-    dense = dense_bytes(shapes)
+    dense = dense_bytes(shapes, dense_fp8)
     free = budget - dense - kv - workspace
     if free < expert_stride:
         raise VramError(f"--vram-budget {gib(budget)}: non-expert weights {gib(dense)}, KV cache for "
