@@ -3,9 +3,9 @@
 # layer against ~0.01 of bytes). Calls of under 10 minutes on one machine (carry .whl):
 #   bash bench/device_body.sh OUT_DIR 1   where the body's time goes (bench/dev/decode_body.py, a profile
 #                                         of the one-graph step), then the GPU tests of the graphs
-#   bash bench/device_body.sh OUT_DIR 2   the fused body: the body benchmark (and linear_gpu's blocks against
-#                                         cuBLAS), its GPU tests, the qwen3-30b-a3b bf16 32 GiB matrix
-#   bash bench/device_body.sh OUT_DIR 3   qwen3-30b-a3b mxfp4 8 GiB; qwen3.6 bf16 32 GiB and nvfp4 8 GiB
+#   bash bench/device_body.sh OUT_DIR 2   the fused body: the body benchmark, its GPU tests, the qwen3-30b-a3b
+#                                         matrices (bf16 32 GiB, mxfp4 8 GiB uniform)
+#   bash bench/device_body.sh OUT_DIR 3   qwen3.6 bf16 32 GiB and nvfp4 8 GiB; linear_gpu's blocks against cuBLAS
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -18,19 +18,20 @@ if [ "$part" = 1 ]; then
     -k "graphs_equal or elastic or batched" 2>&1 | tee "$out/pytest_gpu.txt" \
     | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
 elif [ "$part" = 2 ]; then
-  timeout 150 python3 bench/dev/decode_body.py -o "$out/body" --variants engine,fused,gemv_only --gemv-sweep 2>&1 \
-    | grep -E "variant|shape"
-  timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_timeline.py \
-    -k "graphs_equal_the_eager_step or device_step or timeline" 2>&1 | tee "$out/pytest_gpu.txt" \
+  timeout 60 python3 bench/dev/decode_body.py -o "$out/body" --variants engine,fused 2>&1 | grep -E "variant"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+    -k "graphs_equal_the_eager_step or device_step" 2>&1 | tee "$out/pytest_gpu.txt" \
     | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
-  FTC_DEVICE_PLAN=1 timeout 250 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
+  export FTC_DEVICE_PLAN=1
+  timeout 200 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
     --policies cpu,gpu,adaptive --routings $trace,uniform --new-tokens 66 -o "$out/q30_bf16" 2>&1 | grep "tok/s"
+  timeout 120 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
+    --policies cpu,adaptive --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
 else
   export FTC_DEVICE_PLAN=1
-  timeout 150 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
-    --policies cpu,gpu,adaptive --routings uniform,$trace --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
   timeout 100 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 32GiB --policies adaptive \
     --routings uniform --new-tokens 66 -o "$out/q36_bf16" 2>&1 | grep "tok/s"
   timeout 100 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \
     --policies adaptive --routings uniform --new-tokens 66 -o "$out/q36_nvfp4" 2>&1 | grep "tok/s"
+  timeout 150 python3 bench/dev/decode_body.py -o "$out/body" --variants fused --gemv-sweep 2>&1 | grep -E "variant|shape"
 fi
