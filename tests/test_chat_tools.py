@@ -12,13 +12,16 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from ftc.compile.pipeline import CompileOptions, compile_engine
+from ftc.compile.spec_loader import load_spec
 from ftc_runtime import Engine
 from ftc_runtime.chat.template import ChatTemplate, ChatTemplateError
 from ftc_runtime.chat.tool_parsers import (
+    GlmToolParser,
     QwenToolParser,
     ReasoningSplitter,
     ToolCall,
     ToolCallStream,
+    hidden_token_ids,
     parse_output,
     split_reasoning,
     tool_parser,
@@ -28,14 +31,19 @@ from ftc_runtime.spec import SpecError
 
 from hf_models import TinyShape, build_model, save_checkpoint
 
-SPEC = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3-moe-tiny.yaml"
-TEMPLATE = family("qwen3_moe").chat_template_path
+SPECS = Path(__file__).resolve().parents[1] / "model_specs"
+SPEC = SPECS / "qwen3-moe-tiny.yaml"
+# Where the family's template starts the assistant's turn and what it writes after it: the text
+# between is what the model generated.
+ASSISTANT_TURN = {"qwen3_moe": ("<|im_start|>assistant\n", "<|im_end|>\n"), "glm_moe_dsa": ("<|assistant|>", "")}
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Engine:
-    out = tmp_path_factory.mktemp("chat") / "tiny"
-    return Engine.load(compile_engine(CompileOptions(source=SPEC, target="cpu", random_weights=True, output=out)))
+@pytest.fixture(scope="module", params=["qwen3-moe-tiny", "glm-5-tiny"])
+def engine(request, tmp_path_factory) -> Engine:
+    """An engine of each chat format's family: ChatML with JSON calls, GLM's with <arg_key> pairs."""
+    out = tmp_path_factory.mktemp("chat") / request.param
+    return Engine.load(compile_engine(CompileOptions(source=SPECS / f"{request.param}.yaml", target="cpu",
+                                                     random_weights=True, output=out)))
 
 
 def _word(rng: random.Random, n: int = 8) -> str:
@@ -129,8 +137,9 @@ def test_tool_calls_round_trip_through_template_and_parser(engine, trial, seed):
             "tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                            for c in calls]}
     text = engine.chat_template.render([{"role": "user", "content": "q"}, turn], tools, add_generation_prompt=False)
-    generated = text.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n")
-    out = parse_output(generated, tool_parser(family("qwen3_moe").tool_parser), tools)
+    opening, closing = ASSISTANT_TURN[engine.spec.family]
+    generated = text.split(opening)[-1].removesuffix(closing)
+    out = parse_output(generated, tool_parser(family(engine.spec.family).tool_parser), tools)
     assert out.tool_calls == calls and out.content == content and out.reasoning == reasoning
 
 
@@ -190,21 +199,34 @@ def test_streamed_reasoning_split_agrees_with_the_whole_text(text, seed):
             assert (reasoning.strip(), content) == ("never closed", "")
 
 
-def test_streamed_tool_calls_agree_with_the_whole_text(seed):
+def _json_block(call: ToolCall) -> str:
+    body = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def _glm_block(call: ToolCall) -> str:
+    pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+                    for k, v in call.arguments.items())
+    return f"<tool_call>{call.name}\n{pairs}</tool_call>"
+
+
+@pytest.mark.parametrize("parser,block,bad", [
+    (QwenToolParser, _json_block, "<tool_call>{bad}</tool_call>"),
+    (GlmToolParser, _glm_block, "<tool_call>f\n<arg_key>a</arg_key> stray <arg_value>1</arg_value></tool_call>"),
+])
+def test_streamed_tool_calls_agree_with_the_whole_text(parser, block, bad, seed):
     """Cut anywhere, ToolCallStream yields the calls that parsing the whole text finds, in order,
     and passes every other character through as content (bad and unfinished blocks included)."""
     rng = random.Random(seed)
     tools = _tools(rng, 2)
     calls = [ToolCall(tools[i % 2]["function"]["name"], {_word(rng): _value(rng)}) for i in range(3)]
-    blocks = [f'<tool_call>\n{json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False)}\n</tool_call>'
-              for c in calls]
-    text = (f"Looking. {blocks[0]}\n{blocks[1]} then <tool_call>{{bad}}</tool_call> and {blocks[2]}"
-            " and <tool_call>{\"name\": \"cut off")
-    whole_content, whole_calls = QwenToolParser().parse(text, tools)
+    blocks = [block(c) for c in calls]
+    text = f"Looking. {blocks[0]}\n{blocks[1]} then {bad} and {blocks[2]} and <tool_call>cut off"
+    whole_content, whole_calls = parser().parse(text, tools)
     assert whole_calls == calls
     for _ in range(200):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, 30)))
-        stream, pieces = ToolCallStream(QwenToolParser(), tools), []
+        stream, pieces = ToolCallStream(parser(), tools), []
         for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
             pieces += stream.feed(text[a:b])
         pieces += stream.flush()
@@ -212,3 +234,19 @@ def test_streamed_tool_calls_agree_with_the_whole_text(seed):
         content = "".join(v for k, v in pieces if k == "content")
         assert content == text.replace(blocks[0], "").replace(blocks[1], "").replace(blocks[2], "")
         assert content.strip() == whole_content
+
+
+def test_glm_values_are_typed_by_the_schema_and_its_tags_stay_in_the_text(seed):
+    """GLM's <arg_value> text typed by the tool's schema (a string that reads as a number stays a
+    string), and an engine of the family keeps <arg_key>/<arg_value> in its text for the parser."""
+    rng = random.Random(seed)
+    schema = {"type": "object", "properties": {"path": {"type": "string"}, "line": {"type": "integer"},
+                                               "force": {"type": "boolean"}, "opts": {"type": "object"}}}
+    tools = [{"type": "function", "function": {"name": "edit", "parameters": schema}}]
+    args = {"path": str(rng.randrange(100)), "line": rng.randrange(10**6), "force": rng.random() < 0.5,
+            "opts": {"a": [1, "x"]}, "untyped": [None, 2.5]}
+    content, calls = GlmToolParser().parse(f"Editing.\n{_glm_block(ToolCall('edit', args))}", tools)
+    assert content == "Editing." and calls == [ToolCall("edit", args)]
+    special = load_spec(SPECS / "glm-5-tiny.yaml")[0].tokens.special
+    hidden = hidden_token_ids(special, tool_parser(family("glm_moe_dsa").tool_parser))
+    assert not {special[t] for t in GlmToolParser.inner_tags} & hidden and special["<|assistant|>"] in hidden

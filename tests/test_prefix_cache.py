@@ -25,10 +25,17 @@ def engine_dir(request, tmp_path_factory) -> Path:
                                          seed=3, output=tmp_path_factory.mktemp("prefix") / request.param))
 
 
+def _turn_tokens(engine: Engine) -> tuple[int, int]:
+    """The tokens that open and close a turn in the family's chat format (ChatML's, or GLM's user
+    and assistant markers)."""
+    sp = engine.spec.tokens.special
+    return (sp["<|im_start|>"], sp["<|im_end|>"]) if "<|im_start|>" in sp else (sp["<|user|>"], sp["<|assistant|>"])
+
+
 def _session(engine: Engine, rng: random.Random) -> list[list[int]]:
     """Prompts of an agent session; the assistant's turns are filled in by `_run`."""
     sp = engine.spec.tokens.special
-    start, end, call, call_end = sp["<|im_start|>"], sp["<|im_end|>"], sp["<tool_call>"], sp["</tool_call>"]
+    (start, end), call, call_end = _turn_tokens(engine), sp["<tool_call>"], sp["</tool_call>"]
     resp, resp_end = sp["<tool_response>"], sp["</tool_response>"]
 
     def text(n: int) -> list[int]:
@@ -57,7 +64,7 @@ def _run(engine: Engine, parts: list[list[int]], edit_at: int | None) -> tuple[l
         outs.append(list(gen))
         reused.append(gen.stats.reused_tokens)
         prompts.append(list(history))
-        history += outs[-1] + [engine.spec.token_id("<|im_end|>")]
+        history += outs[-1] + [_turn_tokens(engine)[1]]
     if edit_at is not None:
         a, b = bodies[edit_at]
         history = history[:a] + history[a:a + 3] + history[b:]
@@ -144,7 +151,7 @@ def test_held_nodes_are_never_evicted(engine_dir, seed):
     engine = Engine.load(engine_dir)
     recurrent = bool(engine.spec.linear_attention_layers)
     cache = PrefixCache(kv_budget=1 << 30, checkpoint_budget=1 << 30, recurrent=recurrent)
-    boundary = engine.spec.token_id("<|im_end|>")
+    boundary = engine.spec.token_id(engine.spec.tokens.boundaries[-1])
     first = [rng.randrange(400) for _ in range(20)] + [boundary] + [rng.randrange(400) for _ in range(5)]
     seq = engine.model.new_cache()
     engine.prefill(torch.tensor(first), seq, checkpoints=recurrent)
@@ -178,7 +185,7 @@ def test_the_server_scheduler_resumes_from_the_prefix_cache(engine_dir, seed):
     cached = Engine.load(engine_dir)
     prefix = cached.enable_prefix_cache(1 << 30, 1 << 30)
     scheduler = Scheduler(cached, max_batch=4, prompt_chunk=16)
-    end = cached.spec.token_id("<|im_end|>")
+    end = cached.spec.token_id(cached.spec.tokens.boundaries[-1])
 
     def run(ids: list[int]) -> list[int]:
         out, done = [], threading.Event()

@@ -53,21 +53,31 @@ def agent_session(engine: Engine, session_tokens: int, tool_tokens: int, seed: i
             raise ValueError(f"agent bench: the spec has no special token {name!r}")
         return sp[name]
 
-    start, end = tag("<|im_start|>"), tag("<|im_end|>")
+    user, close, assistant, tool = _turn_markers(sp, tag)
     think, think_end, call, call_end = tag("<think>"), tag("</think>"), tag("<tool_call>"), tag("</tool_call>")
     resp, resp_end = tag("<tool_response>"), tag("</tool_response>")
-    turns = [Turn("user", [start, *text(400), end, start, *text(60), end, start])]
+    turns = [Turn("user", [*user, *text(400), *close, *user, *text(60), *close, *assistant])]
     size = len(turns[0].tokens)
     while size < session_tokens or sum(t.kind == "tool" for t in turns) < -EDITED:  # what the edit needs
-        answer = [think, *text(80), think_end, call, *text(30), call_end, end]
-        output = [start, resp, *text(tool_tokens), resp_end, end, start]
+        answer = [think, *text(80), think_end, call, *text(30), call_end, *close]
+        output = [*tool, resp, *text(tool_tokens), resp_end, *close, *assistant]
         turns += [Turn("tool", answer + output)]
         size += len(answer) + len(output)
         if len(turns) % 3 == 0:
-            turns.append(Turn("user", [*text(40), end, start, *text(50), end, start]))
+            turns.append(Turn("user", [*text(40), *close, *user, *text(50), *close, *assistant]))
             size += len(turns[-1].tokens)
     turns.append(Turn("edit", [resp, *text(8), resp_end]))  # a tool output cut to a placeholder
     return turns
+
+
+def _turn_markers(sp: dict[str, int], tag) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The tokens that open a user turn, close any turn, open the assistant's and open a tool
+    result, in the spec's chat format: ChatML (<|im_start|> ... <|im_end|>) or GLM's (<|user|>,
+    <|assistant|>, <|observation|>, no closing token)."""
+    if "<|im_start|>" not in sp and "<|observation|>" in sp:
+        return [tag("<|user|>")], [], [tag("<|assistant|>")], [tag("<|observation|>")]
+    start = [tag("<|im_start|>")]
+    return start, [tag("<|im_end|>")], start, start
 
 
 def bench_agent(engine_dir: Path, offload: OffloadConfig | None, modes: list[str], session_tokens: int,

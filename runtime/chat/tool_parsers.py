@@ -31,6 +31,7 @@ class AssistantOutput:
 class ToolParser(Protocol):
     open_tag: str  # a call's block in the model's text: open_tag ... close_tag
     close_tag: str
+    inner_tags: tuple[str, ...]  # tags inside a block that the parser reads (a tokenizer may mark them special)
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
         """(content without the parsed calls, the calls); `tools` (OpenAI schemas) type the arguments
@@ -140,12 +141,11 @@ _FUNCTION = re.compile(r"^<function=([^>\s]+)>(.*)</function>$", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
-class QwenToolParser:
-    """`<tool_call>` blocks holding either a JSON object {"name", "arguments"} (Qwen2.5/Qwen3) or
-    `<function=NAME><parameter=KEY>VALUE</parameter>...</function>` (Qwen3-Coder), whose values are
-    text: typed by the tool's schema where it gives a type, else read as JSON when they parse."""
+class TaggedToolParser:
+    """Calls in `<tool_call>` ... `</tool_call>` blocks; a subclass reads one block's body."""
 
     open_tag, close_tag = "<tool_call>", "</tool_call>"
+    inner_tags: tuple[str, ...] = ()
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
         schemas = {t.get("function", t).get("name"): t.get("function", t).get("parameters") or {}
@@ -160,6 +160,17 @@ class QwenToolParser:
             calls.append(call)
         kept.append(text[last:])
         return "".join(kept).strip(), calls
+
+    def _call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
+        """The call in a block's stripped body (`schemas`: the tools' parameters by name), None
+        where it is not one."""
+        raise NotImplementedError
+
+
+class QwenToolParser(TaggedToolParser):
+    """`<tool_call>` blocks holding either a JSON object {"name", "arguments"} (Qwen2.5/Qwen3) or
+    `<function=NAME><parameter=KEY>VALUE</parameter>...</function>` (Qwen3-Coder), whose values are
+    text: typed by the tool's schema where it gives a type, else read as JSON when they parse."""
 
     def _call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
         if body.startswith("{"):
@@ -183,6 +194,26 @@ class QwenToolParser:
         return ToolCall(name, {k: _typed(v, props.get(k, {})) for k, v in _PARAMETER.findall(m.group(2))})
 
 
+_GLM_CALL = re.compile(r"^([^\s<>]+)\s*(.*)$", re.DOTALL)
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+class GlmToolParser(TaggedToolParser):
+    """GLM-4.5/5's `<tool_call>NAME <arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`
+    blocks (whitespace between the parts), whose values are text: typed by the tool's schema where
+    it gives a type, else read as JSON when they parse. A block with anything else between its
+    pairs is not a call."""
+
+    inner_tags = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+    def _call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
+        m = _GLM_CALL.match(body)
+        if m is None or _GLM_ARGUMENT.sub("", m.group(2)).strip():
+            return None
+        name, props = m.group(1), schemas.get(m.group(1), {}).get("properties", {})
+        return ToolCall(name, {k: _typed(v, props.get(k, {})) for k, v in _GLM_ARGUMENT.findall(m.group(2))})
+
+
 def _typed(value: str, schema: dict[str, Any]) -> Any:
     """A parameter's text as its schema's type; without one, JSON where it parses, else the text."""
     kind = schema.get("type") if isinstance(schema, dict) else None
@@ -198,7 +229,7 @@ def _typed(value: str, schema: dict[str, Any]) -> Any:
     return value
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"qwen": QwenToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"qwen": QwenToolParser, "glm": GlmToolParser}
 
 
 def tool_parser(name: str) -> ToolParser:
@@ -212,7 +243,7 @@ def hidden_token_ids(special_tokens: dict[str, int], parser: ToolParser) -> froz
     """The control tokens an answer's text never shows (<|im_start|>, <|im_end|>, ...): every
     special token but the tags that the reasoning split and the tool-call parser read (a
     tokenizer may mark those special too)."""
-    read = {"<think>", "</think>", parser.open_tag, parser.close_tag}
+    read = {"<think>", "</think>", parser.open_tag, parser.close_tag, *parser.inner_tags}
     return frozenset(i for text, i in special_tokens.items() if text not in read)
 
 
