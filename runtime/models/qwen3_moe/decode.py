@@ -1,9 +1,8 @@
 """Qwen3-MoE's layer in a decode graph (`ftc_runtime.decode.graphs`): attention over the KV cache,
 then the router (the experts' input staged for the host) or a dense MLP. A MoE layer of one
-sequence runs as five fused kernels where `fused_body` is on: the input norm with the q/k/v
+sequence runs as seven kernels where `fused_body` is on: the input norm with the q/k/v
 projection, the q/k norms with RoPE and the KV write, decode attention (two), the output
-projection with the residual, the post-attention norm with the router's projection (then its
-top-k)."""
+projection with the residual, the post-attention norm with the router's projection, its top-k."""
 
 from __future__ import annotations
 
