@@ -106,6 +106,7 @@ def test_gpu_presets_carry_the_papers_bandwidths():
     t = resolve_target("rtx-4090")
     assert (t.b_p, t.b_h, t.vram_bytes) == (25.1, 63.2, 24 * 10**9)
     assert resolve_target("rtx-pro-6000").b_h == 178.0 and resolve_target("h200").isa == "avx512_bf16"
+    assert resolve_target("rtx-pro-6000").isa == "avx512_bf16"  # the paper's Xeon 8559C
     for name, preset in PRESETS.items():
         if name != "cpu":
             assert preset.b_p > 0 and preset.b_h > 0 and preset.vram_bytes > 0

@@ -153,6 +153,24 @@ def test_a_real_spec_without_its_checkpoint_says_which_and_how_to_pass_it(tmp_pa
     assert not (tmp_path / "engine").exists()
 
 
+def test_the_headline_target_builds_avx512_kernels_checked_where_the_cpu_has_them(tmp_path):
+    """`ftc compile ... --target rtx-pro-6000` (the tiny spec, random weights): AVX-512 BF16 CPU
+    kernels for the paper's Xeon 8559C; on a CPU without AVX-512 BF16 their check is named as not
+    run (it runs when the engine loads on the target), on one with it the check passes."""
+    from ftc_runtime.cpu_info import missing_flags
+
+    console = Console(file=io.StringIO(), width=200)
+    engine = compile_engine(CompileOptions(source=TINY_SPEC, target="rtx-pro-6000", random_weights=True,
+                                           output=tmp_path / "engine"), console=console)
+    manifest = json.loads((engine / "engine.json").read_text())
+    assert manifest["plan"]["isa"] == "avx512_bf16" and manifest["target"]["gpu"] == "RTX PRO 6000"
+    if missing_flags("avx512_bf16"):
+        assert manifest["kernel_check"][0]["not_run"].startswith("compiling machine lacks")
+        assert "kernel check not run" in console.file.getvalue()
+    else:
+        assert all("not_run" not in c for c in manifest["kernel_check"])
+
+
 def test_the_multi_token_prediction_layer_is_named_and_not_read(tmp_path, seed):
     """A checkpoint with a layer past the config's (GLM's multi-token prediction, model.layers.N):
     compiling names it in one line and builds the engine of the N layers, which still matches

@@ -45,7 +45,9 @@ PRESETS: dict[str, Target] = {
     "rtx-5090": Target("rtx-5090", "avx2", None, "RTX 5090", 32 * _GB, 49.0, 53.8, gpu_read_gbps=1792.0),
     "rtx-5090-server": Target("rtx-5090-server", "avx2", None, "RTX 5090", 32 * _GB, 52.7, 77.3,
                               gpu_read_gbps=1792.0),
-    "rtx-pro-6000": Target("rtx-pro-6000", "avx2", None, "RTX PRO 6000", 96 * _GB, 51.5, 178.0,
+    # The paper's workstation for GLM-5.2: a Xeon 8559C (AVX-512 with BF16, and AMX), so its CPU
+    # kernels are AVX-512 BF16; compiled on a CPU without it, they are checked where the engine loads.
+    "rtx-pro-6000": Target("rtx-pro-6000", "avx512_bf16", None, "RTX PRO 6000", 96 * _GB, 51.5, 178.0,
                            gpu_read_gbps=1792.0),
     # The device machine: B_P at 9.4 MiB and the both-at-once rates (DMA 41 beside AVX-512 reads at 63
     # GB/s) from DESIGN.md's measurements, B_H from `ftc bench experts` (docs/performance.md); the
