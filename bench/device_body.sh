@@ -23,9 +23,9 @@ elif [ "$part" = 2 ]; then
     -k "graphs_equal_the_eager_step or device_step" 2>&1 | tee "$out/pytest_gpu.txt" \
     | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
   export FTC_DEVICE_PLAN=1
-  timeout 200 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
+  timeout 230 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
     --policies cpu,gpu,adaptive --routings $trace,uniform --new-tokens 66 -o "$out/q30_bf16" 2>&1 | grep "tok/s"
-  timeout 120 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
+  timeout 100 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
     --policies cpu,adaptive --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
 else
   export FTC_DEVICE_PLAN=1
