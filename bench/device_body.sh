@@ -20,7 +20,7 @@ if [ "$part" = 1 ]; then
 elif [ "$part" = 2 ]; then
   timeout 60 python3 bench/dev/decode_body.py -o "$out/body" --variants engine,fused 2>&1 | grep -E "variant"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
-    -k "graphs_equal_the_eager_step or device_step" 2>&1 | tee "$out/pytest_gpu.txt" \
+    -k "test_decode_graphs_equal or device_step" 2>&1 | tee "$out/pytest_gpu.txt" \
     | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
   export FTC_DEVICE_PLAN=1
   timeout 230 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
