@@ -16,7 +16,6 @@ from ftc_runtime.decode.graphs import DecodeGraphs
 from ftc_runtime.models.layers.attention import attention_in, attention_out, decode_attention
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.router import route
-from ftc_runtime.models.layers.router_kernel import softmax_top_k_gpu
 
 
 class AttentionDecodeGraphs(DecodeGraphs):
@@ -57,6 +56,7 @@ class AttentionDecodeGraphs(DecodeGraphs):
     def _fused_moe_layer(self, i: int, cache: SequenceCache) -> None:
         from ftc_runtime.models.layers.gemv_kernel import linear_gpu  # Triton: beside a GPU
         from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
+        from ftc_runtime.models.layers.router_kernel import softmax_top_k_gpu
 
         m, io, eps = self.model, self.io, self.model.spec.norm.eps
         norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w = m.attention_in_weights(i)
