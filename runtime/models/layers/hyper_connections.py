@@ -1,0 +1,55 @@
+"""Manifold-constrained hyper-connections (mHC, DeepSeek-V4): the residual is `hc` streams per token
+([T, hc, hidden]). Before each block (attention, MoE) one linear map of the streams' unweighted
+RMSNorm gives, per token, `pre` (how the streams collapse into the block's input), `post` (how
+the block's output spreads back over them) and an hc × hc mixing matrix made doubly stochastic by
+Sinkhorn steps, all in fp32; after the block the streams become post ⊗ out + combᵀ · streams. The
+model's head collapses the streams once more (`hyper_head`). Functions of tensors only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+               hc_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, hc, hidden] → (pre [T, hc], post [T, hc], comb [T, hc, hc]), fp32; `fn`
+    [(2 + hc) · hc, hc · hidden], `base` [(2 + hc) · hc] and `scale` [3] are the block's."""
+    hc = streams.shape[1]
+    mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), eps), fn.float())
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    pre_s, post_s, comb_s = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)  # Sinkhorn: columns first, then rows and columns
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """The block's input [T, hidden]: the streams weighted by `pre`, summed in fp32."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def hc_expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The streams after a block whose output is `out` [T, hidden]: post ⊗ out + combᵀ · streams,
+    in the streams' dtype (comb is applied transposed: stream k takes Σ_j comb[j, k] · stream j)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+def hyper_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+               hc_eps: float) -> torch.Tensor:
+    """The streams collapsed before the final norm: sigmoid weights from their unweighted RMSNorm."""
+    mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), eps), fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

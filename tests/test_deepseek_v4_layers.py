@@ -1,0 +1,94 @@
+"""DeepSeek-V4's hyper-connections (mHC) and routers as ftc's layer functions, against
+transformers' own modules (`modeling_deepseek_v4`) with fresh random parameters and inputs: the
+block weights (pre, post, the Sinkhorn-projected mixing), the collapse and the expansion of a
+decoder layer's streams, the head's collapse, and the learned and hashed routers' experts and
+weights."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4HashRouter,
+    DeepseekV4HyperConnection,
+    DeepseekV4HyperHead,
+    DeepseekV4TopKRouter,
+)
+
+from ftc_runtime.models.layers.hyper_connections import hc_collapse, hc_expand, hc_weights, hyper_head
+from ftc_runtime.models.layers.softplus_router import route_biased, route_hashed
+
+
+def _config(rng: random.Random) -> DeepseekV4Config:
+    return DeepseekV4Config(hidden_size=rng.choice([32, 64]), hc_mult=rng.choice([2, 4]),
+                            hc_sinkhorn_iters=rng.choice([1, 3, 20]), num_local_experts=rng.choice([8, 16]),
+                            num_experts_per_tok=rng.choice([2, 4]), vocab_size=50, routed_scaling_factor=1.5)
+
+
+def _randomize(module: torch.nn.Module, g: torch.Generator) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_hyper_connections_equal_transformers(trial, seed):
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    cfg = _config(rng)
+    hc = DeepseekV4HyperConnection(cfg).float()
+    _randomize(hc, g)
+    t = rng.randrange(1, 6)
+    streams = torch.randn(1, t, cfg.hc_mult, cfg.hidden_size, generator=g)
+    out = torch.randn(1, t, cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        want_post, want_comb, want_collapsed = hc(streams)
+        want_next = want_post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(want_comb.transpose(-1, -2), streams)
+    pre, post, comb = hc_weights(streams[0], hc.fn, hc.base, hc.scale, cfg.rms_norm_eps, cfg.hc_eps,
+                                 cfg.hc_sinkhorn_iters)
+    what = f"hc {cfg.hc_mult}, hidden {cfg.hidden_size}, {cfg.hc_sinkhorn_iters} Sinkhorn steps, {t} tokens"
+    torch.testing.assert_close(post, want_post[0], rtol=1e-5, atol=1e-6, msg=what)
+    torch.testing.assert_close(comb, want_comb[0], rtol=1e-5, atol=1e-6, msg=what)
+    torch.testing.assert_close(hc_collapse(streams[0], pre), want_collapsed[0], rtol=1e-5, atol=1e-5, msg=what)
+    torch.testing.assert_close(hc_expand(streams[0], out[0], post, comb), want_next[0], rtol=1e-5, atol=1e-5,
+                               msg=what)
+    if cfg.hc_sinkhorn_iters >= 20:  # projected onto the doubly stochastic matrices
+        torch.testing.assert_close(comb.sum(-1), torch.ones(t, cfg.hc_mult), rtol=1e-3, atol=1e-3, msg=what)
+    head = DeepseekV4HyperHead(cfg).float()
+    _randomize(head, g)
+    with torch.no_grad():
+        want_head = head(streams)
+    torch.testing.assert_close(hyper_head(streams[0], head.hc_fn, head.hc_base, head.hc_scale, cfg.rms_norm_eps,
+                                          cfg.hc_eps), want_head[0], rtol=1e-5, atol=1e-5, msg=what)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_routers_equal_transformers(trial, seed):
+    """The learned router on scores + bias (the bias large enough to change the choice), the hash
+    router on the token ids: the same experts (as sets: transformers' top-k is unsorted) with the
+    same weights."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    cfg = _config(rng)
+    t = rng.randrange(1, 9)
+    h = torch.randn(t, cfg.hidden_size, generator=g)
+    learned, hashed = DeepseekV4TopKRouter(cfg), DeepseekV4HashRouter(cfg)
+    with torch.no_grad():
+        for r in (learned, hashed):
+            r.weight.copy_(torch.randn(r.weight.shape, generator=g) / cfg.hidden_size ** 0.5)
+        learned.e_score_correction_bias.copy_(torch.randn(cfg.num_local_experts, generator=g))
+        table = torch.stack([torch.randperm(cfg.num_local_experts, generator=g)[:cfg.num_experts_per_tok]
+                             for _ in range(cfg.vocab_size)])
+        hashed.tid2eid.copy_(table)
+        token_ids = torch.randint(cfg.vocab_size, (t,), generator=g)
+        _, want_w, want_ids = learned(h)
+        _, hash_w, hash_ids = hashed(h, token_ids)
+    ids, w = route_biased(h, learned.weight, learned.e_score_correction_bias, cfg.num_experts_per_tok,
+                          cfg.routed_scaling_factor)
+    order, want_order = ids.argsort(-1), want_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+    torch.testing.assert_close(w.gather(1, order), want_w.gather(1, want_order), rtol=1e-5, atol=1e-6)
+    ids, w = route_hashed(h, token_ids, hashed.weight, hashed.tid2eid, cfg.routed_scaling_factor)
+    assert torch.equal(ids, hash_ids)
+    torch.testing.assert_close(w, hash_w, rtol=1e-5, atol=1e-6)
