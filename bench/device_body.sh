@@ -5,7 +5,8 @@
 #                                         of the one-graph step), then the GPU tests of the graphs
 #   bash bench/device_body.sh OUT_DIR 2   the fused body: the body benchmark, its GPU tests, the qwen3-30b-a3b
 #                                         matrices (bf16 32 GiB, mxfp4 8 GiB uniform)
-#   bash bench/device_body.sh OUT_DIR 3   qwen3.6 bf16 32 GiB and nvfp4 8 GiB; linear_gpu's blocks against cuBLAS
+#   bash bench/device_body.sh OUT_DIR 3   qwen3.6 nvfp4 8 GiB; where qwen3.6's body goes (a profile of its
+#                                         step, bf16 32 GiB); linear_gpu's blocks against cuBLAS
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -29,9 +30,9 @@ elif [ "$part" = 2 ]; then
     --policies cpu,adaptive --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
 else
   export FTC_DEVICE_PLAN=1
-  timeout 100 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 32GiB --policies adaptive \
-    --routings uniform --new-tokens 66 -o "$out/q36_bf16" 2>&1 | grep "tok/s"
-  timeout 100 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \
-    --policies adaptive --routings uniform --new-tokens 66 -o "$out/q36_nvfp4" 2>&1 | grep "tok/s"
+  timeout 140 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \
+    --policies adaptive,cpu --routings uniform --new-tokens 66 -o "$out/q36_nvfp4" 2>&1 | grep "tok/s"
+  timeout 200 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 32GiB --policies adaptive \
+    --routings uniform --new-tokens 34 --profile -o "$out/q36_profile" 2>&1 | grep "tok/s"
   timeout 150 python3 bench/dev/decode_body.py -o "$out/body" --variants fused --gemv-sweep 2>&1 | grep -E "variant|shape"
 fi
