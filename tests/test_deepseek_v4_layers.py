@@ -2,7 +2,7 @@
 transformers' own modules (`modeling_deepseek_v4`) with fresh random parameters and inputs: the
 block weights (pre, post, the Sinkhorn-projected mixing), the collapse and the expansion of a
 decoder layer's streams, the head's collapse, and the learned and hashed routers' experts and
-weights."""
+weights, and the heavily compressed attention's window entries and their causal rule."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4HashRouter,
+    DeepseekV4HCACompressor,
     DeepseekV4HyperConnection,
     DeepseekV4HyperHead,
     DeepseekV4TopKRouter,
@@ -20,6 +21,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 from ftc_runtime.models.layers.hyper_connections import hc_collapse, hc_expand, hc_weights, hyper_head
 from ftc_runtime.models.layers.softplus_router import route_biased, route_hashed
+from ftc_runtime.models.layers.window_compressor import compress_windows, visible_entries
 
 
 def _config(rng: random.Random) -> DeepseekV4Config:
@@ -92,3 +94,31 @@ def test_routers_equal_transformers(trial, seed):
     ids, w = route_hashed(h, token_ids, hashed.weight, hashed.tid2eid, cfg.routed_scaling_factor)
     assert torch.equal(ids, hash_ids)
     torch.testing.assert_close(w, hash_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_compressed_windows_equal_transformers(trial, seed):
+    """HCA's entries of a prompt (every complete window; the rest waits for more tokens) and which
+    of them each query sees, against `DeepseekV4HCACompressor` without a cache; the rotary table
+    at the windows' first positions from the config's `compress` base, computed here."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    rate, head_dim, rotary = rng.choice([2, 4, 8]), rng.choice([16, 32]), rng.choice([0.25, 0.5])
+    cfg = DeepseekV4Config(hidden_size=48, head_dim=head_dim, compress_rates={
+        "compressed_sparse_attention": 4, "heavily_compressed_attention": rate}, rope_parameters={
+        "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary},
+        "compress": {"rope_type": "default", "rope_theta": 160000.0, "partial_rotary_factor": rotary}})
+    module = DeepseekV4HCACompressor(cfg).float()
+    _randomize(module, g)
+    t = rng.randrange(rate, 5 * rate + 3)
+    hidden = torch.randn(1, t, cfg.hidden_size, generator=g)
+    positions = torch.arange(t)
+    with torch.no_grad():
+        want, bias = module(hidden, None, positions[None], None, 0)
+        kv, gate = module.kv_proj(hidden[0]), module.gate_proj(hidden[0])
+    n, dim = t // rate, int(head_dim * rotary)
+    inv_freq = 1.0 / (160000.0 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    freqs = (torch.arange(n) * rate).float()[:, None] * inv_freq
+    got = compress_windows(kv, gate, module.position_bias, module.kv_norm.weight, cfg.rms_norm_eps, freqs.cos(),
+                           freqs.sin())
+    torch.testing.assert_close(got, want[0, 0], rtol=1e-5, atol=1e-5, msg=f"rate {rate}, {t} tokens")
+    assert torch.equal(visible_entries(positions, n, rate), bias[0, 0] == 0)
