@@ -2,7 +2,8 @@
 transformers' own modules (`modeling_deepseek_v4`) with fresh random parameters and inputs: the
 block weights (pre, post, the Sinkhorn-projected mixing), the collapse and the expansion of a
 decoder layer's streams, the head's collapse, and the learned and hashed routers' experts and
-weights, and the heavily compressed attention's window entries and their causal rule."""
+weights, the heavily compressed attention's window entries and their causal rule, and the
+attention around them (shared key/value head, sinks, grouped output projection)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4Attention,
     DeepseekV4HashRouter,
     DeepseekV4HCACompressor,
     DeepseekV4HyperConnection,
@@ -20,6 +22,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 )
 
 from ftc_runtime.models.layers.hyper_connections import hc_collapse, hc_expand, hc_weights, hyper_head
+from ftc_runtime.models.layers.sink_attention import grouped_out, shared_kv_in, sink_attention
 from ftc_runtime.models.layers.softplus_router import route_biased, route_hashed
 from ftc_runtime.models.layers.window_compressor import compress_windows, visible_entries
 
@@ -122,3 +125,53 @@ def test_compressed_windows_equal_transformers(trial, seed):
                            freqs.sin())
     torch.testing.assert_close(got, want[0, 0], rtol=1e-5, atol=1e-5, msg=f"rate {rate}, {t} tokens")
     assert torch.equal(visible_entries(positions, n, rate), bias[0, 0] == 0)
+
+
+def _rotary(positions: torch.Tensor, base: float, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, dim / 2] of interleaved RoPE at `positions` (one angle per rotated pair)."""
+    freqs = positions.float()[:, None] * (1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)))
+    return freqs.cos(), freqs.sin()
+
+
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "heavily_compressed_attention"])
+def test_sliding_and_compressed_attention_equal_transformers(layer_type, seed):
+    """A prompt through `DeepseekV4Attention` (no cache, eager) of a sliding-window layer and of an
+    HCA layer, against ftc's functions: the window's rows visible under the same sliding causal
+    rule, the HCA layer's entries (`compress_windows`) under theirs, sinks, the output's conjugate
+    rotation, the grouped projection."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    rate, window, heads, head_dim = 4, rng.choice([3, 8, 64]), 4, 32
+    cfg = DeepseekV4Config(
+        hidden_size=48, head_dim=head_dim, num_attention_heads=heads, q_lora_rank=24, o_groups=2, o_lora_rank=16,
+        sliding_window=window, num_hidden_layers=2, layer_types=["sliding_attention", layer_type],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": rate},
+        rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                         "compress": {"rope_type": "default", "rope_theta": 160000.0, "partial_rotary_factor": 0.25}})
+    cfg._attn_implementation = "eager"
+    module = DeepseekV4Attention(cfg, 1).float()
+    _randomize(module, g)
+    t = rng.randrange(rate, 6 * rate + 2)
+    hidden, positions = torch.randn(1, t, cfg.hidden_size, generator=g), torch.arange(t)
+    compressed = layer_type != "sliding_attention"
+    cos, sin = _rotary(positions, 160000.0 if compressed else 10000.0, head_dim // 4)
+    near = positions[:, None] - positions[None, :]
+    sliding = (near >= 0) & (near < window)
+    with torch.no_grad():
+        mask = torch.zeros(1, 1, t, t).masked_fill(~sliding, float("-inf"))
+        want, _ = module(hidden, {"main": (cos[None], sin[None]), "compress": (cos[None], sin[None])},
+                         positions[None], mask)
+    a = module
+    q, kv, _ = shared_kv_in(hidden[0], a.q_a_proj.weight, a.q_a_norm.weight, a.q_b_proj.weight, a.kv_proj.weight,
+                            a.kv_norm.weight, cos, sin, cfg.rms_norm_eps, heads)
+    entries, visible = kv, sliding
+    if compressed:
+        c = a.compressor
+        n = t // rate
+        c_cos, c_sin = _rotary(torch.arange(n) * rate, 160000.0, head_dim // 4)
+        windows = compress_windows(c.kv_proj(hidden[0]), c.gate_proj(hidden[0]), c.position_bias, c.kv_norm.weight,
+                                   cfg.rms_norm_eps, c_cos, c_sin)
+        entries = torch.cat([kv, windows])
+        visible = torch.cat([sliding, visible_entries(positions, n, rate)], dim=1)
+    attn = sink_attention(q, entries, visible, a.sinks, head_dim ** -0.5)
+    got = grouped_out(attn, cos, sin, a.o_a_proj.weight, a.o_b_proj.weight, cfg.o_groups)
+    torch.testing.assert_close(got, want[0], rtol=1e-4, atol=1e-5, msg=f"{layer_type}, window {window}, {t} tokens")

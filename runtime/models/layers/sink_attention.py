@@ -1,0 +1,59 @@
+"""DeepSeek-V4's attention around its key/value entries: one shared key/value head (the same row is
+key and value), queries from a low-rank path (`q_a` → RMSNorm → `q_b`, then an unweighted RMSNorm
+per head), interleaved RoPE on the heads' trailing slice, a learned sink logit per head that
+takes part in the softmax and is dropped after it, the conjugate rotation of the output's
+rotary slice at the query's position (the value rows carried RoPE), and the grouped output
+projection (`o_a` block-diagonal over `groups` groups of heads, then `o_b`). Functions of
+tensors only; the caller builds the entries (sliding window, compressed) and which one each
+query sees.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ftc_runtime.models.layers.hyper_connections import unweighted_rms_norm
+from ftc_runtime.models.layers.window_compressor import rotate_interleaved_tail
+
+
+def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm whose weight is kept in fp32: normalized and weighted in fp32, rounded once."""
+    xf = x.float()
+    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def shared_kv_in(h: torch.Tensor, q_a_w: torch.Tensor, q_a_norm_w: torch.Tensor, q_b_w: torch.Tensor,
+                 kv_w: torch.Tensor, kv_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                 heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [T, hidden] → q [T, heads, d], the key/value row [T, d] (both rotated at the tokens'
+    positions: cos, sin [T, r]) and the query's low-rank residual [T, q_lora] (the indexer's input)."""
+    t = h.shape[0]
+    q_residual = rms_norm_fp32_weight(F.linear(h, q_a_w), q_a_norm_w, eps)
+    q = unweighted_rms_norm(F.linear(q_residual, q_b_w).view(t, heads, -1), eps)
+    q = rotate_interleaved_tail(q, cos[:, None], sin[:, None])
+    kv = rotate_interleaved_tail(rms_norm_fp32_weight(F.linear(h, kv_w), kv_norm_w, eps), cos, sin)
+    return q, kv, q_residual
+
+
+def sink_attention(q: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """q [T, heads, d] over entries [S, d] (keys and values alike), `visible` bool [T, S]: the
+    softmax of each head's scores beside its sink logit (`sinks` [heads]), the sink's share
+    dropped. [T, heads, d]."""
+    scores = torch.einsum("thd,sd->hts", q, entries) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, q.shape[0], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("hts,sd->thd", probs.to(entries.dtype), entries)
+
+
+def grouped_out(attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, o_a_w: torch.Tensor,
+                o_b_w: torch.Tensor, groups: int) -> torch.Tensor:
+    """attn [T, heads, d] → [T, hidden]: the rotary slice turned back at the query's position,
+    each group of heads projected by its block of `o_a` [groups · rank, heads · d / groups], then `o_b`."""
+    t = attn.shape[0]
+    attn = rotate_interleaved_tail(attn, cos[:, None], -sin[:, None]).reshape(t, groups, -1)
+    w = o_a_w.view(groups, -1, attn.shape[-1])
+    return F.linear(torch.einsum("tgi,gri->tgr", attn, w).reshape(t, -1), o_b_w)
