@@ -36,7 +36,7 @@ def make_layers(dev: torch.device) -> list[dict[str, torch.Tensor]]:
             for _ in range(LAYERS)]
 
 
-def engine_body(io: dict, layers: list[dict], fns: dict):
+def engine_body(io: dict, layers: list[dict]):
     from ftc_runtime.models.layers.attention import attention_in, attention_out, decode_attention
     from ftc_runtime.models.layers.router import route
 
@@ -61,7 +61,7 @@ def engine_body(io: dict, layers: list[dict], fns: dict):
     return run
 
 
-def gemv_only_body(io: dict, layers: list[dict], fns: dict):
+def gemv_only_body(io: dict, layers: list[dict]):
     def run(i: int) -> None:
         L = layers[i]
         qkv = F.linear(io["x"], L["qkv"])
@@ -70,7 +70,7 @@ def gemv_only_body(io: dict, layers: list[dict], fns: dict):
     return run
 
 
-def fused_body(io: dict, layers: list[dict], fns: dict):
+def fused_body(io: dict, layers: list[dict]):
     from ftc_runtime.models.layers.decode_attention_kernel import decode_attention_gpu
     from ftc_runtime.models.layers.gemv_kernel import linear_gpu
     from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
@@ -163,7 +163,7 @@ def measure(name: str, position: int, out: Path, dev: torch.device, layers: list
           "h": torch.zeros(1, HIDDEN, device=dev), "ids": torch.zeros(1, TOP_K, dtype=torch.long, device=dev),
           "weights": torch.zeros(1, TOP_K, device=dev), "logits": torch.zeros(1, EXPERTS, device=dev,
                                                                              dtype=torch.bfloat16)}
-    run = VARIANTS[name](io, layers, {})
+    run = VARIANTS[name](io, layers)
     with torch.inference_mode():
         for _ in range(2):
             for i in range(LAYERS):
