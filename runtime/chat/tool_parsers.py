@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -141,7 +142,7 @@ _FUNCTION = re.compile(r"^<function=([^>\s]+)>(.*)</function>$", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
-class TaggedToolParser:
+class TaggedToolParser(ABC):
     """Calls in `<tool_call>` ... `</tool_call>` blocks; a subclass reads one block's body."""
 
     open_tag, close_tag = "<tool_call>", "</tool_call>"
@@ -161,10 +162,10 @@ class TaggedToolParser:
         kept.append(text[last:])
         return "".join(kept).strip(), calls
 
+    @abstractmethod
     def _call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
         """The call in a block's stripped body (`schemas`: the tools' parameters by name), None
         where it is not one."""
-        raise NotImplementedError
 
 
 class QwenToolParser(TaggedToolParser):

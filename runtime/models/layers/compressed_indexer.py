@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ftc_runtime.models.layers.dsa_indexer import top_k_visible
 from ftc_runtime.models.layers.window_compressor import rotate_interleaved_tail, visible_entries
 
 
@@ -30,8 +31,4 @@ def select_entries(scores: torch.Tensor, positions: torch.Tensor, rate: int, top
     """bool [T, S]: the top_k entries by score among those each query may see (`visible_entries`);
     among equal scores the latest entries win, so that a choice does not depend on how many
     entries there are."""
-    s = scores.shape[1]
-    visible = visible_entries(positions, s, rate)
-    latest_first = scores.masked_fill(~visible, float("-inf")).flip(-1)
-    order = torch.sort(latest_first, dim=-1, descending=True, stable=True).indices[:, :min(top_k, s)]
-    return torch.zeros_like(visible).scatter_(-1, s - 1 - order, True) & visible
+    return top_k_visible(scores, visible_entries(positions, scores.shape[1], rate), top_k)

@@ -62,9 +62,15 @@ def select_keys(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> to
     over the keys in reverse order, so that the choice does not depend on how many columns the
     scores have (a prompt whole or in chunks, a resumed prefix). transformers' topk breaks such
     ties in no fixed order."""
+    causal = torch.arange(scores.shape[1], device=scores.device)[None, :] <= positions[:, None]
+    return top_k_visible(scores, causal, top_k)
+
+
+def top_k_visible(scores: torch.Tensor, visible: torch.Tensor, top_k: int) -> torch.Tensor:
+    """bool [T, C]: each row's top_k columns by score among its `visible` ones (all of them where
+    it has at most top_k), the latest columns first among equal scores (`select_keys` says why)."""
     c = scores.shape[1]
-    causal = torch.arange(c, device=scores.device)[None, :] <= positions[:, None]
-    latest_first = scores.masked_fill(~causal, float("-inf")).flip(-1)
+    latest_first = scores.masked_fill(~visible, float("-inf")).flip(-1)
     order = torch.sort(latest_first, dim=-1, descending=True, stable=True).indices[:, :min(top_k, c)]
-    # Where a query has fewer than top_k causal keys the order reaches masked keys, which `& causal` drops.
-    return torch.zeros_like(causal).scatter_(-1, c - 1 - order, True) & causal
+    # Where a row has fewer than top_k visible columns the order reaches masked ones, which `& visible` drops.
+    return torch.zeros_like(visible).scatter_(-1, c - 1 - order, True) & visible

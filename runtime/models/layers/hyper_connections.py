@@ -51,5 +51,4 @@ def hyper_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
                hc_eps: float) -> torch.Tensor:
     """The streams collapsed before the final norm: sigmoid weights from their unweighted RMSNorm."""
     mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), eps), fn.float())
-    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return hc_collapse(streams, torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps)

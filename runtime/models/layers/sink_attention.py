@@ -14,13 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ftc_runtime.models.layers.hyper_connections import unweighted_rms_norm
+from ftc_runtime.models.layers.norm import rms_norm_fp32_weight
 from ftc_runtime.models.layers.window_compressor import rotate_interleaved_tail
-
-
-def rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm whose weight is kept in fp32: normalized and weighted in fp32, rounded once."""
-    xf = x.float()
-    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
 def shared_kv_in(h: torch.Tensor, q_a_w: torch.Tensor, q_a_norm_w: torch.Tensor, q_b_w: torch.Tensor,

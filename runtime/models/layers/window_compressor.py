@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ftc_runtime.models.layers.norm import rms_norm_fp32_weight
+
 
 def rotate_interleaved_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., d] with its last 2 · r channels rotated in pairs (2i, 2i + 1) by cos, sin [..., r]
@@ -56,9 +58,8 @@ def _pool(windows: torch.Tensor, gates: torch.Tensor, norm_w: torch.Tensor, eps:
           sin: torch.Tensor) -> torch.Tensor:
     """windows [n, w, d] and their biased gates → the entries [n, d]: softmax-pooled over the
     window (fp32 weights), RMSNorm'd with an fp32 weight, rotated."""
-    pooled = (windows * gates.softmax(dim=1, dtype=torch.float32).to(windows.dtype)).sum(dim=1).float()
-    normed = (norm_w.float() * (pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + eps))).to(windows.dtype)
-    return rotate_interleaved_tail(normed, cos, sin)
+    pooled = (windows * gates.softmax(dim=1, dtype=torch.float32).to(windows.dtype)).sum(dim=1)
+    return rotate_interleaved_tail(rms_norm_fp32_weight(pooled, norm_w, eps), cos, sin)
 
 
 def visible_entries(positions: torch.Tensor, n_entries: int, rate: int) -> torch.Tensor:
