@@ -42,7 +42,10 @@ class Closeness:
         assert ours.shape == ref.shape, (tuple(ours.shape), tuple(ref.shape))
         err = rel(ours, ref)
         assert err < self.rel, f"{what}: relative error {err:.3g}, bound {self.rel:g}"
-        agree = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+        # Our argmax is the reference's where the reference's logit there is its maximum: where the
+        # reference has an exact tie for the best token (seen: a gap of 0.0 in fp32, FTC_TEST_SEED=
+        # 2057458545), either of the tied tokens is its argmax.
+        agree = float((ref.gather(-1, ours.argmax(-1, keepdim=True))[..., 0] == ref.amax(-1)).float().mean())
         assert agree >= self.argmax, f"{what}: argmax agrees at {agree:.2f} of positions, bound {self.argmax}"
         if self.per_position is not None:
             bound, share = self.per_position
