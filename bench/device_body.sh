@@ -7,6 +7,10 @@
 #                                         matrices (bf16 32 GiB, mxfp4 8 GiB uniform)
 #   bash bench/device_body.sh OUT_DIR 3   qwen3.6 nvfp4 8 GiB; where qwen3.6's body goes (a profile of its
 #                                         step, bf16 32 GiB); linear_gpu's blocks against cuBLAS
+#   bash bench/device_body.sh OUT_DIR 4   the hits beside the fills: GPU tests of the plan, doorbell and
+#                                         graphs, the qwen3-30b-a3b matrices, qwen3.6 nvfp4 8 GiB (its log kept)
+#   bash bench/device_body.sh OUT_DIR 5   the hybrid family's fused body: its GPU tests, qwen3.6 bf16 32 GiB,
+#                                         then nvfp4 8 GiB in the call's remaining time (its log kept)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -28,6 +32,30 @@ elif [ "$part" = 2 ]; then
     --policies cpu,gpu,adaptive --routings $trace,uniform --new-tokens 66 -o "$out/q30_bf16" 2>&1 | grep "tok/s"
   timeout 100 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
     --policies cpu,adaptive --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
+elif [ "$part" = 4 ]; then
+  timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
+    tests/test_device_plan.py -k "doorbell or replays or test_decode_graphs_equal or device_step or wait_tunes" \
+    2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
+  export FTC_DEVICE_PLAN=1
+  timeout 170 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
+    --policies adaptive,gpu --routings $trace,uniform --new-tokens 66 -o "$out/q30_bf16" 2>&1 | grep "tok/s"
+  timeout 80 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
+    --policies adaptive --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
+  timeout 150 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \
+    --policies adaptive --routings uniform --new-tokens 34 -o "$out/q36_nvfp4" > "$out/q36_nvfp4.log" 2>&1
+  echo "q36 nvfp4 rc $?"; grep "tok/s" "$out/q36_nvfp4.log" || tail -c 1500 "$out/q36_nvfp4.log"
+elif [ "$part" = 5 ]; then
+  end=$(( $(date +%s) + 580 ))
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
+    -k "hybrid_decode_graphs or device_step_graphs or wait_tunes" 2>&1 | tee "$out/pytest_gpu.txt" \
+    | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
+  export FTC_DEVICE_PLAN=1
+  timeout 170 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 32GiB --policies adaptive \
+    --routings uniform --new-tokens 34 -o "$out/q36_bf16" 2>&1 | grep "tok/s"
+  timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB \
+    --override expert_format=nvfp4 --policies adaptive --routings uniform --new-tokens 34 -o "$out/q36_nvfp4" \
+    > "$out/q36_nvfp4.log" 2>&1
+  echo "q36 nvfp4 rc $?"; grep "tok/s" "$out/q36_nvfp4.log" || tail -c 1500 "$out/q36_nvfp4.log"
 else
   export FTC_DEVICE_PLAN=1
   timeout 140 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \

@@ -1,8 +1,10 @@
-"""Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1: a Qwen3-MoE
-decode layer of one sequence as the fused kernels run it (`AttentionDecodeGraphs`, fused body)
-against the same layer as the torch functions, on the CPU (fp32): the residual stream after
-attention, the router's ids and weights and its normalized input, and the KV row written, at
-random positions and inputs of every MoE layer of the engine given.
+"""Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1: a decode
+layer of one sequence as the fused kernels run it (the family's `DecodeGraphs` with its fused
+body: Qwen3-MoE's attention and router, the hybrid family's Gated DeltaNet step and its MoE block
+with the shared expert) against the same layer as the torch functions, on the CPU (fp32): the
+residual stream, the router's ids and weights and its normalized input, the shared expert's
+output, and the layer's state after the token (the KV row written, or the convolution's and the
+recurrence's state), at random positions and inputs of every layer of the engine given.
 
     TRITON_INTERPRET=1 python tests/interpreted_fused_layer.py ENGINE_DIR SEED
 """
@@ -15,15 +17,17 @@ from pathlib import Path
 
 import torch
 
+from ftc_runtime.decode.graphs import DecodeGraphs
 from ftc_runtime.decode.step_buffers import StepBuffers
 from ftc_runtime.engine import Engine
-from ftc_runtime.models.qwen3_moe.decode import AttentionDecodeGraphs
+from ftc_runtime.models import family
 
 
-def layer_graphs(model) -> tuple[AttentionDecodeGraphs, list]:
+def layer_graphs(engine: Engine) -> tuple[DecodeGraphs, list]:
     """The family's decode layer on the CPU: DecodeGraphs' machinery wants a GPU, its layer does
     not. The experts' staging is recorded instead of run."""
-    graphs = object.__new__(AttentionDecodeGraphs)
+    model = engine.model
+    graphs = object.__new__(family(engine.spec.family).decode_graphs)
     graphs.model, graphs.io = model, StepBuffers.make(model, 1)
     graphs.f = graphs.fns = graphs.functions()
     staged: list = []
@@ -34,9 +38,10 @@ def layer_graphs(model) -> tuple[AttentionDecodeGraphs, list]:
 
 def main() -> None:
     engine_dir, seed = Path(sys.argv[1]), int(sys.argv[2])
-    rng, model = random.Random(seed), Engine.load(engine_dir).model
+    rng, engine = random.Random(seed), Engine.load(engine_dir)
+    model = engine.model
     torch.manual_seed(seed)
-    graphs, staged = layer_graphs(model)
+    graphs, staged = layer_graphs(engine)
     cache = model.new_cache()
     model.forward(torch.tensor([rng.randrange(model.spec.vocab_size) for _ in range(rng.randrange(1, 40))]), cache)
     cache.reserve(cache.length + 1)
@@ -44,23 +49,46 @@ def main() -> None:
     cos, sin = model.rope_at(graphs.io.position)
     graphs.io.cos.copy_(cos)
     graphs.io.sin.copy_(sin)
-    for i in (i for i in range(model.spec.num_layers) if model.is_moe(i)):
+    for i in range(model.spec.num_layers):
         x = torch.randn(1, model.spec.hidden_size)
-        got, want = (run_layer(graphs, staged, cache, i, x, fused) for fused in (True, False))
-        for name, a, b in zip(("x", "h", "ids", "weights", "key", "value"), got, want, strict=True):
-            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), f"layer {i}, position {cache.length}: {name}"
+        before = [s.clone() for s in layer_state(model, cache, i)]
+        got = run_layer(graphs, staged, cache, i, x, True)
+        for s, b in zip(layer_state(model, cache, i), before, strict=True):
+            s.copy_(b)  # the torch layer starts from the same state
+        want = run_layer(graphs, staged, cache, i, x, False)
+        assert len(got) == len(want), f"layer {i}"
+        for j, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), \
+                f"layer {i}, position {cache.length}: output {j} off by {float((a - b).abs().max())}"
     print("ok")
 
 
-def run_layer(graphs: AttentionDecodeGraphs, staged: list, cache, i: int, x: torch.Tensor,
-              fused: bool) -> tuple[torch.Tensor, ...]:
+def layer_state(model, cache, i: int) -> list[torch.Tensor]:
+    """Layer i's state in the cache: its KV storage, or its linear layer's two states."""
+    linear = getattr(model, "linear_index", {})
+    if i in linear:
+        state = cache.linear[linear[i]]
+        return [state.conv, state.recurrent]
+    return list(cache.kv.storage(getattr(model, "kv_index", {}).get(i, i)))
+
+
+def run_layer(graphs: DecodeGraphs, staged: list, cache, i: int, x: torch.Tensor,
+              fused: bool) -> list[torch.Tensor]:
+    """x after layer i, then what it staged (h, ids, weights), the shared expert's output, and the
+    layer's state after the token (the KV rows at the position)."""
     graphs.fused_body = fused
-    graphs.io.x.copy_(x)
-    graphs.io.mlp.zero_()
+    io = graphs.io
+    io.x.copy_(x)
+    io.mlp.zero_()
+    if io.shared is not None:
+        io.shared.zero_()
     staged.clear()
     graphs._layer(i, [cache])
-    key, value = (t[cache.length].clone() for t in cache.kv.storage(i))
-    return (graphs.io.x.clone(), *staged[0], key, value)
+    state = layer_state(graphs.model, cache, i)
+    if i not in getattr(graphs.model, "linear_index", {}):
+        state = [t[cache.length] for t in state]
+    out = [io.x, *(staged[0] if staged else ()), io.mlp, *([] if io.shared is None else [io.shared]), *state]
+    return [t.clone() for t in out]
 
 
 if __name__ == "__main__":

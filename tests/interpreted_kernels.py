@@ -33,7 +33,7 @@ from ftc_runtime.models.layers.router import softmax_top_k
 from ftc_runtime.models.layers.router_kernel import softmax_top_k_gpu
 
 PLAN_FIELDS = ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts",
-               "pairs")
+               "pairs", "phase_pairs")
 
 
 def staged(ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +83,8 @@ def check_fills(rng: random.Random, g: torch.Generator) -> None:
         fill_slots[:n_fill] = torch.tensor(rng.sample(range(n_slots), n_fill), dtype=torch.long)
         unused = torch.zeros(n, dtype=torch.long)
         plan = LayerPlan(unused.view(2, 8), fill_rows, fill_slots, unused, unused, unused, unused.float(),
-                         torch.tensor([0, n_fill, 0, n_fill]), unused.int().expand(3, n))
+                         torch.tensor([0, n_fill, 0, n_fill]), unused.int().expand(3, n),
+                         unused.int().expand(2, 3, n))
         want = slots.clone()
         want[fill_slots[:n_fill]] = host[fill_rows[:n_fill]]
         gather_fills(host.view(torch.int32), slots, plan)

@@ -182,19 +182,20 @@ def test_the_wait_tunes_the_split_towards_the_side_that_finished_last(seed):
         start = rng.randrange(-32, 33) * TUNE_STEP
         bias = torch.tensor([start], device="cuda")
         out = torch.randn(1, hidden, device="cuda")
-        before = out.cpu()
+        also = torch.randn(1, hidden, device="cuda") if rng.random() < 0.5 else None  # the hits' output
+        want = out.cpu() + box_out + (0 if also is None else also.cpu())  # in the kernel's order
         done[0] = seq if answer_after_s is None else seq - 1
         answer = threading.Timer(answer_after_s or 0.0, lambda: done.fill_(seq))
         if answer_after_s is not None:
             answer.start()
-        _wait_and_join[(1,)](Mapped.of(done), counter, Mapped.of(box_out), out, hidden, status,
-                             torch.tensor(counts, device="cuda"), bias, TUNE_STEP if tune else 0.0, SPINS=SPINS,
-                             XBLOCK=XBLOCK, TUNE=tune, num_warps=4)
+        _wait_and_join[(1,)](Mapped.of(done), counter, Mapped.of(box_out), out, out if also is None else also, hidden,
+                             status, torch.tensor(counts, device="cuda"), bias, TUNE_STEP if tune else 0.0,
+                             SPINS=SPINS, XBLOCK=XBLOCK, TUNE=tune, ALSO=also is not None, num_warps=4)
         torch.cuda.synchronize()
         if answer_after_s is not None:
             answer.join()
         assert int(status[0]) == 0
-        assert torch.allclose(out.cpu(), before + box_out), "the CPU's result is added"
+        assert torch.allclose(out.cpu(), want, atol=1e-6), "the CPU's result (and the hits') is added"
         return float(bias[0]) - start
 
     m = rng.randrange(2, 9)

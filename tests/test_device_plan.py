@@ -199,7 +199,7 @@ def test_device_plan_replays_in_a_cuda_graph(cpu_engine, seed):
         graph.replay()
         want = plan_layer(eager, rule, 0, new_ids.cuda(), new_w.cuda())
         for name in ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts",
-                     "pairs"):
+                     "pairs", "phase_pairs"):
             assert torch.equal(getattr(captured, name), getattr(want, name)), f"step {step}: {name}"
         for name in ("slot_of", "id_of", "last_used", "cpu_step", "step"):
             assert torch.equal(getattr(graphed, name), getattr(eager, name)), f"step {step}: {name}"
@@ -303,7 +303,7 @@ def test_triton_plan_equals_the_torch_plan(run, seed):
             ids, w = packed[:, 5:5 + k], packed[:, 5 + k:]
         got = plan_layer_triton(triton_tables, rule, layer * e, ids, w)
         for name in ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts",
-                     "pairs"):
+                     "pairs", "phase_pairs"):
             assert torch.equal(getattr(got, name), getattr(want, name)), f"step {step} ({t} tokens): {name}"
         for name in ("slot_of", "id_of", "last_used", "cpu_step", "step"):
             assert torch.equal(getattr(triton_tables, name)[:-1] if name != "step" else triton_tables.step,
@@ -358,7 +358,8 @@ def test_gather_fills_copy_the_plans_rows_from_the_mapped_pool(seed):
         fill_slots[:n_fill] = torch.tensor(rng.sample(range(n_slots), n_fill), dtype=torch.long)
         unused = torch.zeros(n, dtype=torch.long)
         plan = LayerPlan(unused.view(2, 8), fill_rows.cuda(), fill_slots.cuda(), unused, unused, unused,
-                         unused.float(), torch.tensor([0, n_fill, 0, n_fill]).cuda(), unused.int().expand(3, n))
+                         unused.float(), torch.tensor([0, n_fill, 0, n_fill]).cuda(), unused.int().expand(3, n),
+                         unused.int().expand(2, 3, n))
         want = slots.cpu()
         want[fill_slots[:n_fill]] = pool[fill_rows[:n_fill]]
         gather_fills(MappedRows(address), slots, plan)

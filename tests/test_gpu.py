@@ -206,17 +206,20 @@ def test_decode_graphs_equal_the_eager_step(engine_dir, monkeypatch, compiled, s
     assert_graphs_match(got, want, reference, compiled)
 
 
-def test_device_step_graphs_equal_the_host_path(engine_dir, monkeypatch, seed):
+@pytest.mark.parametrize("fused", [False, True])
+def test_device_step_graphs_equal_the_host_path(engine_dir, monkeypatch, fused, seed):
     """Decode with the plan as data (`FTC_DEVICE_PLAN=1`): each step one CUDA graph with every MoE
-    layer on the device (plan kernels, gathered fills, the CPU's share through the doorbell),
-    against the eager host path, both held to the fp32 CPU engine (the device pairs sum in
-    another order, and this tiny model's near-tied router turns last bits into other experts);
-    the split's counts add up, the host cache written back equals the device's, and a second
-    sequence and a grown KV storage capture the step again."""
+    layer on the device (plan kernels, gathered fills, the CPU's share through the doorbell), the
+    layers' body as the eager functions or as the fused kernels, against the eager host path,
+    both held to the fp32 CPU engine (the device pairs sum in another order, and this tiny
+    model's near-tied router turns last bits into other experts); the split's counts add up, the
+    host cache written back equals the device's, and a second sequence and a grown KV storage
+    capture the step again."""
     rng = random.Random(seed)
     _, eager = _graphs_and_eager(engine_dir, monkeypatch, False, rng)
     monkeypatch.setenv("FTC_DECODE_GRAPHS", "1")
     monkeypatch.setenv("FTC_DEVICE_PLAN", "1")
+    monkeypatch.setenv("FTC_FUSED_BODY", "1" if fused else "0")
     graphs = Engine.load(engine_dir, offload=OffloadConfig(device="cuda", n_slots=rng.randrange(4, 40), b_p=25.0,
                                                            b_h=50.0))
     ids = [rng.randrange(256) for _ in range(30)]
@@ -344,7 +347,8 @@ def test_fla_delta_rule_matches_the_torch_recurrence(trial, seed, monkeypatch):
 
 
 @pytest.mark.parametrize("compiled,device_plan,quant", [(False, False, None), (True, False, None), (False, True, None),
-                                                        (False, True, "mxfp4"), (False, True, "nvfp4")])
+                                                        (False, True, "mxfp4"), (False, True, "nvfp4"),
+                                                        (True, True, "nvfp4")])
 def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled, device_plan, quant, seed):
     """The hybrid family's decode graphs (Gated DeltaNet steps with their state updated in place,
     gated attention, the shared expert) give the eager path's logits, across a restored checkpoint

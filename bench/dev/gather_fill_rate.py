@@ -41,7 +41,8 @@ def main() -> None:
         fill_slots[:q] = torch.arange(q)
         unused = torch.zeros(n, dtype=torch.long, device="cuda")
         plan = LayerPlan(unused.view(2, 8), fill_rows.cuda(), fill_slots.cuda(), unused, unused, unused,
-                         unused.float(), torch.tensor([0, q, 0], device="cuda"))
+                         unused.float(), torch.tensor([0, q, 0], device="cuda"), unused.int().expand(3, n),
+                         unused.int().expand(2, 3, n))
         kernel_s = timed(lambda plan=plan: gather_fills(mapped, slots, plan))
         copy_s = timed(lambda ids=ids: [slots[j].copy_(pool[int(i)], non_blocking=True) for j, i in enumerate(ids)])
         gb = q * a.expert_bytes / 1e9

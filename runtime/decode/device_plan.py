@@ -130,6 +130,8 @@ class LayerPlan:
     counts: torch.Tensor  # int64 [4]: hits, fills, CPU experts (unique experts), the split's own q
     pairs: torch.Tensor  # int32 [3, T·k]: the device kernel's pairs (slot, token row, weight bits) of
     # every routed entry, the CPU's with slot -1
+    phase_pairs: torch.Tensor  # int32 [2, 3, T·k]: `pairs` split by when their slot is ready: [0] the
+    # hits' (before this call's fills), [1] the fills' (after them); every other entry's slot -1
 
 
 def _compact(values: torch.Tensor, keep: torch.Tensor, index: torch.Tensor, fill: int) -> torch.Tensor:
@@ -219,8 +221,11 @@ def plan_layer(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.Tensor, 
     counts = torch.stack([hit.sum(), n_fill, n_cpu, q_split if rule.allow_fills else n_fill])
     pair_slot = where_u[u.of_entry]
     pairs = torch.stack([pair_slot.int(), (ar // k).int(), weights.reshape(-1).float().contiguous().view(torch.int32)])
+    phase_pairs = pairs.repeat(2, 1, 1)
+    phase_pairs[0, 0] = torch.where(hit[u.of_entry], pairs[0], -1)
+    phase_pairs[1, 0] = torch.where(is_fill[u.of_entry], pairs[0], -1)
     return LayerPlan(pair_slot.view(n_tok, k), fill_rows, fill_slots, cpu_ids, cpu_offsets, cpu_tok, cpu_w, counts,
-                     pairs)
+                     pairs, phase_pairs)
 
 
 def _update(t: CacheTables, rows: torch.Tensor, is_cpu: torch.Tensor, fill_rows: torch.Tensor,

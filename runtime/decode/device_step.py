@@ -1,7 +1,7 @@
 """`DeviceStep`: one MoE layer of a decode step carried out on the GPU with no host involvement, for
 the step's single CUDA graph (`DecodeGraphs` in whole-step mode): the plan's kernels on the staged
-routing, the CPU job posted through the doorbell, the fills gathered from the mapped pool, the
-device pairs on the slots, the CPU's result joined into the layer's output. The split's counts
+routing, the CPU job posted through the doorbell, the fills gathered from the mapped pool while
+the hits run on a side stream, the filled experts, the CPU's result joined into the layer's output. The split's counts
 and the planner's bound accumulate on the device and are folded into the host's statistics when
 those are read.
 """
@@ -32,6 +32,8 @@ class DeviceStep:
         self.store, self.rows, self.tables, self.rule = store, rows, tables, rule
         self.bell, self.kernels = bell, DoorbellKernels(bell, store.device)
         self.counts = StepCounts(planner, store.header.expert_stride, store.device)
+        self.side = torch.cuda.Stream(store.device)  # the hits, beside the fills
+        self._hits: dict[int, torch.Tensor] = {}
 
     def before_replay(self) -> None:
         """Host work before the step's graph runs: where the host rang since (its planned calls
@@ -45,22 +47,38 @@ class DeviceStep:
             timeline: DeviceTimeline | None = None) -> None:
         """The call of x ([T, hidden] fp32, contiguous) routed to `ids` [T, k] (in the MoE layer
         whose first FTW row is `base_id`) with fp32 `weights` [T, k]; out ([T, hidden] fp32) = its
-        routed experts. `timeline`: the call's phases marked."""
+        routed experts. `timeline`: the call's phases marked.
+
+        Three parts run at once: the CPU's job (posted first), the fills over PCIe, and on a side
+        stream the hits, whose slots are ready already; the filled experts follow their fills."""
         mark = timeline.mark if timeline is not None else lambda _phase: None
         mark("body")
         plan = plan_layer_triton(self.tables, self.rule, base_id, ids, weights)
-        # The CPU's job first: it computes while the GPU fills slots and runs the device pairs.
         self.kernels.post_job(plan, x)
         self.counts.add(plan.counts)
         mark("plan")
+        main = torch.cuda.current_stream(self.store.device)
+        self.side.wait_stream(main)
+        hits_out = self._hits_out(out.shape[0])
+        with torch.cuda.stream(self.side):
+            hits_out.zero_()
+            # The device kernel skips the pairs of other phases (slot -1).
+            self.store.experts_on_device(x, plan.phase_pairs[0], hits_out)
         gather_fills(self.rows, self.store.slots, plan)
         mark("fills")
         out.zero_()
-        # The device kernel skips the CPU's pairs (slot -1).
-        self.store.experts_on_device(x, plan.pairs, out)
+        self.store.experts_on_device(x, plan.phase_pairs[1], out)
+        main.wait_stream(self.side)
         mark("hits")
-        self.kernels.wait_and_join(out, plan, self.rule)
+        self.kernels.wait_and_join(out, plan, self.rule, also=hits_out)
         mark("cpu_wait")
+
+    def _hits_out(self, rows: int) -> torch.Tensor:
+        """The hits' output buffer for calls of `rows` tokens (kept: a graph holds its address)."""
+        if rows not in self._hits:
+            self._hits[rows] = torch.empty(rows, self.store.header.hidden, dtype=torch.float32,
+                                           device=self.store.device)
+        return self._hits[rows]
 
     def fold_into(self, stats: OffloadStats) -> None:
         """Adds the counts since the last fold to `stats` (reads the device: a safe point)."""

@@ -5,7 +5,8 @@ graph to hold:
   device mapping, then, after a barrier and a system-scope fence, rings with the next job number
   (kept on the device, so that replays of one graph number their jobs on);
 - `wait_and_join`: spins until the CPU answers that number, then adds the CPU's result, read
-  through the mapping, into the layer's device output. Under the adaptive policy it also moves
+  through the mapping, into the layer's device output (and the output of the hits, which the
+  step computes beside the fills). Under the adaptive policy it also moves
   the split's bias (`PlanRule`) by whether it had to wait: the GPU reaches the wait when its
   fills and its own experts are done, so a wait means the CPU's share took longer (more fills
   next), an answer already there means the GPU's did (fewer). Layers without a choice are left
@@ -96,8 +97,8 @@ def _tune(counts, bias, waited, step):
 
 
 @triton.jit
-def _wait_and_join(done, counter, box_out, out, size, status, counts, bias, step, SPINS: tl.constexpr,
-                   XBLOCK: tl.constexpr, TUNE: tl.constexpr):
+def _wait_and_join(done, counter, box_out, out, also, size, status, counts, bias, step, SPINS: tl.constexpr,
+                   XBLOCK: tl.constexpr, TUNE: tl.constexpr, ALSO: tl.constexpr):
     seq = tl.load(counter)
     answered = _load_acquire_sys(done)
     spins = 0
@@ -112,7 +113,10 @@ def _wait_and_join(done, counter, box_out, out, size, status, counts, bias, step
     for start in range(0, size, XBLOCK):
         offs = start + tl.arange(0, XBLOCK)
         mask = offs < size
-        tl.store(out + offs, tl.load(out + offs, mask=mask) + tl.load(box_out + offs, mask=mask), mask=mask)
+        y = tl.load(out + offs, mask=mask) + tl.load(box_out + offs, mask=mask)
+        if ALSO:
+            y += tl.load(also + offs, mask=mask)
+        tl.store(out + offs, y, mask=mask)
 
 
 class DoorbellKernels:
@@ -136,12 +140,14 @@ class DoorbellKernels:
                         b["cpu_tok"], b["cpu_w"], b["x"], self.counter, self.ring,
                         NP=max(16, triton.next_power_of_2(n + 1)), XBLOCK=XBLOCK, num_warps=4)
 
-    def wait_and_join(self, out: torch.Tensor, plan: LayerPlan, rule: PlanRule) -> None:
-        """out ([T, hidden] fp32, contiguous) += the CPU's result, once the CPU has answered; the
-        rule's bias tuned by the wait where it has a `tune_step`."""
-        _wait_and_join[(1,)](self.done, self.counter, self.box["out"], out, out.numel(), self.status, plan.counts,
-                             rule.bias, rule.tune_step, SPINS=SPINS, XBLOCK=XBLOCK, TUNE=rule.tune_step > 0,
-                             num_warps=4)
+    def wait_and_join(self, out: torch.Tensor, plan: LayerPlan, rule: PlanRule,
+                      also: torch.Tensor | None = None) -> None:
+        """out ([T, hidden] fp32, contiguous) += the CPU's result (and `also`, of out's shape, where
+        given), once the CPU has answered; the rule's bias tuned by the wait where it has a
+        `tune_step`."""
+        _wait_and_join[(1,)](self.done, self.counter, self.box["out"], out, out if also is None else also,
+                             out.numel(), self.status, plan.counts, rule.bias, rule.tune_step, SPINS=SPINS,
+                             XBLOCK=XBLOCK, TUNE=rule.tune_step > 0, ALSO=also is not None, num_warps=4)
 
     def check(self) -> None:
         """Raises if a wait gave up since the last check (reads a device flag: a safe point only)."""

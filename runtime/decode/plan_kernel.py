@@ -51,7 +51,7 @@ def _victims(cands, n_cands, n_slots, slot, hit, NP: tl.constexpr, CANDS: tl.con
 @triton.jit
 def _plan(ids, ids_stride, weights, weights_stride, base_id, n, k, slot_of, id_of, last_used, cpu_step, step_ptr,
           q_for_m, bias, recent_steps, allow_fills, cands, n_cands, n_slots, pair_slot, fill_rows, fill_slots, cpu_ids,
-          cpu_offsets, cpu_tok, cpu_w, counts, pairs, NP: tl.constexpr, CANDS: tl.constexpr):
+          cpu_offsets, cpu_tok, cpu_w, counts, pairs, phase_pairs, NP: tl.constexpr, CANDS: tl.constexpr):
     e = tl.arange(0, NP)
     valid = e < n
     # entry e is token e // k's j = e % k: its id and weight read in place (rows `*_stride` apart)
@@ -87,6 +87,9 @@ def _plan(ids, ids_stride, weights, weights_stride, base_id, n, k, slot_of, id_o
     tl.store(pairs + e, where_all.to(tl.int32), mask=valid)
     tl.store(pairs + n + e, (e // k).to(tl.int32), mask=valid)
     tl.store(pairs + 2 * n + e, weight.to(tl.int32, bitcast=True), mask=valid)
+    _store_phase_pairs(phase_pairs, n, e, k, valid, weight, where_all,
+                       tl.sum((own & hit[None, :]).to(tl.int32), axis=1) > 0,
+                       tl.sum((own & is_fill[None, :]).to(tl.int32), axis=1) > 0)
     tl.store(fill_rows + rank, row, mask=is_fill)
     tl.store(fill_slots + rank, victim, mask=is_fill)
     tl.store(fill_rows + e, -1, mask=valid & (e >= n_fill))
@@ -112,6 +115,17 @@ def _plan(ids, ids_stride, weights, weights_stride, base_id, n, k, slot_of, id_o
     tl.store(counts + 2, n_cpu)
     tl.store(counts + 3, tl.where(allow_fills != 0, q_split, n_fill))
     _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_fill, is_cpu, victim, where_first)
+
+
+@triton.jit
+def _store_phase_pairs(phase_pairs, n, e, k, valid, weight, where_all, entry_hit, entry_fill):
+    """The pairs again, twice: [0] with only the hits' slots, [1] with only the fills'."""
+    for phase in tl.static_range(2):
+        mine = entry_hit if phase == 0 else entry_fill
+        base = phase_pairs + phase * 3 * n
+        tl.store(base + e, tl.where(mine, where_all, -1).to(tl.int32), mask=valid)
+        tl.store(base + n + e, (e // k).to(tl.int32), mask=valid)
+        tl.store(base + 2 * n + e, weight.to(tl.int32, bitcast=True), mask=valid)
 
 
 @triton.jit
@@ -142,13 +156,14 @@ def plan_layer_triton(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.T
     if ids.stride(1) != 1 or weights.stride(1) != 1:
         raise ValueError(f"plan_layer_triton: ids and weights need unit stride within a row, not "
                          f"{ids.stride()} and {weights.stride()}")
-    shapes = ((n_tok, k), (n,), (n,), (n,), (n + 1,), (n,), (n,), (4,), (3, n))  # LayerPlan's fields in order
-    dtypes = {6: torch.float32, 8: torch.int32}
+    shapes = ((n_tok, k), (n,), (n,), (n,), (n + 1,), (n,), (n,), (4,), (3, n), (2, 3, n))  # LayerPlan's fields
+    dtypes = {6: torch.float32, 8: torch.int32, 9: torch.int32}
     out = LayerPlan(*(torch.empty(shape, dtype=dtypes.get(i, torch.int64), device=dev)
                       for i, shape in enumerate(shapes)))
     _plan[(1,)](ids, ids.stride(0), weights, weights.stride(0), base_id, n, k,
                 t.slot_of, t.id_of, t.last_used, t.cpu_step, t.step, rule.q_for_m, rule.bias, rule.recent_steps,
                 int(rule.allow_fills), cands, blocks * np2, max(t.n_slots, 1), out.pair_slot, out.fill_rows,
-                out.fill_slots, out.cpu_ids, out.cpu_offsets, out.cpu_tok, out.cpu_w, out.counts, out.pairs, NP=np2,
-                CANDS=max(np2, triton.next_power_of_2(blocks * np2)), num_warps=max(4, min(32, np2 // 4)))
+                out.fill_slots, out.cpu_ids, out.cpu_offsets, out.cpu_tok, out.cpu_w, out.counts, out.pairs,
+                out.phase_pairs, NP=np2, CANDS=max(np2, triton.next_power_of_2(blocks * np2)),
+                num_warps=max(4, min(32, np2 // 4)))
     return out

@@ -5,8 +5,9 @@ the graph holds event-record nodes that every replay records again; their gaps a
 - `body`: up to the MoE layer's call, the layer's own work (attention, router, staging) and any
   dense layer before it;
 - `plan`: the plan kernels, the CPU job's posting and the step's counters;
-- `fills`: the gathered fills from the mapped host pool into their victim slots;
-- `hits`: the device's experts (hits and fills);
+- `fills`: the gathered fills from the mapped host pool into their victim slots (the hits run
+  beside them, on a side stream);
+- `hits`: the filled experts, and what is left of the hits;
 - `cpu_wait`: the wait for the CPU's share and its join into the layer's output;
 - `head`: after the last MoE layer, the final norm and lm_head.
 

@@ -1,8 +1,10 @@
 """One token's linear layer on the GPU as one Triton kernel, with the work around it that would
 otherwise be kernels of their own in a decode step: an RMSNorm of the input in front (its
-normalized row also written out, for the router's experts) and the residual add behind.
+normalized row also written out, for the router's experts), a SwiGLU of two halves of it (a
+shared expert's down projection) or a sigmoid gate per input column (gated attention's output
+projection); a scalar sigmoid gate and the residual add behind.
 
-    y = residual + (RMSNorm(x) · norm_w) Wᵀ + b      (each part where given)
+    y = residual + sigmoid(s) · ((RMSNorm(x) · norm_w) Wᵀ + b)      (each part where given)
 
 One program per block of output rows reads its rows of W once; every program normalizes the
 input row itself (a few KB from L2), so the norm costs no launch and no round trip through
@@ -20,9 +22,27 @@ import triton.language as tl
 
 
 @triton.jit
-def _gemv(x, w, out, norm_w, bias, residual, normed_out, N, eps, K: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-          NORMED_OUT: tl.constexpr):
+def _swiglu_input(x, kk, K: tl.constexpr, act):
+    """SiLU(gate) · up of a row [gate (K) | up (K)] at columns kk, each factor rounded as torch's."""
+    g = tl.load(x + kk, mask=kk < K, other=0.0).to(tl.float32)
+    u = tl.load(x + K + kk, mask=kk < K, other=0.0).to(tl.float32)
+    return ((g / (1.0 + tl.exp(-g))).to(act).to(tl.float32) * u).to(act).to(tl.float32)
+
+
+@triton.jit
+def _gated_input(x, in_gate, kk, K: tl.constexpr, HEAD: tl.constexpr, act):
+    """x · sigmoid(gate) at columns kk, the gate of column c at c // HEAD · 2 HEAD + HEAD + c % HEAD
+    (each head's gate after its query in the q projection's row), rounded as torch's."""
+    xk = tl.load(x + kk, mask=kk < K, other=0.0)
+    g = tl.load(in_gate + kk // HEAD * 2 * HEAD + HEAD + kk % HEAD, mask=kk < K, other=0.0).to(tl.float32)
+    return (xk.to(tl.float32) * tl.sigmoid(g).to(act).to(tl.float32)).to(act).to(tl.float32)
+
+
+@triton.jit
+def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, N, eps, K: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+          RESIDUAL: tl.constexpr, NORMED_OUT: tl.constexpr, SWIGLU: tl.constexpr, OUT_GATE: tl.constexpr,
+          IN_GATE_HEAD: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -38,7 +58,12 @@ def _gemv(x, w, out, norm_w, bias, residual, normed_out, N, eps, K: tl.constexpr
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.load(x + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if SWIGLU:
+            xk = _swiglu_input(x, kk, K, act)
+        elif IN_GATE_HEAD > 0:
+            xk = _gated_input(x, in_gate, kk, K, IN_GATE_HEAD, act)
+        else:
+            xk = tl.load(x + kk, mask=kk < K, other=0.0).to(tl.float32)
         if NORM:
             xk = (xk * rstd).to(act).to(tl.float32)
             xk = (xk * tl.load(norm_w + kk, mask=kk < K, other=0.0).to(tl.float32)).to(act).to(tl.float32)
@@ -50,38 +75,44 @@ def _gemv(x, w, out, norm_w, bias, residual, normed_out, N, eps, K: tl.constexpr
     if BIAS:
         y += tl.load(bias + n, mask=n_ok, other=0.0).to(tl.float32)
     y = y.to(act)
+    if OUT_GATE:
+        y = (tl.sigmoid(tl.load(out_gate).to(tl.float32)).to(act).to(tl.float32) * y.to(tl.float32)).to(act)
     if RESIDUAL:
         y = (tl.load(residual + n, mask=n_ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(act)
     tl.store(out + n, y, mask=n_ok)
 
 
 def gemv_blocks(n: int, k: int) -> tuple[int, int, int]:
-    """(rows per program, K per step, warps) for an [n, k] weight: at least ~512 programs where
-    the rows allow (several per SM, so that their loads overlap), steps of 4-16 KB."""
-    block_n = 16
-    while block_n > 1 and triton.cdiv(n, block_n) < 512:
-        block_n //= 2
-    block_k = min(triton.next_power_of_2(k), max(256, 4096 // block_n))
-    return block_n, block_k, 4
+    """(rows per program, K per step, warps) for an [n, k] weight: two rows per program, so that
+    even a router's few rows spread over many SMs, in steps of 1024 columns (4 KB of bf16 per
+    row), whose loads each thread issues together (docs/performance.md has the sweep)."""
+    return 2, min(triton.next_power_of_2(k), 1024), 4
 
 
 def linear_gpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                norm_w: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, normed_out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, normed_out: torch.Tensor | None = None, swiglu: bool = False,
+               out_gate: torch.Tensor | None = None, in_gate: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """One row x [1, K] times w [N, K]ᵀ (+ bias), optionally on RMSNorm(x) · norm_w (written to
-    `normed_out` [1, K] fp32 where given) and plus `residual` [1, N]: [1, N] in x's dtype, into
-    `out` where given (which may be `residual` itself: each program reads its rows before it
-    writes them)."""
-    if x.shape[0] != 1 or not x.is_contiguous() or not w.is_contiguous():
-        raise ValueError(f"linear_gpu: one contiguous row times a contiguous weight, not {tuple(x.shape)} "
-                         f"{tuple(x.stride())} and {tuple(w.stride())}")
+    `normed_out` [1, K] fp32 where given), on SiLU(gate) · up of x = [gate | up] [1, 2K] where
+    `swiglu`, or on x · sigmoid(gate) where `in_gate` = (a q projection's row whose heads of d
+    channels are each followed by their gate's d, d); times sigmoid(`out_gate`) (one element)
+    where given, and plus `residual` [1, N]: [1, N] in x's dtype, into `out` where given (which
+    may be `residual` itself: each program reads its rows before it writes them)."""
     n, k = w.shape
+    if x.shape != (1, 2 * k if swiglu else k) or not x.is_contiguous() or not w.is_contiguous():
+        raise ValueError(f"linear_gpu: one contiguous row of {2 * k if swiglu else k} times a contiguous weight, "
+                         f"not {tuple(x.shape)} {tuple(x.stride())} and {tuple(w.shape)} {tuple(w.stride())}")
+    if (norm_w is not None) + swiglu + (in_gate is not None) > 1:
+        raise ValueError("linear_gpu: one of a normalized, a SwiGLU or a gated input")
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = gemv_blocks(n, k)
     _gemv[(triton.cdiv(n, block_n),)](
         x, w, out, x if norm_w is None else norm_w, x if bias is None else bias,
-        x if residual is None else residual, x if normed_out is None else normed_out, n, eps,
-        K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_w is not None, BIAS=bias is not None,
-        RESIDUAL=residual is not None, NORMED_OUT=normed_out is not None, num_warps=warps)
+        x if residual is None else residual, x if normed_out is None else normed_out,
+        x if out_gate is None else out_gate, x if in_gate is None else in_gate[0], n, eps, K=k, BLOCK_N=block_n,
+        BLOCK_K=block_k, NORM=norm_w is not None, BIAS=bias is not None, RESIDUAL=residual is not None,
+        NORMED_OUT=normed_out is not None, SWIGLU=swiglu, OUT_GATE=out_gate is not None,
+        IN_GATE_HEAD=0 if in_gate is None else in_gate[1], num_warps=warps)
     return out

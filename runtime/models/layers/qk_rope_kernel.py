@@ -15,21 +15,23 @@ import triton.language as tl
 @triton.jit
 def _qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, position, q_out, keys, values, k_stride_c,
                         k_stride_h, v_stride_c, v_stride_h, eps, HQ: tl.constexpr, HKV: tl.constexpr,
-                        D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr):
+                        D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
+                        QS: tl.constexpr):
     p = tl.program_id(0)
     d = tl.arange(0, DP)
     ok = d < D
     act = qkv.dtype.element_ty
     pos = tl.load(position)
+    row = qkv + tl.where(p < HQ, p * QS, HQ * QS + (p - HQ) * D)  # a query head is QS apart (its gate after it)
     if p >= HQ + HKV:  # a value head: stored as it is
         h = p - HQ - HKV
-        v = tl.load(qkv + p * D + d, mask=ok)
+        v = tl.load(row + d, mask=ok)
         tl.store(values + pos * v_stride_c + h * v_stride_h + d, v, mask=ok)
     else:
         half = R // 2
         partner = tl.where(d < half, d + half, d - half)
-        x = tl.load(qkv + p * D + d, mask=ok, other=0.0).to(tl.float32)
-        xp = tl.load(qkv + p * D + partner, mask=d < R, other=0.0).to(tl.float32)
+        x = tl.load(row + d, mask=ok, other=0.0).to(tl.float32)
+        xp = tl.load(row + partner, mask=d < R, other=0.0).to(tl.float32)
         if QK_NORM:
             rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
             w = tl.load(tl.where(p < HQ, q_norm_w + d, k_norm_w + d), mask=ok, other=0.0).to(tl.float32)
@@ -49,14 +51,16 @@ def _qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, position, q_out, keys
 
 def qk_norm_rope_store_gpu(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None,
                            cos: torch.Tensor, sin: torch.Tensor, eps: float, heads: tuple[int, int, int],
-                           keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+                           keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
+                           output_gate: bool = False) -> torch.Tensor:
     """qkv [1, (heads + 2 kv) · d] → q [1, heads, d] normed and rotated; k (normed, rotated) and v
     written to keys/values [C, kv, d] at `position` (int64 [1] on the device). cos and sin: [1, 1,
-    rotary] as `rope.rope_cos_sin` gives them (rotary ≤ d)."""
+    rotary] as `rope.rope_cos_sin` gives them (rotary ≤ d). With `output_gate` each query head's d
+    channels are followed by its gate's d (qkv [1, (2 heads + 2 kv) · d]), which stay where they are."""
     n_q, n_kv, d = heads
-    if qkv.shape != (1, (n_q + 2 * n_kv) * d) or not qkv.is_contiguous():
-        raise ValueError(f"qk_norm_rope_store: qkv of shape (1, {(n_q + 2 * n_kv) * d}), contiguous, not "
-                         f"{tuple(qkv.shape)}")
+    width = ((2 if output_gate else 1) * n_q + 2 * n_kv) * d
+    if qkv.shape != (1, width) or not qkv.is_contiguous():
+        raise ValueError(f"qk_norm_rope_store: qkv of shape (1, {width}), contiguous, not {tuple(qkv.shape)}")
     if keys.stride(2) != 1 or values.stride(2) != 1:
         raise ValueError(f"qk_norm_rope_store: keys and values need unit stride along d, not "
                          f"{keys.stride()} and {values.stride()}")
@@ -65,5 +69,6 @@ def qk_norm_rope_store_gpu(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_n
     _qk_norm_rope_store[(n_q + 2 * n_kv,)](
         qkv, q_norm_w if qk_norm else qkv, k_norm_w if qk_norm else qkv, cos.contiguous(), sin.contiguous(),
         position, q, keys, values, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), eps,
-        HQ=n_q, HKV=n_kv, D=d, DP=triton.next_power_of_2(d), R=cos.shape[-1], QK_NORM=qk_norm, num_warps=1)
+        HQ=n_q, HKV=n_kv, D=d, DP=triton.next_power_of_2(d), R=cos.shape[-1], QK_NORM=qk_norm,
+        QS=2 * d if output_gate else d, num_warps=1)
     return q

@@ -7,6 +7,9 @@ hybrid family (`Qwen3NextModel`). Per layer one graph:
   cache's whole capacity with the positions after this token masked off;
 - residual and post-attention norm, the router, the staging of the experts' input for the host,
   and the shared expert behind its gate (written to `shared`, added at the next join).
+With `fused_body`, a sequence's linear layer runs as four kernels of its own, a full-attention
+layer as five and a MoE block with a shared expert as three (`_fused_linear`, `_fused_attention`,
+`_fused_moe_block`), on the model's fused projections.
 A sequence's linear-layer state never moves (`DeltaNetState.assign`), so graphs captured on a
 cache stay valid until its KV storage moves.
 """
@@ -56,13 +59,39 @@ class HybridDecodeGraphs(DecodeGraphs):
             f["dense_mlp"](h, *m.dense_mlp_weights(i))
 
     def _layer(self, i: int, caches: list[SequenceCache]) -> None:
-        m, f, io, eps = self.model, self.f, self.io, self.model.spec.norm.eps
-        p = f"model.layers.{i}."
+        m, io = self.model, self.io
         self._join_previous(i)
-        h = f["rms_norm"](io.x, m.w[p + "input_layernorm.weight"], eps)
-        out = self._linear(i, h, caches) if i in m.linear_index else self._attention(i, h, caches)
-        x, h = f["residual_norm"](io.x, out, m.w[p + "post_attention_layernorm.weight"], eps)
-        io.x.copy_(x)
+        fused = self.fused_body and io.width == 1
+        out = None
+        if fused and i in m.linear_index:
+            self._fused_linear(i, caches[0])  # x += its output
+        elif fused and m.fused_weight(i, "self_attn.qkv_proj.weight") is not None:
+            self._fused_attention(i, caches[0])
+        else:
+            out = self._mix(i, caches)
+        if fused and m.fused_weight(i, "mlp.in_proj.weight") is not None:
+            if out is not None:
+                io.x.add_(out)
+            self._fused_moe_block(i)
+        else:
+            self._mlp(i, out)
+
+    def _mix(self, i: int, caches: list[SequenceCache]) -> torch.Tensor:
+        """The token mixer's output on the input norm: linear attention or full attention."""
+        m, eps = self.model, self.model.spec.norm.eps
+        h = self.f["rms_norm"](self.io.x, m.w[f"model.layers.{i}.input_layernorm.weight"], eps)
+        return self._linear(i, h, caches) if i in m.linear_index else self._attention(i, h, caches)
+
+    def _mlp(self, i: int, out: torch.Tensor | None) -> None:
+        """x += out (where the mixer's output is not in x yet), then the post-attention norm and
+        either the router, the staging and the shared expert, or a dense MLP."""
+        m, f, io, eps = self.model, self.f, self.io, self.model.spec.norm.eps
+        post_w = m.w[f"model.layers.{i}.post_attention_layernorm.weight"]
+        if out is None:
+            h = f["rms_norm"](io.x, post_w, eps)
+        else:
+            x, h = f["residual_norm"](io.x, out, post_w, eps)
+            io.x.copy_(x)
         if m.is_moe(i):
             ids, weights = f["route"](h, *m.router_args(i))
             m.experts.stage(h.float(), ids, weights)
@@ -70,6 +99,58 @@ class HybridDecodeGraphs(DecodeGraphs):
                 io.shared.copy_(f["shared_expert"](h, *m.shared_expert_weights(i)))
         else:
             io.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
+
+    def _fused_linear(self, i: int, cache: SequenceCache) -> None:
+        """A Gated DeltaNet layer of one sequence as four kernels: the input norm with the fused
+        input projection, the convolution's step, the recurrence with the gated norm, and the
+        output projection with the residual add."""
+        from ftc_runtime.models.layers.deltanet_step_kernel import deltanet_step_gpu  # Triton: beside a GPU
+        from ftc_runtime.models.layers.gemv_kernel import linear_gpu
+
+        m, io = self.model, self.io
+        w, state = m.delta_weights[i], cache.linear[m.linear_index[i]]
+        proj = linear_gpu(io.x, m.fused_weight(i, "linear_attn.in_proj.weight"),
+                          norm_w=m.w[f"model.layers.{i}.input_layernorm.weight"], eps=m.spec.norm.eps)
+        gated = deltanet_step_gpu(proj, w.conv1d, state.conv, state.recurrent, w.A_log, w.dt_bias, w.norm,
+                                  m.delta_shape)
+        linear_gpu(gated, w.out_proj, residual=io.x, out=io.x)
+
+    def _fused_attention(self, i: int, cache: SequenceCache) -> None:
+        """A full-attention layer of one sequence as five kernels: the input norm with the fused
+        q (and gate), k and v projection, the q/k norms with RoPE and the KV write, decode
+        attention (two), and the output projection on the gated output with the residual add."""
+        from ftc_runtime.models.layers.gemv_kernel import linear_gpu  # Triton: beside a GPU
+        from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
+
+        m, io, eps, gate = self.model, self.io, self.model.spec.norm.eps, self.model.spec.attention.output_gate
+        p = f"model.layers.{i}."
+        *_, q_norm_w, k_norm_w = m.attention_in_weights(i)
+        qkv = linear_gpu(io.x, m.fused_weight(i, "self_attn.qkv_proj.weight"), norm_w=m.w[p + "input_layernorm.weight"],
+                         eps=eps)
+        keys, values = cache.kv.storage(m.kv_index[i])
+        q = qk_norm_rope_store_gpu(qkv, q_norm_w, k_norm_w, io.cos, io.sin, eps, m.heads, keys, values, io.position,
+                                   output_gate=gate)
+        attn = self.f["decode_attention"](q, keys, values, io.position, m.heads)
+        linear_gpu(attn, m.w[p + "self_attn.o_proj.weight"], residual=io.x, out=io.x,
+                   in_gate=(qkv, m.heads[2]) if gate else None)
+
+    def _fused_moe_block(self, i: int) -> None:
+        """The post-attention norm with the router's, the shared gate's and the shared expert's
+        gate and up projections (one GEMV), the router's top-k and the staging, and the shared
+        expert's down projection on their SwiGLU behind its sigmoid gate: three kernels."""
+        from ftc_runtime.models.layers.gemv_kernel import linear_gpu  # Triton: beside a GPU
+        from ftc_runtime.models.layers.router_kernel import softmax_top_k_gpu
+
+        m, io, e = self.model, self.io, self.model.spec.moe.num_experts
+        p = f"model.layers.{i}."
+        h = torch.empty(1, m.spec.hidden_size, dtype=torch.float32, device=m.device)
+        proj = linear_gpu(io.x, m.fused_weight(i, "mlp.in_proj.weight"),
+                          norm_w=m.w[p + "post_attention_layernorm.weight"], eps=m.spec.norm.eps, normed_out=h)
+        _, top_k, renormalize = m.router_args(i)
+        ids, weights = softmax_top_k_gpu(proj[:, :e], top_k, renormalize)
+        m.experts.stage(h, ids, weights)
+        linear_gpu(proj[:, e + 1:], m.w[p + "mlp.shared_expert.down_proj.weight"], swiglu=True,
+                   out_gate=proj[:, e], out=io.shared)
 
     def _linear(self, i: int, h: torch.Tensor, caches: list[SequenceCache]) -> torch.Tensor:
         """The Gated DeltaNet step of each sequence on its own state, then the gated norm and the

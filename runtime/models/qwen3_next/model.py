@@ -40,6 +40,17 @@ _ONE_PLUS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_
              "self_attn.k_norm.weight")
 
 
+# The projections that read one input, fused (`Qwen3NextModel._fuse_projections`): a linear layer's
+# from its normalized input, full attention's q (with its gate), k and v, and from the post-attention
+# norm the router's, then the shared expert's gate and its gate and up projections.
+FUSED = (
+    ("linear_attn.in_proj.weight", tuple(f"linear_attn.in_proj_{n}.weight" for n in ("qkv", "z", "b", "a"))),
+    ("self_attn.qkv_proj.weight", tuple(f"self_attn.{n}_proj.weight" for n in "qkv")),
+    ("mlp.in_proj.weight", ("mlp.gate.weight", "mlp.shared_expert_gate.weight", "mlp.shared_expert.gate_proj.weight",
+                            "mlp.shared_expert.up_proj.weight")),
+)
+
+
 class Qwen3NextModel:
     """Sequences on `device`: fp32 activations on the CPU, bf16 on a GPU; the Gated DeltaNet
     state stays fp32."""
@@ -61,6 +72,7 @@ class Qwen3NextModel:
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.kv_index = {layer: i for i, layer in enumerate(spec.full_attention_layers)}
         self.linear_index = {layer: i for i, layer in enumerate(spec.linear_attention_layers)}
+        self._fuse_projections()
         a = spec.attention
         self.heads = (a.num_heads, a.num_kv_heads, a.head_dim)
         self.inv_freq = rope_inv_freq(spec).to(self.device)
@@ -69,6 +81,22 @@ class Qwen3NextModel:
             la.num_k_heads, la.num_v_heads, la.k_head_dim, la.v_head_dim, la.conv_kernel, spec.norm.eps)
         self.delta_weights = {i: self._delta_weights(i) for i in self.linear_index}
         self.decode_graphs = None  # HybridDecodeGraphs, set by the engine on a GPU
+
+    def _fuse_projections(self) -> None:
+        """Each group of projections of one input as one weight (`FUSED`), the parts kept as views
+        of its rows: a decode step reads the group with one GEMV, the torch path the views."""
+        for i in range(self.spec.num_layers):
+            p = f"model.layers.{i}."
+            for fused, parts in FUSED:
+                names = [p + n for n in parts]
+                if all(n in self.w for n in names):
+                    self.w[p + fused] = torch.cat([self.w[n] for n in names])
+                    rows = [self.w[n].shape[0] for n in names]
+                    self.w.update(zip(names, self.w[p + fused].split(rows), strict=True))
+
+    def fused_weight(self, i: int, name: str) -> torch.Tensor | None:
+        """Layer i's fused projection `name` (a key of `FUSED`'s), None where the layer has none."""
+        return self.w.get(f"model.layers.{i}.{name}")
 
     def _delta_weights(self, i: int) -> DeltaNetWeights:
         p = f"model.layers.{i}.linear_attn."
