@@ -381,6 +381,34 @@ def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compil
     assert_graphs_match(got, want, lambda: session(Engine.load(engine)), compiled or device_plan)
 
 
+@pytest.mark.parametrize("compiled,device_plan,quant", [(False, False, None), (True, False, None), (False, True, None),
+                                                        (True, True, "nvfp4")])
+def test_glm_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled, device_plan, quant, seed):
+    """GLM-5.x's layers in decode graphs (latent attention over the cache's storage, the indexer's
+    choice past its top_k of 32 and the layers that share it, the sigmoid router beside the shared
+    expert, a dense first layer) give the eager path's logits over a prompt and steps, and a
+    second sequence (graphs captured again); compiled, or as one whole-step graph, both are held
+    to the fp32 CPU engine as the other families' graphs are."""
+    spec = Path(__file__).resolve().parents[1] / "model_specs" / "glm-5-tiny.yaml"
+    engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, quant=quant,
+                                           output=tmp_path / "glm"))
+    graphs, eager = _graphs_and_eager(engine, monkeypatch, compiled, random.Random(seed), device_plan)
+    if device_plan:  # the eager engine on the host path
+        monkeypatch.setenv("FTC_DEVICE_PLAN", "0")
+        eager = Engine.load(engine, offload=OffloadConfig(device="cuda", n_slots=graphs.model.experts.cache.n_slots,
+                                                          b_p=25.0, b_h=50.0))
+
+    def session(e: Engine) -> list[torch.Tensor]:
+        rng = random.Random(seed)  # the same tokens for every engine
+        ids = [rng.randrange(495) for _ in range(60)]
+        return _teacher_forced_logits(e, ids, 40) + _teacher_forced_logits(e, ids[::-1][:30], 8)
+
+    got, want = session(graphs), session(eager)
+    captured = list(graphs.model.decode_graphs.graphs)
+    assert captured == [("step", 0)] if device_plan else len(captured) > 1
+    assert_graphs_match(got, want, lambda: session(Engine.load(engine)), compiled or device_plan)
+
+
 # Which sequences decode together at each step: four of them (the second grows its KV storage
 # past its first 256 tokens at the fourth step, so the batch's graph is captured again), then one
 # leaves, then one alone (the one-sequence step), then two again.
@@ -403,13 +431,14 @@ def _batch_session(engine: Engine, seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("spec_name,quant", [("qwen3-moe-tiny", None), ("qwen3-moe-tiny", "mxfp4"),
-                                             ("qwen3.6-moe-tiny", None), ("qwen3.6-moe-tiny", "nvfp4")])
+                                             ("qwen3.6-moe-tiny", None), ("qwen3.6-moe-tiny", "nvfp4"),
+                                             ("glm-5-tiny", None)])
 def test_batched_decode_graphs_equal_the_eager_batch(tmp_path, monkeypatch, spec_name, quant, seed):
     """Several sequences decoding together as one whole-step graph (`step_batch`: the projections,
     router, experts and head over the rows, each sequence's attention and recurrence on its own
     state), as a server's batch changes: held with the eager `decode_batch` on the same device
     plan to the fp32 CPU engine (its mean error at most 4× the eager one's plus 2e-3, and the top
-    tokens near the best), in both families and in bf16 and the 4-bit formats."""
+    tokens near the best), in the three families and in bf16 and the 4-bit formats."""
     spec = Path(__file__).resolve().parents[1] / "model_specs" / f"{spec_name}.yaml"
     engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=5, quant=quant,
                                            output=tmp_path / "engine"))

@@ -52,6 +52,8 @@ class DecodeGraphs(ABC):
     round trip of each MoE layer. A family's subclass gives its functions (`functions`, fused by
     torch.compile), their warm-up and the body of one layer (`_layer`)."""
 
+    eager_functions: tuple[str, ...] = EAGER_FUNCTIONS  # a family's functions that torch.compile leaves alone
+
     def __init__(self, model, compile_fns: bool, fused_body: bool = True):
         if model.device.type != "cuda":
             raise ValueError("DecodeGraphs needs a CUDA device")
@@ -70,7 +72,7 @@ class DecodeGraphs(ABC):
             # storage, and each new length would compile it again until dynamo's recompile limit
             # fails the step (in a long agent session); on the GPU it is two Triton kernels. The
             # router is a matmul and a Triton kernel there, which nothing would fuse.
-            eager, self.fns = self.fns, {name: f if name in EAGER_FUNCTIONS else
+            eager, self.fns = self.fns, {name: f if name in self.eager_functions else
                                          torch.compile(f, dynamic=False, fullgraph=True)
                                          for name, f in self.fns.items()}
             try:

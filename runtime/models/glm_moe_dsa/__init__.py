@@ -4,10 +4,11 @@ an engine without one writes GLM's format (`glm_tools.jinja`); tool calls are re
 `<arg_key>` / `<arg_value>` blocks either way."""
 
 from ftc_runtime.models.base import CheckpointLayout, Family
+from ftc_runtime.models.glm_moe_dsa.decode import LatentDecodeGraphs
 from ftc_runtime.models.glm_moe_dsa.loader import check_spec, dense_tensor_shapes, spec_from_hf
 from ftc_runtime.models.glm_moe_dsa.model import GlmMoeDsaModel
 
 FAMILIES = {
     "glm_moe_dsa": Family("glm_moe_dsa", GlmMoeDsaModel, check_spec, dense_tensor_shapes, spec_from_hf,
-                          CheckpointLayout, None, "glm_tools.jinja", "glm"),
+                          CheckpointLayout, LatentDecodeGraphs, "glm_tools.jinja", "glm"),
 }

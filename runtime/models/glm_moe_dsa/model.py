@@ -50,7 +50,7 @@ class GlmMoeDsaModel:
                             1e-6, scale)
         self.indexer = None if ix is None else IndexerShape(ix.num_heads, ix.head_dim, ml.rope_dim, ix.top_k)
         self.inv_freq = rope_inv_freq(spec).to(self.device)
-        self.decode_graphs = None  # no decode graphs for this family yet: eager decode on a GPU
+        self.decode_graphs = None  # LatentDecodeGraphs, set by the engine on a GPU
 
     def new_cache(self) -> SequenceCache:
         """Per layer and token the latent row and the shared rotary key (as the cache's keys) and
@@ -68,6 +68,8 @@ class GlmMoeDsaModel:
         cache's length then stays where it was)."""
         if checkpoint_at:
             raise ValueError(f"{self.spec.family} has no recurrent state to checkpoint")
+        if self.decode_graphs is not None and ids.numel() == 1:
+            return self.decode_graphs.step(ids, cache)
         start, n = cache.length, ids.numel()
         self.experts.begin_pass(n)
         positions = torch.arange(start, start + n, device=self.device)
@@ -89,9 +91,12 @@ class GlmMoeDsaModel:
     def decode_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
         """One new token for each of several sequences, each after its own cache's tokens: logits
         [B, vocab] fp32. Projections, router, experts and head run once over the batch; attention
-        runs per sequence over its own cache."""
+        runs per sequence over its own cache. On a GPU whose experts run a step on the device, the
+        whole step is one CUDA graph (`step_batch`)."""
         if len(tokens) != len(caches) or not tokens:
             raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
+        if self.decode_graphs is not None and self.decode_graphs.batch_ready(len(tokens)):
+            return self.decode_graphs.step_batch(tokens, caches)
         if len(tokens) == 1:
             return self.forward(torch.tensor(tokens), caches[0])
         positions = torch.tensor([c.length for c in caches], device=self.device)
@@ -149,16 +154,17 @@ class GlmMoeDsaModel:
     def mlp(self, i: int, h: torch.Tensor, first_position: int) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
         if i not in self.moe_index:
-            return dense_mlp(h, *self._mlp_weights(p))
+            return dense_mlp(h, *self.mlp_weights(p))
         m = self.spec.moe
         ids, weights = route_sigmoid(h, self.w[p + "gate.weight"], self.w[p + "gate.e_score_correction_bias"],
                                      m.top_k, m.n_group, m.topk_group, m.norm_topk_prob, m.routed_scaling_factor)
         out = self.experts.forward(self.moe_index[i], h.float(), ids, weights, first_position).to(self.dtype)
         if m.num_shared_experts:
-            out = out + dense_mlp(h, *self._mlp_weights(p + "shared_experts."))
+            out = out + dense_mlp(h, *self.mlp_weights(p + "shared_experts."))
         return out
 
-    def _mlp_weights(self, prefix: str) -> tuple[torch.Tensor, ...]:
+    def mlp_weights(self, prefix: str) -> tuple[torch.Tensor, ...]:
+        """A SwiGLU MLP's gate, up and down weights under `prefix` (a dense layer's or the shared expert's)."""
         return tuple(self.w[f"{prefix}{n}_proj.weight"] for n in ("gate", "up", "down"))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
