@@ -47,7 +47,8 @@ def index_scores(x: torch.Tensor, q_resid: torch.Tensor, wq_b_w: torch.Tensor, w
     q = F.linear(q_resid, wq_b_w).view(t, shape.num_heads, shape.head_dim)
     q = _partial_rope(q, cos, sin, shape.rope_dim)
     per_head = torch.relu(torch.matmul(q.float(), keys.float().T) * shape.head_dim ** -0.5)  # [T, heads, C]
-    w = F.linear(x, weights_proj_w).float() * shape.num_heads ** -0.5  # [T, heads]
+    # [T, heads] in the weight's dtype (fp32 on every device), x converted to it as transformers does
+    w = F.linear(x.to(weights_proj_w.dtype), weights_proj_w).float() * shape.num_heads ** -0.5
     return torch.matmul(w[:, None, :], per_head)[:, 0]
 
 
