@@ -4,6 +4,8 @@ sparse (indexer-selected) prompt, one decode step over the cached latents, and i
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,14 @@ from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
     apply_rotary_pos_emb_interleave,
 )
 
-from ftc_runtime.models.layers.dsa_indexer import IndexerShape, index_scores, indexer_keys, select_keys
+from ftc_runtime.models.layers.dsa_indexer import (
+    IndexerShape,
+    index_scores,
+    indexer_keys,
+    select_keys,
+    top_k_indices,
+    top_k_visible,
+)
 from ftc_runtime.models.layers.mla import MlaShape, interleaved_rope, mla_attention, mla_in
 from ftc_runtime.models.layers.rope import rope_cos_sin
 
@@ -169,3 +178,27 @@ def test_interleaved_rope_matches_transformers(seed):
                                                      cos[None, :, 0], sin[None, :, 0])
     torch.testing.assert_close(interleaved_rope(q, cos, sin), want_q[0].transpose(0, 1), rtol=0, atol=1e-6)
     torch.testing.assert_close(interleaved_rope(k, cos, sin), want_k[0].transpose(0, 1), rtol=0, atol=1e-6)
+
+
+def test_top_k_selection_breaks_ties_for_the_latest_key(seed):
+    """The indexer's selection against a plain sort of each row's visible (score, column) pairs,
+    highest first, the later column first among equal scores, on scores full of exact ties (small
+    integers, +0 and −0 alike, ±inf) and random visibility: the mask, and the columns with their
+    chosen flags, whatever the row's count of visible columns against top_k."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    for _ in range(20):
+        t, c, top_k = rng.randrange(1, 6), rng.randrange(1, 90), rng.randrange(1, 40)
+        scores = torch.randint(-3, 4, (t, c), generator=g).float() * rng.choice([1.0, 0.25, 1e-30])
+        scores[torch.rand(t, c, generator=g) < 0.2] = -0.0
+        scores[torch.rand(t, c, generator=g) < 0.05] = float("inf")
+        scores[torch.rand(t, c, generator=g) < 0.05] = float("-inf")
+        visible = torch.rand(t, c, generator=g) < rng.random()
+        mask = top_k_visible(scores, visible, top_k)
+        columns, chosen = top_k_indices(scores, visible, top_k)
+        assert columns.shape == (t, min(top_k, c))
+        for r in range(t):
+            ranked = sorted((j for j in range(c) if visible[r, j]), key=lambda j: (float(scores[r, j]), j),
+                            reverse=True)[:top_k]
+            assert set(torch.nonzero(mask[r]).flatten().tolist()) == set(ranked), f"row {r} of {t}: mask"
+            assert columns[r][chosen[r]].tolist() == ranked, f"row {r} of {t}: columns in rank order"

@@ -1,7 +1,8 @@
-"""GLM-5.x's layer in a decode graph (`ftc_runtime.decode.graphs`): latent attention over the
-cache's whole storage, the token's latent row (and its indexer key) written at the step's
-position, a device tensor; the indexer's selection over every cached key up to that position,
-kept for the layers that share it; then the sigmoid router (the experts' input staged) beside the
+"""GLM-5.x's layer in a decode graph (`ftc_runtime.decode.graphs`): the token's latent row (and its
+indexer key) written at the step's position, a device tensor; the indexer's top_k over every
+stored key up to that position (kept for the layers that share it), and latent attention over
+those top_k rows gathered from the storage, so that a step reads top_k rows per layer however
+long the context; then the sigmoid router (the experts' input staged) beside the
 shared expert, or a dense MLP. Shapes depend on the storage only, so a graph stays valid until the
 storage moves, as the other families' do.
 """
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from ftc_runtime.cache.kv import INITIAL_CAPACITY
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.decode.graphs import EAGER_FUNCTIONS, DecodeGraphs
-from ftc_runtime.models.layers.dsa_indexer import index_scores, indexer_keys, select_keys
+from ftc_runtime.models.layers.dsa_indexer import index_scores, indexer_keys, select_key_indices
 from ftc_runtime.models.layers.mla import mla_attention, mla_in
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm
@@ -24,21 +25,23 @@ from ftc_runtime.models.layers.sigmoid_router import route_sigmoid
 
 
 class LatentDecodeGraphs(DecodeGraphs):
-    """GLM-5.x's layers. The indexer's choice of a `full` layer is kept per (layer, sequence) for
-    the `shared` layers after it, in tensors that live as long as the graphs that read them."""
+    """GLM-5.x's layers. The indexer's choice of a `full` layer (the chosen keys' columns in the
+    storage) is kept per (layer, sequence) for the `shared` layers after it, in tensors that live
+    as long as the graphs that read them."""
 
     # Their shapes follow the storage (attention and selection over its capacity): compiled, each
     # doubling would compile them again.
-    eager_functions = (*EAGER_FUNCTIONS, "index_scores", "select_keys", "mla_attention")
+    eager_functions = (*EAGER_FUNCTIONS, "index_scores", "select_key_indices", "mla_attention")
 
     def __init__(self, model, compile_fns: bool, fused_body: bool = True):
-        # The keys each (layer, row) attended to in the step being run or captured, bool [1, C].
-        self._seen: dict[tuple[int, int], torch.Tensor] = {}
+        # The keys each (layer, row) attended to in the step being run or captured: their columns in
+        # the storage (int64 [1, k]; None: all of it) and which of those it sees (bool [1, k]).
+        self._seen: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         super().__init__(model, compile_fns, fused_body)
 
     def functions(self) -> dict[str, Callable]:
-        return {f.__name__: f for f in (rms_norm, mla_in, indexer_keys, index_scores, select_keys, mla_attention,
-                                        route_sigmoid, dense_mlp)}
+        return {f.__name__: f for f in (rms_norm, mla_in, indexer_keys, index_scores, select_key_indices,
+                                        mla_attention, route_sigmoid, dense_mlp)}
 
     def _warm_up(self) -> None:
         m, f, io, eps = self.model, self.fns, self.io, self.model.spec.norm.eps
@@ -73,7 +76,8 @@ class LatentDecodeGraphs(DecodeGraphs):
     def _attend(self, i: int, r: int, h: torch.Tensor, cache: SequenceCache) -> torch.Tensor:
         """Row r's latent attention in layer i (h [1, hidden] its normalized input): the latent row,
         the rotary key and the indexer's key written at its position, the keys it sees chosen (or
-        taken from the layer it shares them with): [1, heads · v]."""
+        taken from the layer it shares them with) and gathered, top_k rows of the storage rather
+        than all of it: [1, heads · v]."""
         m, f, io = self.model, self.f, self.io
         cos, sin, position = io.cos[r:r + 1], io.sin[r:r + 1], io.position[r:r + 1]
         q_nope, q_rope, latent, k_rope, q_resid = f["mla_in"](h, *self._mla_weights(i), cos, sin, m.mla)
@@ -85,15 +89,17 @@ class LatentDecodeGraphs(DecodeGraphs):
             index_keys.index_copy_(0, position, key[:, None])
             scores = f["index_scores"](h, q_resid, *self._indexer_query_weights(i), index_keys[:, 0], cos, sin,
                                        m.indexer)
-            self._seen[i, r] = f["select_keys"](scores, position, m.indexer.top_k)
-        elif source is None:
-            self._seen[i, r] = torch.arange(rows.shape[0], device=h.device)[None, :] <= position[:, None]
+            self._seen[i, r] = f["select_key_indices"](scores, position, m.indexer.top_k)
+        elif source is None:  # every key up to the position, read in place
+            self._seen[i, r] = None, torch.arange(rows.shape[0], device=h.device)[None, :] <= position[:, None]
         else:  # a shared layer: its indexer keys are zeros in the cache, as the prompt path leaves them
             index_keys.index_fill_(0, position, 0.0)
             self._seen[i, r] = self._seen[source, r]
+        columns, chosen = self._seen[i, r]
+        keys = rows[:, 0] if columns is None else rows[columns[0], 0]
         kv = m.spec.mla.kv_lora_rank
-        return f["mla_attention"](q_nope, q_rope, rows[:, 0, :kv], rows[:, 0, kv:],
-                                  m.w[f"model.layers.{i}.self_attn.kv_b_proj.weight"], self._seen[i, r], m.mla)
+        return f["mla_attention"](q_nope, q_rope, keys[:, :kv], keys[:, kv:],
+                                  m.w[f"model.layers.{i}.self_attn.kv_b_proj.weight"], chosen, m.mla)
 
     def _index_source(self, i: int) -> int | None:
         """The layer whose indexer chooses layer i's keys (i itself for a `full` layer), None

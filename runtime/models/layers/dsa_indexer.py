@@ -57,21 +57,41 @@ def select_keys(scores: torch.Tensor, positions: torch.Tensor, top_k: int) -> to
     (positions int64 [T]; key c is the token at position c), the top_k by score (scores [T, C]).
     A query with at most top_k such keys sees them all. Keys past a query's position (later tokens
     of its chunk, or the unused tail of a fixed-size cache) are never visible.
-
     Equal scores are common: a key that every head's ReLU zeroes scores exactly 0, and with
-    negative head weights zeros rank mid-list. Among equals the latest keys win, by a stable sort
-    over the keys in reverse order, so that the choice does not depend on how many columns the
-    scores have (a prompt whole or in chunks, a resumed prefix). transformers' topk breaks such
-    ties in no fixed order."""
-    causal = torch.arange(scores.shape[1], device=scores.device)[None, :] <= positions[:, None]
-    return top_k_visible(scores, causal, top_k)
+    negative head weights zeros rank mid-list. Among equals the latest keys win, so that the
+    choice does not depend on how many columns the scores have (a prompt whole or in chunks, a
+    resumed prefix). transformers' topk breaks such ties in no fixed order."""
+    return top_k_visible(scores, _causal(scores, positions), top_k)
+
+
+def select_key_indices(scores: torch.Tensor, positions: torch.Tensor, top_k: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_keys` as the keys' columns: (columns int64 [T, k], whether each is chosen [T, k]),
+    k = min(top_k, C), so that attention can gather k cached rows instead of reading all C."""
+    return top_k_indices(scores, _causal(scores, positions), top_k)
+
+
+def _causal(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return torch.arange(scores.shape[1], device=scores.device)[None, :] <= positions[:, None]
 
 
 def top_k_visible(scores: torch.Tensor, visible: torch.Tensor, top_k: int) -> torch.Tensor:
     """bool [T, C]: each row's top_k columns by score among its `visible` ones (all of them where
     it has at most top_k), the latest columns first among equal scores (`select_keys` says why)."""
+    columns, chosen = top_k_indices(scores, visible, top_k)
+    return torch.zeros_like(visible).scatter_(-1, columns, chosen)
+
+
+def top_k_indices(scores: torch.Tensor, visible: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_k_visible` as columns: (columns [T, k], chosen [T, k]), k = min(top_k, C); where a row
+    has fewer than k visible columns, the rest are invisible ones, not chosen. One top-k over
+    int64 keys that order as the fp32 scores (their bits, negative ones' magnitude bits flipped;
+    −0 counted as +0) with the column below them, so that among equal scores the later column
+    ranks higher: no sort, and no tie for the top-k to break."""
     c = scores.shape[1]
-    latest_first = scores.masked_fill(~visible, float("-inf")).flip(-1)
-    order = torch.sort(latest_first, dim=-1, descending=True, stable=True).indices[:, :min(top_k, c)]
-    # Where a row has fewer than top_k visible columns the order reaches masked ones, which `& visible` drops.
-    return torch.zeros_like(visible).scatter_(-1, c - 1 - order, True) & visible
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns −0 into +0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    column = torch.arange(c, device=scores.device)
+    keys = torch.where(visible, ordered * (1 << 32) + column, torch.iinfo(torch.int64).min + column)
+    columns = keys.topk(min(top_k, c), dim=-1).indices
+    return columns, visible.gather(1, columns)
