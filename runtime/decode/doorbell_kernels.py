@@ -3,10 +3,11 @@ graph to hold:
 
 - `post_job`: writes the plan's CPU job and the layer's input into the pinned mailbox through its
   device mapping, then, after a barrier and a system-scope fence, rings with the next job number
-  (kept on the device, so that replays of one graph number their jobs on);
-- `wait_and_join`: spins until the CPU answers that number, then adds the CPU's result, read
-  through the mapping, into the layer's device output (and the output of the hits, which the
-  step computes beside the fills). Under the adaptive policy it also moves
+  (kept on the device, so that replays of one graph number their jobs on); a call without CPU
+  experts posts nothing, and costs no round trip to the CPU;
+- `wait_and_join`: where a job was posted, spins until the CPU answers its number, then adds the
+  CPU's result, read through the mapping, into the layer's device output (and the output of the
+  hits, which the step computes beside the fills). Under the adaptive policy it also moves
   the split's bias (`PlanRule`) by whether it had to wait: the GPU reaches the wait when its
   fills and its own experts are done, so a wait means the CPU's share took longer (more fills
   next), an answer already there means the GPU's did (fewer). Layers without a choice are left
@@ -73,18 +74,19 @@ def _copy(src, dst, n, BLOCK: tl.constexpr):
 @triton.jit
 def _post_job(counts, cpu_ids, cpu_offsets, cpu_tok, cpu_w, x, n_tokens, n, hidden, box_n_tokens, box_counts,
               box_ids, box_offsets, box_tok, box_w, box_x, counter, ring, NP: tl.constexpr, XBLOCK: tl.constexpr):
-    e = tl.arange(0, NP)  # NP > n: the offsets' n + 1 entries too
-    tl.store(box_ids + e, tl.load(cpu_ids + e, mask=e < n), mask=e < n)
-    tl.store(box_tok + e, tl.load(cpu_tok + e, mask=e < n), mask=e < n)
-    tl.store(box_w + e, tl.load(cpu_w + e, mask=e < n), mask=e < n)
-    tl.store(box_offsets + e, tl.load(cpu_offsets + e, mask=e <= n), mask=e <= n)
-    tl.store(box_counts + e, tl.load(counts + e, mask=e < 3), mask=e < 3)
-    tl.store(box_n_tokens, n_tokens)
-    _copy(x, box_x, n_tokens * hidden, XBLOCK)
-    seq = tl.load(counter) + 1
-    tl.debug_barrier()  # every thread's writes to the mailbox before the ring
-    tl.store(counter, seq)
-    _store_release_sys(ring, seq)
+    if tl.load(counts + 2) > 0:  # a job for the CPU: a call whose experts are all on the GPU rings nothing
+        e = tl.arange(0, NP)  # NP > n: the offsets' n + 1 entries too
+        tl.store(box_ids + e, tl.load(cpu_ids + e, mask=e < n), mask=e < n)
+        tl.store(box_tok + e, tl.load(cpu_tok + e, mask=e < n), mask=e < n)
+        tl.store(box_w + e, tl.load(cpu_w + e, mask=e < n), mask=e < n)
+        tl.store(box_offsets + e, tl.load(cpu_offsets + e, mask=e <= n), mask=e <= n)
+        tl.store(box_counts + e, tl.load(counts + e, mask=e < 3), mask=e < 3)
+        tl.store(box_n_tokens, n_tokens)
+        _copy(x, box_x, n_tokens * hidden, XBLOCK)
+        seq = tl.load(counter) + 1
+        tl.debug_barrier()  # every thread's writes to the mailbox before the ring
+        tl.store(counter, seq)
+        _store_release_sys(ring, seq)
 
 
 @triton.jit
@@ -100,23 +102,26 @@ def _tune(counts, bias, waited, step):
 def _wait_and_join(done, counter, box_out, out, also, size, status, counts, bias, step, SPINS: tl.constexpr,
                    XBLOCK: tl.constexpr, TUNE: tl.constexpr, ALSO: tl.constexpr):
     seq = tl.load(counter)
-    answered = _load_acquire_sys(done)
+    job = tl.load(counts + 2) > 0  # `post_job` rang for this call
     spins = 0
-    while (answered < seq) & (spins < SPINS):
+    if job:
         answered = _load_acquire_sys(done)
-        spins += 1
-    if answered < seq:  # no answer: the step's result is wrong, and the host is told
-        tl.store(status, 1)
-        return
-    if TUNE:
-        _tune(counts, bias, spins > 0, step)
-    for start in range(0, size, XBLOCK):
-        offs = start + tl.arange(0, XBLOCK)
-        mask = offs < size
-        y = tl.load(out + offs, mask=mask) + tl.load(box_out + offs, mask=mask)
-        if ALSO:
-            y += tl.load(also + offs, mask=mask)
-        tl.store(out + offs, y, mask=mask)
+        while (answered < seq) & (spins < SPINS):
+            answered = _load_acquire_sys(done)
+            spins += 1
+        if answered < seq:  # no answer: the step's result is wrong, and the host is told
+            tl.store(status, 1)
+            spins = -1
+    if spins >= 0:
+        if TUNE:
+            _tune(counts, bias, spins > 0, step)
+        for start in range(0, size, XBLOCK):
+            offs = start + tl.arange(0, XBLOCK)
+            mask = offs < size
+            y = tl.load(out + offs, mask=mask) + tl.load(box_out + offs, mask=mask & job, other=0.0)
+            if ALSO:
+                y += tl.load(also + offs, mask=mask)
+            tl.store(out + offs, y, mask=mask)
 
 
 class DoorbellKernels:
