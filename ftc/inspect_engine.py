@@ -30,15 +30,15 @@ def inspect_engine(engine: Path, verify: bool = False, vram_budget: int | None =
 
 
 def inspect_spec(source: Path, target: str, vram_budget: int | None, max_context: int = 4096,
-                 quant: str | None = None) -> list:
+                 quant: str | None = None, overrides: list[str] = ()) -> list:
     """The tables of `ftc inspect SPEC --target T --vram-budget B`: the model, its memory, the GPU
     split of the budget (the target's memory when none is given) and the predicted speeds; `quant`:
-    the experts in that format instead of the spec's."""
+    the experts in that format instead of the spec's; `overrides`: the spec's fields edited."""
     from ftc.compile.spec_loader import load_spec
     from ftc.compile.targets import resolve_target
     from ftc.predict import predict
 
-    spec, _ = load_spec(source, quant=quant)
+    spec, _ = load_spec(source, list(overrides), quant=quant)
     t = resolve_target(target)
     budget = vram_budget if vram_budget is not None else t.vram_bytes
     if budget is None:

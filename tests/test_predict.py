@@ -87,6 +87,18 @@ def test_ftc_inspect_predicts_glm_5_2_on_the_rtx_pro_6000(seed):
     assert f"within {budget}.00 GiB" in r.output and "tok/s" in r.output and "nvfp4" in r.output, r.output
 
 
+def test_ftc_inspect_predicts_a_spec_cut_to_its_first_layers(seed):
+    """`--override num_layers=N` (a device run's engine: the spec cut to the layers host memory
+    holds) is predicted as those N layers; on an engine, where the spec is fixed, it is refused."""
+    n = random.Random(seed).randrange(4, 40)
+    r = CliRunner().invoke(app, ["inspect", str(SPECS / "glm-5.2.yaml"), "--target", "h200", "--vram-budget", "24GiB",
+                                 "--override", f"num_layers={n}"], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    assert f"{n} ({n - 3} with experts)" in r.output and "tok/s" in r.output, r.output
+    r = CliRunner().invoke(app, ["inspect", str(SPECS / "glm-5.2.yaml"), "--override", "num_layers=8"])
+    assert r.exit_code != 0 and "--override edits a spec" in r.output, r.output
+
+
 @pytest.mark.parametrize("spec_name", ["glm-5.2.yaml", "qwen3-30b-a3b.yaml"])
 def test_fp8_dense_plan_counts_projections_as_an_fp8_release_stores_them(spec_name):
     """`dense_bytes(fp8=True)`: each attention and MLP projection (and GLM's indexer wq_b, wk) a

@@ -283,6 +283,23 @@ def test_overrides_edit_top_level_and_nested_fields(seed):
     assert spec.moe.num_experts == 16 and spec.hidden_size == 256
 
 
+@pytest.mark.parametrize("name", ["glm-5.2", "qwen3.6-35b-a3b"])
+def test_fewer_layers_cut_the_per_layer_lists(name, seed):
+    """`num_layers=N` below a real spec's count is its first N layers: the lists of one entry per
+    layer keep their first N, the dense layers those below N; every other field is the spec's."""
+    full, _ = load_spec(SPECS / f"{name}.yaml")
+    n = random.Random(seed).randrange(4, full.num_layers)
+    cut, _ = load_spec(SPECS / f"{name}.yaml", [f"num_layers={n}"])
+    assert cut.num_layers == n and cut.layer_kinds == full.layer_kinds[:n]
+    assert cut.moe.dense_layers == tuple(i for i in full.moe.dense_layers if i < n)
+    assert cut.moe_layers == tuple(i for i in full.moe_layers if i < n)
+    assert (cut.indexer is None) == (full.indexer is None)
+    if full.indexer is not None:
+        assert cut.indexer.layer_types == full.indexer.layer_types[:n]
+    assert (cut.hidden_size, cut.vocab_size, cut.attention, cut.moe.num_experts) == \
+        (full.hidden_size, full.vocab_size, full.attention, full.moe.num_experts)
+
+
 def test_override_values_are_yaml_and_may_create_fields():
     spec, _ = load_spec(TINY, ["moe.dense_layers=[0, 2]", "moe.dense_intermediate_size=96"])
     assert spec.moe.dense_layers == (0, 2)

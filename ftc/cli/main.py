@@ -115,13 +115,17 @@ def inspect(
                                                "prediction uses (a preset with a GPU, e.g. rtx-pro-6000).")] = None,
     quant: Annotated[str | None, typer.Option(help="For a spec: its routed experts in this format (bf16, mxfp4, "
                                               "nvfp4).")] = None,
+    override: Annotated[list[str] | None, typer.Option(help="For a spec: edit a field, FIELD=VALUE (num_layers=N: "
+                                                       "its first N layers), repeatable.")] = None,
 ) -> None:
     """Show an engine's model, memory split, plan and files; or a spec's predicted split and speeds."""
     from ftc.inspect_engine import inspect_engine, inspect_spec
 
     try:
         if target is not None:
-            tables = inspect_spec(engine, target, vram_budget, max_context, quant)
+            tables = inspect_spec(engine, target, vram_budget, max_context, quant, override or [])
+        elif override:
+            raise ValueError("--override edits a spec: give it with --target (an engine's spec is fixed)")
         else:
             tables = inspect_engine(engine, verify, vram_budget, max_context)
     except user_errors() as e:

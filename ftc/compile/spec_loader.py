@@ -17,7 +17,8 @@ from ftc_runtime.spec import ModelSpec, SpecError
 def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None,
               name: str | None = None) -> tuple[ModelSpec, Path | None]:
     """A spec and, for an HF directory, that directory (the checkpoint). Overrides are
-    `dotted.field=yaml_value` (e.g. `num_layers=4`) applied before validation. The expert format
+    `dotted.field=yaml_value` (e.g. `num_layers=4`: the spec's first 4 layers) applied before
+    validation. The expert format
     is `quant`, else an HF checkpoint's own (4-bit experts stay in their format), else the spec's;
     the name is `name`, else the spec's (an HF directory's: its folder's)."""
     if source.is_dir():
@@ -45,6 +46,8 @@ def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None,
         data["name"] = name
     for item in overrides:
         _apply_override(data, item, origin)
+    if any(item.partition("=")[0] == "num_layers" for item in overrides):
+        _cut_to_layers(data)
     if checkpoint is None and isinstance(data, dict) and data.get("checkpoint"):
         # A spec's own (or an override's) checkpoint, relative to the spec's folder
         checkpoint = (source.parent / str(data["checkpoint"])).resolve()
@@ -87,6 +90,25 @@ def _apply_override(data: Any, item: str, origin: str) -> None:
         node[parts[-1]] = yaml.safe_load(raw)
     except yaml.YAMLError as e:
         raise SpecError(f"--override {item!r}: the value is not valid YAML ({e})") from None
+
+
+def _cut_to_layers(data: Any) -> None:
+    """A spec whose `num_layers` was overridden below its per-layer lists is its first layers: the
+    lists of one entry per layer (`layer_kinds`, `indexer.layer_types`) keep their first entries,
+    `moe.dense_layers` the layers below the count. A count above a list's length is left for the
+    spec's check to name."""
+    n = data.get("num_layers") if isinstance(data, dict) else None
+    if not isinstance(n, int) or n < 1:
+        return
+    for path in (("layer_kinds",), ("indexer", "layer_types")):
+        node = data
+        for p in path[:-1]:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(path[-1]), list) and len(node[path[-1]]) > n:
+            node[path[-1]] = node[path[-1]][:n]
+    moe = data.get("moe")
+    if isinstance(moe, dict) and isinstance(moe.get("dense_layers"), list):
+        moe["dense_layers"] = [i for i in moe["dense_layers"] if not isinstance(i, int) or i < n]
 
 
 def spec_dict_from_hf(config: dict[str, Any], directory: Path) -> dict[str, Any]:
