@@ -7,7 +7,9 @@ generated into memory once (a 48-layer pool takes most of a minute to draw and p
 
 Appends one JSON line per run to `decode.jsonl` and prints one summary line each; `--variant`
 (repeatable) runs the matrix again under other environment settings (FTC_NUM_THREADS=15, ...);
-`--profile` also writes a torch profiler table of a few decode steps of the first run.
+`--profile` also writes a torch profiler table of a few decode steps of the first run;
+`--prefill-lengths 2048,8192` then times prompts of those lengths on the same engine
+(`ftc bench prefill`'s runs, two layer buffers) into `prefill.jsonl`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ftc.bench.decode import bench_decode
+from ftc.bench.prefill import bench_prefill
 from ftc.compile.pipeline import CompileOptions, compile_with_experts_in_memory
 from ftc_runtime.artifact import EngineManifest
 from ftc_runtime.engine import OffloadConfig
@@ -74,6 +77,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--override", action="append", default=[])
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--prefill-lengths", default="", help="prompt lengths to time after decode, e.g. 2048,8192")
     ap.add_argument("--variant", action="append", default=[],
                     help="environment settings for one more pass over the matrix, e.g. FTC_NUM_THREADS=15,"
                          "FTC_TORCH_COMPILE=1 (each engine reads them when it loads); default: one pass as is")
@@ -104,7 +108,21 @@ def main() -> None:
                 print(variant, summary(r), flush=True)
                 gc.collect()  # the engine's slots must be free before the next one allocates its own
                 torch.cuda.empty_cache()
+        if a.prefill_lengths:
+            prefill(engine, pool, a)
     sys.exit(0)
+
+
+def prefill(engine: Path, pool, a: argparse.Namespace) -> None:
+    """The prompt lengths of `--prefill-lengths` on the engine, one summary line each."""
+    cfg = OffloadConfig(device=a.device, vram_budget=parse_size(a.vram_budget))
+    runs = bench_prefill(engine, cfg, [int(n) for n in a.prefill_lengths.split(",")], [True], pool=pool)["runs"]
+    with open(a.output / "prefill.jsonl", "a") as f:
+        for r in runs:
+            f.write(json.dumps(r) + "\n")
+            print(f"prefill {r['tokens']} tokens: {r['tok_s']} tok/s in {r['seconds']} s, {r['chunks']} chunks of "
+                  f"{r['prefill_chunk']}, PCIe ceiling {r['pcie_ceiling_tok_s']} tok/s (x{r['of_ceiling']}), "
+                  f"{r['stream_layers']} layers streamed", flush=True)
 
 
 if __name__ == "__main__":
