@@ -11,6 +11,8 @@
 #                                         graphs, the qwen3-30b-a3b matrices, qwen3.6 nvfp4 8 GiB (its log kept)
 #   bash bench/device_body.sh OUT_DIR 5   the hybrid family's fused body: its GPU tests, qwen3.6 bf16 32 GiB,
 #                                         then nvfp4 8 GiB in the call's remaining time (its log kept)
+#   bash bench/device_body.sh OUT_DIR 6   no job for a call without CPU experts: the qwen3-30b-a3b matrices
+#                                         (bf16 32 GiB, mxfp4 8 GiB), qwen3.6 nvfp4 8 GiB profiled (its fused body)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -56,6 +58,14 @@ elif [ "$part" = 5 ]; then
     --override expert_format=nvfp4 --policies adaptive --routings uniform --new-tokens 34 -o "$out/q36_nvfp4" \
     > "$out/q36_nvfp4.log" 2>&1
   echo "q36 nvfp4 rc $?"; grep "tok/s" "$out/q36_nvfp4.log" || tail -c 1500 "$out/q36_nvfp4.log"
+elif [ "$part" = 6 ]; then
+  export FTC_DEVICE_PLAN=1
+  timeout 200 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
+    --policies adaptive,gpu,cpu --routings $trace,uniform --new-tokens 66 -o "$out/q30_bf16" 2>&1 | grep "tok/s"
+  timeout 150 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
+    --policies adaptive,cpu --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
+  timeout 220 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \
+    --policies adaptive --routings uniform --new-tokens 34 --profile -o "$out/q36_nvfp4" 2>&1 | grep "tok/s"
 else
   export FTC_DEVICE_PLAN=1
   timeout 140 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \
