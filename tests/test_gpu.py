@@ -346,6 +346,21 @@ def test_fla_delta_rule_matches_the_torch_recurrence(trial, seed, monkeypatch):
         assert rel(a, b) < 1e-2
 
 
+def _tiny_graphs_and_eager(spec_name: str, tmp_path: Path, monkeypatch, compiled: bool, device_plan: bool,
+                           quant: str | None, seed: int) -> tuple[Path, Engine, Engine]:
+    """A tiny spec compiled from random weights, and `_graphs_and_eager`'s two engines of it; with
+    `device_plan` the eager one on the host path."""
+    spec = Path(__file__).resolve().parents[1] / "model_specs" / f"{spec_name}.yaml"
+    engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, quant=quant,
+                                           output=tmp_path / "engine"))
+    graphs, eager = _graphs_and_eager(engine, monkeypatch, compiled, random.Random(seed), device_plan)
+    if device_plan:
+        monkeypatch.setenv("FTC_DEVICE_PLAN", "0")
+        eager = Engine.load(engine, offload=OffloadConfig(device="cuda", n_slots=graphs.model.experts.cache.n_slots,
+                                                          b_p=25.0, b_h=50.0))
+    return engine, graphs, eager
+
+
 @pytest.mark.parametrize("compiled,device_plan,quant", [(False, False, None), (True, False, None), (False, True, None),
                                                         (False, True, "mxfp4"), (False, True, "nvfp4"),
                                                         (True, True, "nvfp4")])
@@ -355,14 +370,8 @@ def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compil
     and a second sequence (graphs captured again); compiled, both are held to the fp32 CPU engine
     as the qwen3_moe graphs are above, and so is the whole step as one graph (`device_plan`), in
     bf16 and in the 4-bit expert formats."""
-    spec = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3.6-moe-tiny.yaml"
-    engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, quant=quant,
-                                           output=tmp_path / "hybrid"))
-    graphs, eager = _graphs_and_eager(engine, monkeypatch, compiled, random.Random(seed), device_plan)
-    if device_plan:  # the eager engine on the host path
-        monkeypatch.setenv("FTC_DEVICE_PLAN", "0")
-        eager = Engine.load(engine, offload=OffloadConfig(device="cuda", n_slots=graphs.model.experts.cache.n_slots,
-                                                          b_p=25.0, b_h=50.0))
+    engine, graphs, eager = _tiny_graphs_and_eager("qwen3.6-moe-tiny", tmp_path, monkeypatch, compiled, device_plan,
+                                                   quant, seed)
 
     def session(e: Engine) -> list[torch.Tensor]:
         rng = random.Random(seed)  # the same tokens for every engine
@@ -389,14 +398,8 @@ def test_glm_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled,
     expert, a dense first layer) give the eager path's logits over a prompt and steps, and a
     second sequence (graphs captured again); compiled, or as one whole-step graph, both are held
     to the fp32 CPU engine as the other families' graphs are."""
-    spec = Path(__file__).resolve().parents[1] / "model_specs" / "glm-5-tiny.yaml"
-    engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, quant=quant,
-                                           output=tmp_path / "glm"))
-    graphs, eager = _graphs_and_eager(engine, monkeypatch, compiled, random.Random(seed), device_plan)
-    if device_plan:  # the eager engine on the host path
-        monkeypatch.setenv("FTC_DEVICE_PLAN", "0")
-        eager = Engine.load(engine, offload=OffloadConfig(device="cuda", n_slots=graphs.model.experts.cache.n_slots,
-                                                          b_p=25.0, b_h=50.0))
+    engine, graphs, eager = _tiny_graphs_and_eager("glm-5-tiny", tmp_path, monkeypatch, compiled, device_plan, quant,
+                                                   seed)
 
     def session(e: Engine) -> list[torch.Tensor]:
         rng = random.Random(seed)  # the same tokens for every engine
