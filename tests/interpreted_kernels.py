@@ -25,7 +25,11 @@ from ftc_runtime.experts.replay_kernel import replay_route_gpu
 from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay
 from ftc_runtime.models.layers.attention import attention_in
 from ftc_runtime.models.layers.decode_attention_kernel import MAX_SPANS, MIN_SPAN, decode_attention_gpu
+from ftc_runtime.models.layers.deltanet_step_kernel import deltanet_step_gpu
+from ftc_runtime.models.layers.gated_attention import gated_attention_out
+from ftc_runtime.models.layers.gated_deltanet import DeltaNetShape, delta_rule, finish, project
 from ftc_runtime.models.layers.gemv_kernel import linear_gpu
+from ftc_runtime.models.layers.mlp import shared_expert
 from ftc_runtime.models.layers.norm import rms_norm
 from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
 from ftc_runtime.models.layers.rope import rope_cos_sin
@@ -202,6 +206,67 @@ def check_qk_rope(rng: random.Random, g: torch.Generator) -> None:
             assert got.dtype == dtype and got.shape == want.shape and err < tol, f"{what}: {name} {err:.2e}"
 
 
+def check_gemv_gates(rng: random.Random, g: torch.Generator) -> None:
+    """`linear_gpu`'s SwiGLU input with its sigmoid output gate (a shared expert's down projection)
+    against `shared_expert`, and its gated input (gated attention's o_proj) against
+    `gated_attention_out`, each on identity projections of the same rows. In bf16 the tolerance
+    is wider than the device needs: Triton's interpreter converts to bf16 by truncation, not by
+    rounding to nearest as the device (and torch) do, a ~1% error where four roundings stack."""
+    for trial in range(6):
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        tol = 1e-5 if dtype == torch.float32 else 4e-2
+        n, inter = rng.choice([1, 9, 256]), rng.choice([16, 100, 512])
+        h = torch.randn(1, 2 * inter + 1, generator=g).to(dtype)  # [shared gate | gate | up], as the fused GEMV
+        down = (torch.randn(n, inter, generator=g) / inter ** 0.5).to(dtype)
+        eye = torch.eye(2 * inter + 1, dtype=dtype)
+        want = shared_expert(h, eye[1:1 + inter], eye[1 + inter:], down, eye[:1])
+        got = linear_gpu(h[:, 1:], down, swiglu=True, out_gate=h[:, 0])
+        act = torch.nn.functional.silu(h[:, 1:1 + inter].double()) * h[:, 1 + inter:].double()
+        scale = float((act.abs() @ down.double().abs().T).max() * torch.sigmoid(h[0, 0].double()))  # the terms' size
+        err = float((got.double() - want.double()).abs().max()) / scale
+        assert got.dtype == dtype and err < tol, f"swiglu, trial {trial}: [{n}, {inter}] {dtype}: {err:.2e}"
+        heads, d = rng.choice([1, 4, 16]), rng.choice([16, 64, 256])
+        q = torch.randn(1, heads * 2 * d, generator=g).to(dtype)  # each head's query, then its gate
+        attn = torch.randn(1, heads * d, generator=g).to(dtype)
+        o_w = (torch.randn(n, heads * d, generator=g) / (heads * d) ** 0.5).to(dtype)
+        gate = q.view(1, heads, 2, d)[:, :, 1].reshape(1, heads * d)
+        want = gated_attention_out(attn, gate, o_w)
+        got = linear_gpu(attn, o_w, in_gate=(q, d))
+        scale = float(((attn.double() * torch.sigmoid(gate.double())).abs() @ o_w.double().abs().T).max())
+        err = float((got.double() - want.double()).abs().max()) / scale
+        assert got.dtype == dtype and err < tol, f"gated input, trial {trial}: {heads} × {d} → {n}, {dtype}: {err:.2e}"
+
+
+def check_deltanet_step(rng: random.Random, g: torch.Generator) -> None:
+    """`deltanet_step_gpu` against the torch layer's halves (`project`, `delta_rule`, `finish`) on
+    identity projections of the same fused row, from random states (updated in place), at
+    qwen3.6's shapes and smaller ones, grouped value heads included."""
+    for trial in range(4):
+        nk, group, dk, dv = rng.choice([(16, 2, 128, 128), (2, 2, 32, 32), (1, 3, 16, 24), (4, 1, 64, 32)])
+        shape = DeltaNetShape(nk, nk * group, dk, dv, rng.choice([2, 4]), 1e-6)
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        c, nv = shape.conv_channels, shape.num_v_heads
+        width = c + nv * dv + 2 * nv
+        proj = torch.randn(1, width, generator=g).to(dtype)
+        eye = torch.eye(width, dtype=dtype)
+        qkv_w, z_w, b_w, a_w = eye.split((c, nv * dv, nv, nv))
+        conv_w = (torch.randn(c, 1, shape.conv_kernel, generator=g) * 0.5).to(dtype)
+        A_log, dt_bias = torch.randn(nv, generator=g), torch.randn(nv, generator=g)
+        norm_w = (1 + 0.1 * torch.randn(dv, generator=g)).to(dtype)
+        conv = torch.randn(c, shape.conv_kernel - 1, generator=g).to(dtype)
+        recurrent = torch.randn(nv, dk, dv, generator=g) * 0.1
+        q, k, v, gk, beta, _, want_conv = project(proj, qkv_w, b_w, a_w, conv_w, A_log, dt_bias, conv, shape.heads)
+        out, want_recurrent, _ = delta_rule(q, k, v, gk, beta, recurrent.clone())
+        want = finish(out.to(dtype), proj, z_w, norm_w, torch.eye(nv * dv, dtype=dtype), shape.eps)
+        got = deltanet_step_gpu(proj, conv_w, conv, recurrent, A_log, dt_bias, norm_w, shape)
+        tol = 1e-4 if dtype == torch.float32 else 4e-2  # bf16: the interpreter truncates (check_gemv_gates)
+        what = f"deltanet step, trial {trial}: {shape.heads}, kernel {shape.conv_kernel}, {dtype}"
+        for name, a, b in (("output", got, want), ("conv state", conv, want_conv),
+                           ("recurrent state", recurrent, want_recurrent)):
+            err = float((a.double() - b.double()).abs().max() / b.double().abs().max())
+            assert a.shape == b.shape and err < tol, f"{what}: {name} {err:.2e}"
+
+
 def check_replay(rng: random.Random, g: torch.Generator) -> None:
     """The replay kernel against the host's `TraceReplay.route` on traces of fewer, as many and
     more experts per row than the model routes."""
@@ -235,7 +300,9 @@ def main() -> None:
     check_decode_attention(rng, g)
     check_router(rng, g)
     check_gemv(rng, g)
+    check_gemv_gates(rng, g)
     check_qk_rope(rng, g)
+    check_deltanet_step(rng, g)
     check_replay(rng, g)
     print("ok")
 

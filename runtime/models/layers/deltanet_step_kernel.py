@@ -73,8 +73,8 @@ def _delta_step(mixed, proj, A_log, dt_bias, norm_w, recurrent, gated, scale, ep
     s = s + k[:, None] * u[None, :]
     tl.store(at, s, mask=s_ok)
     o = tl.sum(q[:, None] * s, 0).to(act).to(tl.float32)
-    normed = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(act)
-    y = (tl.load(norm_w + dv, mask=v_ok, other=0.0) * normed).to(act).to(tl.float32)
+    normed = (o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps)).to(act).to(tl.float32)
+    y = (tl.load(norm_w + dv, mask=v_ok, other=0.0).to(tl.float32) * normed).to(act).to(tl.float32)
     z = tl.load(proj + Z_OFF + h * DV + dv, mask=v_ok, other=0.0).to(tl.float32)
     y = y * (z / (1.0 + tl.exp(-z))).to(act).to(tl.float32)
     tl.store(gated + h * DV + dv, y.to(act), mask=v_ok)
