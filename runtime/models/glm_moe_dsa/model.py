@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from ftc_runtime.cache.kv import KVCache
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.experts.base import ExpertBackend
-from ftc_runtime.models.layers.dsa_indexer import IndexerShape, index_scores, indexer_keys, select_keys
+from ftc_runtime.models.layers.dsa_indexer import (
+    IndexerShape,
+    index_scores,
+    indexer_keys,
+    select_key_indices,
+    select_keys,
+)
 from ftc_runtime.models.layers.mla import MlaShape, mla_attention, mla_in
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm
@@ -29,6 +35,8 @@ from ftc_runtime.spec import ModelSpec
 # their last bits, and the indexer's head weights scale fp32 scores.
 FP32_TENSORS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
 QUERY_BLOCK = 256  # queries of a prompt chunk whose attention scores are held at once
+# The keys the queries of a layer saw: a mask [T, tokens], or one token's chosen columns and flags.
+Visible = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 class GlmMoeDsaModel:
@@ -103,7 +111,7 @@ class GlmMoeDsaModel:
         self.experts.begin_pass(len(tokens), prompt=False)
         cos, sin = self.rope_at(positions)
         x = self.embed[torch.tensor(tokens, device=self.device)].to(self.dtype)
-        chosen: list[torch.Tensor | None] = [None] * len(caches)
+        chosen: list[Visible | None] = [None] * len(caches)
         for i in range(self.spec.num_layers):
             h = rms_norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.spec.norm.eps)
             rows = []
@@ -119,10 +127,12 @@ class GlmMoeDsaModel:
         return self.head(x)
 
     def attention(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                  cache: SequenceCache, visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  cache: SequenceCache, visible: Visible | None) -> tuple[torch.Tensor, Visible]:
         """Layer i's latent attention of h [T, hidden] at `positions`, its latent rows appended to
-        the cache: (output [T, hidden], the keys each query saw [T, tokens so far], which the next
-        "shared" layer reuses)."""
+        the cache: (output [T, hidden], the keys each query saw, which the next "shared" layer
+        reuses: bool [T, tokens so far], or for one token with an indexer the chosen keys'
+        columns and which of them it sees, [1, top_k] each, its attention reading those rows
+        alone however long the context)."""
         p = f"model.layers.{i}.self_attn."
         w = self.w
         q_nope, q_rope, latent, k_rope, q_resid = mla_in(
@@ -133,6 +143,16 @@ class GlmMoeDsaModel:
                                   w[p + "indexer.k_norm.bias"], cos, sin, self.indexer) if full
                      else h.new_zeros(h.shape[0], cache.kv.storage(i)[1].shape[-1]))
         rows, index_keys = cache.kv.append(i, torch.cat([latent, k_rope], dim=-1)[:, None], index_key[:, None])
+        if h.shape[0] == 1 and self.indexer is not None:
+            if full:
+                scores = index_scores(h, q_resid, w[p + "indexer.wq_b.weight"], w[p + "indexer.weights_proj.weight"],
+                                      index_keys[:, 0], cos, sin, self.indexer)
+                visible = select_key_indices(scores, positions, self.indexer.top_k)
+            columns, chosen = visible
+            keys = rows[columns[0], 0]
+            out = mla_attention(q_nope, q_rope, keys[:, :self.spec.mla.kv_lora_rank],
+                                keys[:, self.spec.mla.kv_lora_rank:], w[p + "kv_b_proj.weight"], chosen, self.mla)
+            return F.linear(out, w[p + "o_proj.weight"]), visible
         kv, outs, seen = self.spec.mla.kv_lora_rank, [], []
         # In blocks of queries: the scores of a block are [heads, block, tokens so far], not of the whole prompt.
         for b in range(0, h.shape[0], QUERY_BLOCK):
