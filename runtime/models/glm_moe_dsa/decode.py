@@ -18,7 +18,7 @@ from ftc_runtime.cache.kv import INITIAL_CAPACITY
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.decode.graphs import EAGER_FUNCTIONS, DecodeGraphs
 from ftc_runtime.models.layers.dsa_indexer import index_scores, indexer_keys, select_key_indices
-from ftc_runtime.models.layers.mla import mla_attention, mla_in
+from ftc_runtime.models.layers.mla import attend_cached, mla_in
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm
 from ftc_runtime.models.layers.sigmoid_router import route_sigmoid
@@ -31,17 +31,17 @@ class LatentDecodeGraphs(DecodeGraphs):
 
     # Their shapes follow the storage (attention and selection over its capacity): compiled, each
     # doubling would compile them again.
-    eager_functions = (*EAGER_FUNCTIONS, "index_scores", "select_key_indices", "mla_attention")
+    eager_functions = (*EAGER_FUNCTIONS, "index_scores", "select_key_indices", "attend_cached")
 
     def __init__(self, model, compile_fns: bool, fused_body: bool = True):
-        # The keys each (layer, row) attended to in the step being run or captured: their columns in
-        # the storage (int64 [1, k]; None: all of it) and which of those it sees (bool [1, k]).
-        self._seen: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        # The keys each (layer, row) attended to in the step being run or captured: a mask over the
+        # storage, or the indexer's chosen columns and which of them it sees (`attend_cached`).
+        self._seen: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         super().__init__(model, compile_fns, fused_body)
 
     def functions(self) -> dict[str, Callable]:
         return {f.__name__: f for f in (rms_norm, mla_in, indexer_keys, index_scores, select_key_indices,
-                                        mla_attention, route_sigmoid, dense_mlp)}
+                                        attend_cached, route_sigmoid, dense_mlp)}
 
     def _warm_up(self) -> None:
         m, f, io, eps = self.model, self.fns, self.io, self.model.spec.norm.eps
@@ -91,15 +91,12 @@ class LatentDecodeGraphs(DecodeGraphs):
                                        m.indexer)
             self._seen[i, r] = f["select_key_indices"](scores, position, m.indexer.top_k)
         elif source is None:  # every key up to the position, read in place
-            self._seen[i, r] = None, torch.arange(rows.shape[0], device=h.device)[None, :] <= position[:, None]
+            self._seen[i, r] = torch.arange(rows.shape[0], device=h.device)[None, :] <= position[:, None]
         else:  # a shared layer: its indexer keys are zeros in the cache, as the prompt path leaves them
             index_keys.index_fill_(0, position, 0.0)
             self._seen[i, r] = self._seen[source, r]
-        columns, chosen = self._seen[i, r]
-        keys = rows[:, 0] if columns is None else rows[columns[0], 0]
-        kv = m.spec.mla.kv_lora_rank
-        return f["mla_attention"](q_nope, q_rope, keys[:, :kv], keys[:, kv:],
-                                  m.w[f"model.layers.{i}.self_attn.kv_b_proj.weight"], chosen, m.mla)
+        return f["attend_cached"](q_nope, q_rope, rows[:, 0], m.w[f"model.layers.{i}.self_attn.kv_b_proj.weight"],
+                                  self._seen[i, r], m.mla)
 
     def _index_source(self, i: int) -> int | None:
         """The layer whose indexer chooses layer i's keys (i itself for a `full` layer), None

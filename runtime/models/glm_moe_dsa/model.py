@@ -24,7 +24,7 @@ from ftc_runtime.models.layers.dsa_indexer import (
     select_key_indices,
     select_keys,
 )
-from ftc_runtime.models.layers.mla import MlaShape, mla_attention, mla_in
+from ftc_runtime.models.layers.mla import MlaShape, attend_cached, mla_in
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm
 from ftc_runtime.models.layers.rope import rope_cos_sin, rope_inv_freq
@@ -148,12 +148,9 @@ class GlmMoeDsaModel:
                 scores = index_scores(h, q_resid, w[p + "indexer.wq_b.weight"], w[p + "indexer.weights_proj.weight"],
                                       index_keys[:, 0], cos, sin, self.indexer)
                 visible = select_key_indices(scores, positions, self.indexer.top_k)
-            columns, chosen = visible
-            keys = rows[columns[0], 0]
-            out = mla_attention(q_nope, q_rope, keys[:, :self.spec.mla.kv_lora_rank],
-                                keys[:, self.spec.mla.kv_lora_rank:], w[p + "kv_b_proj.weight"], chosen, self.mla)
+            out = attend_cached(q_nope, q_rope, rows[:, 0], w[p + "kv_b_proj.weight"], visible, self.mla)
             return F.linear(out, w[p + "o_proj.weight"]), visible
-        kv, outs, seen = self.spec.mla.kv_lora_rank, [], []
+        outs, seen = [], []
         # In blocks of queries: the scores of a block are [heads, block, tokens so far], not of the whole prompt.
         for b in range(0, h.shape[0], QUERY_BLOCK):
             q = slice(b, b + QUERY_BLOCK)
@@ -166,8 +163,8 @@ class GlmMoeDsaModel:
                 seen.append(torch.arange(rows.shape[0], device=h.device)[None, :] <= positions[q, None])
             else:
                 seen.append(visible[q])
-            outs.append(mla_attention(q_nope[q], q_rope[q], rows[:, 0, :kv], rows[:, 0, kv:],
-                                      w[p + "kv_b_proj.weight"], seen[-1], self.mla))
+            outs.append(attend_cached(q_nope[q], q_rope[q], rows[:, 0], w[p + "kv_b_proj.weight"], seen[-1],
+                                      self.mla))
         out, visible = torch.cat(outs), torch.cat(seen)
         return F.linear(out, w[p + "o_proj.weight"]), visible
 

@@ -76,3 +76,16 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Ten
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(latents.dtype)
     ctx = torch.matmul(probs, latents)  # [heads, T, kv_lora]
     return torch.matmul(ctx, w_uv.transpose(1, 2)).transpose(0, 1).reshape(t, h * shape.v_dim)
+
+
+def attend_cached(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, kv_b_w: torch.Tensor,
+                  visible: torch.Tensor | tuple[torch.Tensor, torch.Tensor], shape: MlaShape) -> torch.Tensor:
+    """`mla_attention` over a cache's rows [C, kv_lora + rope] (each token's latent, then its
+    rotary key): `visible` a mask [T, C], or for one query the columns of the rows it was given
+    and which of them it sees ([1, k] each; the DSA indexer's choice), those rows gathered first,
+    so that the step reads k rows however long the cache."""
+    if isinstance(visible, tuple):
+        columns, visible = visible
+        rows = rows[columns[0]]
+    kv = shape.kv_lora_rank
+    return mla_attention(q_nope, q_rope, rows[:, :kv], rows[:, kv:], kv_b_w, visible, shape)
