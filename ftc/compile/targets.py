@@ -49,10 +49,11 @@ PRESETS: dict[str, Target] = {
     # kernels are AVX-512 BF16; compiled on a CPU without it, they are checked where the engine loads.
     "rtx-pro-6000": Target("rtx-pro-6000", "avx512_bf16", None, "RTX PRO 6000", 96 * _GB, 51.5, 178.0,
                            gpu_read_gbps=1792.0),
-    # The device machine: B_P at 9.4 MiB and the both-at-once rates (DMA 41 beside AVX-512 reads at 63
-    # GB/s) from DESIGN.md's measurements, B_H from `ftc bench experts` (docs/performance.md); the
-    # GPU's read rate as torch measures it there (4057.2 GB/s in `ftc bench decode`).
-    "h200": Target("h200", "avx512_bf16", 16, "NVIDIA H200", 143771 * 2**20, 51.0, 88.0, 41.0, 63.0,
+    # The device machine: B_P at 9.4 MiB, B_H from `ftc bench experts`, and the both-at-once rates as
+    # `ftc profile` measured them on the GPU engine's own workers (copies at 48.31 GB/s beside the
+    # CPU experts at 84.48; docs/performance.md: DESIGN.md's older 41 and 63 were beaten by the
+    # one-graph step, so its bound was no bound); the GPU's read rate as torch measures it there.
+    "h200": Target("h200", "avx512_bf16", 16, "NVIDIA H200", 143771 * 2**20, 51.0, 88.0, 48.31, 84.48,
                    gpu_read_gbps=4057.2),
 }
 
