@@ -3,15 +3,18 @@ for a spec with no engine yet, its memory split and predicted speeds on a target
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 from rich.table import Table
 
 from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest, check_engine
-from ftc_runtime.experts.vram_plan import dense_bytes, gib, plan_vram
+from ftc_runtime.experts.vram_plan import gib, plan_vram
 from ftc_runtime.formats import expert_format
 from ftc_runtime.io.ftw import read_header
 from ftc_runtime.models import family
+from ftc_runtime.models.dense_layout import stored_bytes, stored_dense
 from ftc_runtime.spec import ModelSpec
 
 
@@ -49,21 +52,23 @@ def inspect_spec(source: Path, target: str, vram_budget: int | None, max_context
                f"not predicted: {p.vram.n_slots} slots hold all the experts or fewer than two layers' "
                f"({2 * spec.moe.num_experts})")
     v = p.vram
-    v8 = plan_vram(spec, family(spec.family).dense_tensor_shapes(spec), budget, v.expert_stride, v.pool_experts,
-                   max_context, dense_fp8=True)
-    return [_model_table(spec, f"spec {source}"), _memory_table(spec), _rows(
-        f"on {t.name} ({t.gpu}) within {gib(budget)}, KV for {max_context} tokens", (
-            ("non-expert weights / KV / workspace", f"{gib(v.dense)} / {gib(v.kv)} / {gib(v.workspace)}"),
-            ("expert slots", f"{v.n_slots} × {v.expert_stride / 2**20:.2f} MiB = {gib(v.slots)}, "
-                             f"{100 * v.pool_share:.1f}% of {v.pool_experts} experts"),
-            ("with projections in FP8", f"non-expert weights {gib(v8.dense)}: {v8.n_slots} slots, "
-                                        f"{100 * v8.pool_share:.1f}% (not yet an engine option: dense weights "
-                                        "are held in bf16)"),
-            ("decode (one sequence, no routing locality)", f"{p.decode_tok_s:.2f} tok/s: {p.decode_ms:.2f} ms per "
-             f"token, of which misses {p.miss_ms:.2f} ({p.misses_per_layer:.2f} per MoE layer at B_P {t.b_p:g} / "
-             f"B_H {t.b_h:g} GB/s), GPU reads {p.device_ms:.2f}"),
-            ("prefill", prefill),
-        ))]
+    rows = [
+        (f"non-expert weights ({spec.dense_format}) / KV / workspace",
+         f"{gib(v.dense)} / {gib(v.kv)} / {gib(v.workspace)}"),
+        ("expert slots", f"{v.n_slots} × {v.expert_stride / 2**20:.2f} MiB = {gib(v.slots)}, "
+                         f"{100 * v.pool_share:.1f}% of {v.pool_experts} experts"),
+        ("decode (one sequence, no routing locality)", f"{p.decode_tok_s:.2f} tok/s: {p.decode_ms:.2f} ms per "
+         f"token, of which misses {p.miss_ms:.2f} ({p.misses_per_layer:.2f} per MoE layer at B_P {t.b_p:g} / "
+         f"B_H {t.b_h:g} GB/s), GPU reads {p.device_ms:.2f}, fixed step work {p.fixed_ms:.2f}"),
+        ("prefill", prefill),
+    ]
+    if family(spec.family).fp8_linears:  # the other dense format, for the choice at compile
+        other = "bf16" if spec.dense_format == "fp8" else "fp8"
+        o = predict(dataclasses.replace(spec, dense_format=other), t, budget, max_context)
+        rows.insert(2, (f"with --dense-format {other}", f"non-expert weights {gib(o.vram.dense)}: "
+                        f"{o.vram.n_slots} slots, {100 * o.vram.pool_share:.1f}%; decode {o.decode_tok_s:.2f} tok/s"))
+    title = f"on {t.name} ({t.gpu}) within {gib(budget)}, KV for {max_context} tokens"
+    return [_model_table(spec, f"spec {source}"), _memory_table(spec), _rows(title, tuple(rows))]
 
 
 def _rows(title: str, rows: tuple[tuple[str, str], ...]) -> Table:
@@ -105,12 +110,13 @@ def _model_table(spec: ModelSpec, weights_source: str) -> Table:
 
 
 def _memory_table(spec: ModelSpec) -> Table:
-    dense = dense_bytes(family(spec.family).dense_tensor_shapes(spec))
+    dense = stored_bytes(stored_dense(spec))
+    params = sum(math.prod(s) for s in family(spec.family).dense_tensor_shapes(spec).values())
     pool = len(spec.moe_layers) * spec.moe.num_experts * spec.expert_bytes
     per_token = len(spec.moe_layers) * spec.moe.top_k * spec.expert_bytes
     bf16 = expert_format("bf16").expert_bytes(spec.hidden_size, spec.moe.expert_intermediate_size)
     return _rows("memory", (
-        ("non-expert weights", f"{gib(dense)} bf16 ({dense / 2e9:.3f} B params)"),
+        ("non-expert weights", f"{gib(dense)} {spec.dense_format} ({params / 1e9:.3f} B params)"),
         ("expert format", f"{spec.expert_format}: {spec.expert_bytes:,} bytes per expert "
                           f"({bf16 / spec.expert_bytes:.2f}× fewer than bf16)"),
         ("routed-expert pool (host)", f"{gib(pool)} ({spec.expert_bytes / 2**20:.2f} MiB per expert)"),
@@ -134,10 +140,10 @@ def _plan_table(m: EngineManifest) -> Table:
 
 def _vram_table(m: EngineManifest, budget: int, max_context: int) -> Table:
     header, _ = read_header(m.path(EXPERTS_FILE))
-    plan = plan_vram(m.spec, family(m.spec.family).dense_tensor_shapes(m.spec), budget, header.expert_stride,
-                     header.num_rows, max_context)
+    plan = plan_vram(m.spec, stored_bytes(stored_dense(m.spec)), budget, header.expert_stride, header.num_rows,
+                     max_context)
     t = Table(title=f"GPU memory within --vram-budget {gib(budget)}", show_header=False)
-    for k, v in (("non-expert weights (bf16)", gib(plan.dense)),
+    for k, v in ((f"non-expert weights ({m.spec.dense_format})", gib(plan.dense)),
                  (f"KV cache ({max_context} tokens)", gib(plan.kv)), ("workspace", gib(plan.workspace)),
                  ("expert slots", f"{plan.n_slots} × {plan.expert_stride / 2**20:.2f} MiB = {gib(plan.slots)}"),
                  ("share of the expert pool", f"{100 * plan.pool_share:.1f}% of {plan.pool_experts} experts"),

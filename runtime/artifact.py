@@ -25,7 +25,8 @@ from ftc_runtime.chat.template import ChatTemplate, ChatTemplateError
 from ftc_runtime.chat.tokenizer import Tokenizer
 from ftc_runtime.cpu_info import ISA_FLAGS
 from ftc_runtime.io import ftw
-from ftc_runtime.models import checked_spec, family
+from ftc_runtime.models import checked_spec
+from ftc_runtime.models.dense_layout import StoredTensors, stored_dense
 from ftc_runtime.sampling import check_defaults
 from ftc_runtime.spec import ModelSpec, SpecError, from_plain, short_repr
 
@@ -314,7 +315,7 @@ class CheckedEngine:
 
     manifest: EngineManifest
     experts: ftw.FtwHeader | None  # None: the experts are in memory (no experts.ftw)
-    dense_shapes: dict[str, tuple[int, ...]]
+    dense: StoredTensors  # the dense tensors' shapes and dtypes
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None  # None: compiled before templates were stored
 
@@ -330,12 +331,12 @@ def check_engine(root: Path, hash_experts: bool = False) -> CheckedEngine:
         m.path(rel)
     m.verify()
     experts = None if m.experts_in_memory else _check_experts(m, hash_experts)
-    shapes = _check_dense(m)
+    dense = _check_dense(m)
     tokenizer = _check_tokenizer(m)
     template = _check_chat_template(m)
     _check_library(m)
     _check_triton_source(m)
-    return CheckedEngine(m, experts, shapes, tokenizer, template)
+    return CheckedEngine(m, experts, dense, tokenizer, template)
 
 
 def _check_experts(m: EngineManifest, hash_experts: bool) -> ftw.FtwHeader:
@@ -358,21 +359,22 @@ def _banks(h: ftw.FtwHeader) -> str:
                      for b in h.banks)
 
 
-def _check_dense(m: EngineManifest) -> dict[str, tuple[int, ...]]:
+def _check_dense(m: EngineManifest) -> StoredTensors:
     """The dense tensors' names, shapes and dtypes from the safetensors header (no data is read)."""
     path = m.path(DENSE_FILE)
-    expected = family(m.spec.family).dense_tensor_shapes(m.spec)
+    expected = stored_dense(m.spec)
     try:
         with safe_open(str(path), framework="pt") as f:
             names = set(f.keys())
             found = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in expected if n in names}
     except (SafetensorError, OSError) as e:
         raise ArtifactError(f"{path}: not a readable safetensors file ({_one_line(e)})") from None
-    for name, shape in expected.items():
+    for name, (shape, dtype) in expected.items():
         got = found.get(name)
-        if got != (shape, "BF16"):
+        if got != (shape, dtype):
             what = "missing" if got is None else f"{got[1]} {got[0]}"
-            raise ArtifactError(f"{path}: tensor {name}: {what}, expected BF16 {shape}")
+            raise ArtifactError(f"{path}: tensor {name}: {what}, expected {dtype} {shape} (dense_format "
+                                f"{m.spec.dense_format})")
     return expected
 
 

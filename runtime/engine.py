@@ -42,8 +42,11 @@ from ftc_runtime.experts.offload import OffloadedExperts
 from ftc_runtime.experts.vram_plan import VramPlan, plan_vram
 from ftc_runtime.io import ftw
 from ftc_runtime.models import family
+from ftc_runtime.models.dense_layout import FP8_BLOCK, StoredTensors, fp8_names, scale_name, stored_bytes
+from ftc_runtime.models.layers.fp8_linear import BlockFp8
 from ftc_runtime.sampling import Sampler, SamplingParams
 from ftc_runtime.settings import settings
+from ftc_runtime.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -128,12 +131,12 @@ class Engine:
         cpus, background = _worker_cpus(plan, offload)
         kernel = _cpu_kernel(manifest, cpus, background)
         pool = _expert_pool(manifest, pool, show_progress)
-        dense = _load_dense(manifest.path(DENSE_FILE))
-        fam, expected, tokenizer = family(spec.family), checked.dense_shapes, checked.tokenizer
+        dense = _load_dense(manifest.path(DENSE_FILE), spec)
+        fam, stored, tokenizer = family(spec.family), checked.dense, checked.tokenizer
         if offload is None:
             return cls(manifest, tokenizer, fam.model(spec, dense, CpuExperts(pool, kernel)), pool,
                        prefill_chunk=prefill_chunk, chat_template=checked.chat_template)
-        vram = _vram_plan(manifest, offload, expected, pool)
+        vram = _vram_plan(manifest, offload, stored, pool)
         if offload.cpu_experts:
             print("ftc: --cpu-experts: every routed expert runs on the CPU; only activations cross PCIe",
                   file=sys.stderr)
@@ -309,11 +312,15 @@ def _cpu_kernel(manifest: EngineManifest, cpus: list[int], background: bool) -> 
         raise ArtifactError(f"{path}: not a loadable ftc kernel library ({' '.join(str(e).split())})") from None
 
 
-def _load_dense(path: Path) -> dict[str, torch.Tensor]:
+def _load_dense(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor | BlockFp8]:
+    """The dense tensors by name, each FP8 weight and its scales as one `BlockFp8`."""
     try:
-        return load_file(str(path))
+        tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:  # check_engine read its header: this is damage since then
         raise ArtifactError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())})") from None
+    for name in fp8_names(spec):
+        tensors[name] = BlockFp8(tensors[name], tensors.pop(scale_name(name)), FP8_BLOCK)
+    return tensors
 
 
 def _load_pool(manifest: EngineManifest, show_progress: bool) -> ftw.ExpertPool:
@@ -340,12 +347,12 @@ def _gpu_expert_kernels(manifest: EngineManifest, device: str) -> tuple:
     return module.expert_ffn, module.grouped_expert_ffn
 
 
-def _vram_plan(manifest: EngineManifest, cfg: OffloadConfig, shapes: dict, pool: ftw.ExpertPool) -> VramPlan:
+def _vram_plan(manifest: EngineManifest, cfg: OffloadConfig, stored: StoredTensors, pool: ftw.ExpertPool) -> VramPlan:
     device = torch.device(cfg.device)
     budget = cfg.vram_budget
     if budget is None:
         budget = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 8 << 30
-    plan = plan_vram(manifest.spec, shapes, budget, pool.header.expert_stride, pool.header.num_rows,
+    plan = plan_vram(manifest.spec, stored_bytes(stored), budget, pool.header.expert_stride, pool.header.num_rows,
                      cfg.max_context)
     if cfg.n_slots is not None:
         if not 0 <= cfg.n_slots <= plan.n_slots:

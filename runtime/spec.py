@@ -17,6 +17,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from ftc_runtime.formats import FORMATS, expert_format
 
+DENSE_FORMATS = ("bf16", "fp8")
+
 LAYER_KINDS = ("full_attention", "linear_attention")
 
 # Upper bounds of the size fields: an engine.json or spec that is damaged or hostile must not make the
@@ -156,6 +158,9 @@ class ModelSpec:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     expert_format: str = "bf16"  # how the routed experts are stored: a module of ftc_runtime.formats
+    # How the non-expert linear projections are held: bf16, or fp8 (e4m3 codes and an fp32 scale per
+    # 128 × 128 block, as FP8 releases store them) in the families that read them so.
+    dense_format: str = "bf16"
     checkpoint: str | None = None
 
     # -- derived ---------------------------------------------------------------------------------
@@ -304,6 +309,7 @@ def _check(s: ModelSpec, source: str) -> None:
     need = checker(source)
     a, m = s.attention, s.moe
     need(s.expert_format in FORMATS, "expert_format", s.expert_format, "one of " + ", ".join(FORMATS))
+    need(s.dense_format in DENSE_FORMATS, "dense_format", s.dense_format, "one of " + ", ".join(DENSE_FORMATS))
     step = expert_format(s.expert_format).size_multiple
     for path, n in (("hidden_size", s.hidden_size), ("moe.expert_intermediate_size", m.expert_intermediate_size)):
         need(n % step == 0, path, n, f"a multiple of {step} for expert_format {s.expert_format}")

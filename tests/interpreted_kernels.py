@@ -26,6 +26,8 @@ from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay
 from ftc_runtime.models.layers.attention import attention_in
 from ftc_runtime.models.layers.decode_attention_kernel import MAX_SPANS, MIN_SPAN, decode_attention_gpu
 from ftc_runtime.models.layers.deltanet_step_kernel import deltanet_step_gpu
+from ftc_runtime.models.layers.fp8_gemv_kernel import fp8_dequantize_gpu, fp8_linear_gpu
+from ftc_runtime.models.layers.fp8_linear import BlockFp8
 from ftc_runtime.models.layers.gated_attention import gated_attention_out
 from ftc_runtime.models.layers.gated_deltanet import DeltaNetShape, delta_rule, finish, project
 from ftc_runtime.models.layers.gemv_kernel import linear_gpu
@@ -178,6 +180,33 @@ def check_gemv(rng: random.Random, g: torch.Generator) -> None:
             assert torch.allclose(normed, want_normed.float(), rtol=tol, atol=tol), f"{what}: the normalized row"
 
 
+def check_fp8_gemv(rng: random.Random, g: torch.Generator) -> None:
+    """`fp8_linear_gpu` against the fp64 product of its weight's fp32 dequantization and the rows,
+    on blocks that tile the weight, cover it partially and are a row or narrower than a step; one
+    row (the gemv) in even trials, several (the tensor-core kernel) in odd ones. The dequantization
+    kernel equals torch's in fp32, bit for bit (in bf16 the interpreter truncates)."""
+    for trial in range(6):
+        n, k = rng.choice([1, 7, 130, 600]), rng.choice([16, 200, 2048])
+        t = 1 if trial % 2 == 0 else rng.choice([3, 16])
+        block = rng.choice([(128, 128), (64, 32), (1, 16), (3, 96), (5, 7)])
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+        codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+        scales = torch.exp2(torch.empty(-(-n // block[0]), -(-k // block[1])).uniform_(-12, -4, generator=g))
+        w = BlockFp8(codes.view(torch.float8_e4m3fn), scales, block)
+        x = torch.randn(t, k, generator=g).to(dtype)
+        w32 = w.dequantize(torch.float32)
+        dequantized = fp8_dequantize_gpu(w.codes, w.scale_inv, w.block, torch.float32)
+        assert torch.equal(dequantized, w32), f"fp8 dequantize, trial {trial}: {block}"
+        w64 = w32.double()
+        want, scale = x.double() @ w64.T, x.double().abs() @ w64.abs().T
+        got = fp8_linear_gpu(x, w.codes, w.scale_inv, w.block)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the interpreter truncates (check_gemv_gates)
+        err = float((got.double() - want).abs().max() / scale.max())
+        what = f"fp8 gemv, trial {trial}: [{n}, {k}] blocks {block}, {t} rows {dtype}: {err:.2e}"
+        assert got.dtype == dtype and got.shape == (t, n) and err < tol, what
+
+
 def check_qk_rope(rng: random.Random, g: torch.Generator) -> None:
     for trial in range(6):
         n_kv, group, d = rng.choice([1, 2, 4]), rng.choice([1, 3, 8]), rng.choice([16, 24, 64, 128])
@@ -300,6 +329,7 @@ def main() -> None:
     check_decode_attention(rng, g)
     check_router(rng, g)
     check_gemv(rng, g)
+    check_fp8_gemv(rng, g)
     check_gemv_gates(rng, g)
     check_qk_rope(rng, g)
     check_deltanet_step(rng, g)

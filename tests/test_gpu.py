@@ -347,12 +347,12 @@ def test_fla_delta_rule_matches_the_torch_recurrence(trial, seed, monkeypatch):
 
 
 def _tiny_graphs_and_eager(spec_name: str, tmp_path: Path, monkeypatch, compiled: bool, device_plan: bool,
-                           quant: str | None, seed: int) -> tuple[Path, Engine, Engine]:
+                           quant: str | None, seed: int, dense_format: str = "bf16") -> tuple[Path, Engine, Engine]:
     """A tiny spec compiled from random weights, and `_graphs_and_eager`'s two engines of it; with
     `device_plan` the eager one on the host path."""
     spec = Path(__file__).resolve().parents[1] / "model_specs" / f"{spec_name}.yaml"
     engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, quant=quant,
-                                           output=tmp_path / "engine"))
+                                           overrides=(f"dense_format={dense_format}",), output=tmp_path / "engine"))
     graphs, eager = _graphs_and_eager(engine, monkeypatch, compiled, random.Random(seed), device_plan)
     if device_plan:
         monkeypatch.setenv("FTC_DEVICE_PLAN", "0")
@@ -390,16 +390,18 @@ def test_hybrid_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compil
     assert_graphs_match(got, want, lambda: session(Engine.load(engine)), compiled or device_plan)
 
 
-@pytest.mark.parametrize("compiled,device_plan,quant", [(False, False, None), (True, False, None), (False, True, None),
-                                                        (True, True, "nvfp4")])
-def test_glm_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled, device_plan, quant, seed):
+@pytest.mark.parametrize("compiled,device_plan,quant,dense", [
+    (False, False, None, "bf16"), (True, False, None, "bf16"), (False, True, None, "bf16"),
+    (True, True, "nvfp4", "bf16"), (False, False, None, "fp8"), (True, True, "nvfp4", "fp8")])
+def test_glm_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled, device_plan, quant, dense, seed):
     """GLM-5.x's layers in decode graphs (latent attention over the cache's storage, the indexer's
     choice past its top_k of 32 and the layers that share it, the sigmoid router beside the shared
     expert, a dense first layer) give the eager path's logits over a prompt and steps, and a
     second sequence (graphs captured again); compiled, or as one whole-step graph, both are held
-    to the fp32 CPU engine as the other families' graphs are."""
+    to the fp32 CPU engine as the other families' graphs are; with the projections in FP8 too
+    (their gemv in the graphs, the prompt's chunks on dequantized weights)."""
     engine, graphs, eager = _tiny_graphs_and_eager("glm-5-tiny", tmp_path, monkeypatch, compiled, device_plan, quant,
-                                                   seed)
+                                                   seed, dense)
 
     def session(e: Engine) -> list[torch.Tensor]:
         rng = random.Random(seed)  # the same tokens for every engine
@@ -433,10 +435,10 @@ def _batch_session(engine: Engine, seed: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("spec_name,quant", [("qwen3-moe-tiny", None), ("qwen3-moe-tiny", "mxfp4"),
-                                             ("qwen3.6-moe-tiny", None), ("qwen3.6-moe-tiny", "nvfp4"),
-                                             ("glm-5-tiny", None)])
-def test_batched_decode_graphs_equal_the_eager_batch(tmp_path, monkeypatch, spec_name, quant, seed):
+@pytest.mark.parametrize("spec_name,quant,dense", [
+    ("qwen3-moe-tiny", None, "bf16"), ("qwen3-moe-tiny", "mxfp4", "bf16"), ("qwen3.6-moe-tiny", None, "bf16"),
+    ("qwen3.6-moe-tiny", "nvfp4", "bf16"), ("glm-5-tiny", None, "bf16"), ("glm-5-tiny", "nvfp4", "fp8")])
+def test_batched_decode_graphs_equal_the_eager_batch(tmp_path, monkeypatch, spec_name, quant, dense, seed):
     """Several sequences decoding together as one whole-step graph (`step_batch`: the projections,
     router, experts and head over the rows, each sequence's attention and recurrence on its own
     state), as a server's batch changes: held with the eager `decode_batch` on the same device
@@ -444,7 +446,7 @@ def test_batched_decode_graphs_equal_the_eager_batch(tmp_path, monkeypatch, spec
     tokens near the best), in the three families and in bf16 and the 4-bit formats."""
     spec = Path(__file__).resolve().parents[1] / "model_specs" / f"{spec_name}.yaml"
     engine = compile_engine(CompileOptions(source=spec, random_weights=True, seed=5, quant=quant,
-                                           output=tmp_path / "engine"))
+                                           overrides=(f"dense_format={dense}",), output=tmp_path / "engine"))
     graphs, eager = _graphs_and_eager(engine, monkeypatch, False, random.Random(seed), device_plan=True)
     got, want = _batch_session(graphs, seed), _batch_session(eager, seed)
     ref = _batch_session(Engine.load(engine), seed)

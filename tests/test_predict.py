@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from ftc.cli.main import app
 from ftc.compile.spec_loader import load_spec
 from ftc.compile.targets import PRESETS
-from ftc.predict import PredictionError, predict
+from ftc.predict import STEP_FIXED_MS, PredictionError, predict
 from ftc_runtime.experts.cache import ExpertCache
 from ftc_runtime.experts.miss_planner import MissPlanner
 
@@ -55,7 +55,7 @@ def test_the_decode_prediction_matches_a_simulation_of_the_cache(name, quant, bu
     simulated = _simulated_miss_ms(spec, target, p.vram.n_slots, p.vram.expert_stride, 2000 // len(spec.moe_layers),
                                    np.random.default_rng(seed))
     assert simulated == pytest.approx(p.miss_ms, rel=0.1), (simulated, p.miss_ms)
-    assert p.decode_tok_s == pytest.approx(1e3 / (p.miss_ms + p.device_ms))
+    assert p.decode_tok_s == pytest.approx(1e3 / (p.miss_ms + p.device_ms + len(spec.moe_layers) * STEP_FIXED_MS))
 
 
 def test_the_gpu_reads_are_the_dense_weights_and_the_device_experts():
@@ -99,22 +99,25 @@ def test_ftc_inspect_predicts_a_spec_cut_to_its_first_layers(seed):
     assert r.exit_code != 0 and "--override edits a spec" in r.output, r.output
 
 
-@pytest.mark.parametrize("spec_name", ["glm-5.2.yaml", "qwen3-30b-a3b.yaml"])
-def test_fp8_dense_plan_counts_projections_as_an_fp8_release_stores_them(spec_name):
-    """`dense_bytes(fp8=True)`: each attention and MLP projection (and GLM's indexer wq_b, wk) a
-    byte a weight plus an fp32 scale per 128 × 128 block; the embedding, head, norms, router and
-    the indexer's weights_proj stay bf16; the plan gives the saving to expert slots."""
-    from ftc_runtime.experts.vram_plan import dense_bytes, plan_vram
+def test_fp8_dense_plan_counts_projections_as_an_fp8_release_stores_them():
+    """GLM-5.2 with dense_format fp8: each attention and MLP projection (and the indexer's wq_b and
+    wk) a byte a weight plus an fp32 scale per 128 × 128 block; the embedding, head, norms, router,
+    the indexer's weights_proj and kv_b_proj stay bf16; the plan gives the saving to expert slots."""
+    from ftc_runtime.experts.vram_plan import plan_vram
     from ftc_runtime.models import family
+    from ftc_runtime.models.dense_layout import stored_bytes, stored_dense
 
-    spec, _ = load_spec(SPECS / spec_name, quant="nvfp4")
-    shapes = family(spec.family).dense_tensor_shapes(spec)
+    bf16_spec, _ = load_spec(SPECS / "glm-5.2.yaml")
+    fp8_spec, _ = load_spec(SPECS / "glm-5.2.yaml", ["dense_format=fp8"])
+    shapes = family(bf16_spec.family).dense_tensor_shapes(bf16_spec)
     projections = {name: s for name, s in shapes.items() if len(s) == 2 and not any(
-        part in name for part in ("embed_tokens", "lm_head", "norm", "mlp.gate.", "weights_proj"))}
+        part in name for part in ("embed_tokens", "lm_head", "norm", "mlp.gate.", "weights_proj", "kv_b_proj"))}
     assert projections and all(name.endswith(".weight") for name in projections)
     saved = sum(n * k - 4 * -(-n // 128) * -(-k // 128) for n, k in projections.values())
-    assert dense_bytes(shapes) - dense_bytes(shapes, fp8=True) == saved
-    budget = dense_bytes(shapes) + (4 << 30)
-    stride, pool = spec.expert_bytes, len(spec.moe_layers) * spec.moe.num_experts
-    bf16, fp8 = (plan_vram(spec, shapes, budget, stride, pool, 4096, dense_fp8=f) for f in (False, True))
-    assert fp8.dense == bf16.dense - saved and fp8.n_slots > bf16.n_slots
+    bf16, fp8 = stored_dense(bf16_spec), stored_dense(fp8_spec)
+    assert stored_bytes(bf16) == 2 * sum(int(np.prod(s)) for s in shapes.values())
+    assert stored_bytes(bf16) - stored_bytes(fp8) == saved
+    budget = stored_bytes(bf16) + (4 << 30)
+    stride, pool = fp8_spec.expert_bytes, len(fp8_spec.moe_layers) * fp8_spec.moe.num_experts
+    a, b = (plan_vram(fp8_spec, stored_bytes(s), budget, stride, pool, 4096) for s in (bf16, fp8))
+    assert b.dense == a.dense - saved and b.n_slots > a.n_slots

@@ -22,6 +22,7 @@ from ftc.cli.options import (
     ApiKeysFileArg,
     CachePolicyArg,
     CpuExpertsArg,
+    DenseFormat,
     ExpertQuant,
     HostArg,
     LogLevel,
@@ -87,6 +88,10 @@ def compile(
     quant: Annotated[ExpertQuant | None, typer.Option(
         help="Routed experts' format: 16/32-bit weights are rounded into it; a 4-bit checkpoint keeps its own (the "
              "default).")] = None,
+    dense_format: Annotated[DenseFormat | None, typer.Option(
+        help="Non-expert projections: bf16, or fp8 (e4m3, a scale per 128x128 block: half the bytes, the VRAM "
+             "back to expert slots). Default: the spec's; an FP8 release's own codes, kept as stored, where the "
+             "family reads FP8 (GLM-5.x).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing engine at -o.")] = False,
     name: Annotated[str | None, typer.Option(help="The engine's name, which the server reports (default: the "
                                              "spec's; a checkpoint's: -o's folder, else its repository).")] = None,
@@ -96,9 +101,10 @@ def compile(
 
     if random_weights and checkpoint:
         fail(ValueError("give either --checkpoint or --random-weights, not both"))
+    overrides = (*(override or ()), *([f"dense_format={dense_format.value}"] if dense_format else []))
     try:
-        compile_engine(CompileOptions(source, target, output, checkpoint, random_weights, seed,
-                                      tuple(override or ()), quant.value if quant else None, force, name), err)
+        compile_engine(CompileOptions(source, target, output, checkpoint, random_weights, seed, overrides,
+                                      quant.value if quant else None, force, name), err)
     except user_errors() as e:
         fail(e)
 
@@ -117,10 +123,14 @@ def inspect(
                                               "nvfp4).")] = None,
     override: Annotated[list[str] | None, typer.Option(help="For a spec: edit a field, FIELD=VALUE (num_layers=N: "
                                                        "its first N layers), repeatable.")] = None,
+    dense_format: Annotated[DenseFormat | None, typer.Option(help="For a spec: its non-expert projections in this "
+                                                             "format (bf16, fp8).")] = None,
 ) -> None:
     """Show an engine's model, memory split, plan and files; or a spec's predicted split and speeds."""
     from ftc.inspect_engine import inspect_engine, inspect_spec
 
+    if dense_format is not None:
+        override = [*(override or ()), f"dense_format={dense_format.value}"]
     try:
         if target is not None:
             tables = inspect_spec(engine, target, vram_budget, max_context, quant, override or [])

@@ -20,6 +20,7 @@ MissPolicyOpt = Enum("MissPolicyOpt", {p: p for p in ("adaptive", "gpu", "cpu", 
 CachePolicyOpt = Enum("CachePolicyOpt", {p: p for p in ("lru", "static")}, type=str)
 # The names of ftc_runtime.formats.FORMATS, spelled out so that `--help` imports no torch (a test holds them equal).
 ExpertQuant = Enum("ExpertQuant", {f: f for f in ("bf16", "mxfp4", "nvfp4")}, type=str)
+DenseFormat = Enum("DenseFormat", {f: f for f in ("bf16", "fp8")}, type=str)  # spec.DENSE_FORMATS
 
 MAX_SEED = 2**64 - 1  # torch.Generator takes seeds in [0, 2**64)
 

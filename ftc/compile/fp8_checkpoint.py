@@ -20,6 +20,7 @@ from ftc_runtime.models.base import CheckpointError
 DEFAULT_BLOCK = (128, 128)
 FP8_TYPES = (torch.float8_e4m3fn, torch.uint8)
 SCALE_TYPES = (torch.float32, torch.bfloat16)
+FP8_MAX = 448.0  # e4m3fn's largest finite value
 
 
 def checkpoint_fp8_block(directory: Path) -> tuple[int, int]:
@@ -54,9 +55,24 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
     return (weight.view(torch.float8_e4m3fn).float() * scales).to(torch.bfloat16)
 
 
-def read_fp8_weight(ckpt, name: str, block: tuple[int, int]) -> torch.Tensor:
-    """The FP8 weight `name` (with `name`_scale_inv) of a `SafetensorsCheckpoint`, checked and
-    dequantized to bf16; CheckpointError naming the tensor that is malformed."""
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes of a 16/32-bit weight [N, K] and one fp32 scale per block ([⌈N/bn⌉, ⌈K/bk⌉]):
+    the block's largest magnitude maps to e4m3's largest, 448, each weight rounded to nearest."""
+    n, k = weight.shape
+    rows, cols = -(-n // block[0]), -(-k // block[1])
+    padded = torch.zeros(rows * block[0], cols * block[1], dtype=torch.float32)
+    padded[:n, :k] = weight.float()
+    tiles = padded.view(rows, block[0], cols, block[1])
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    codes = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(rows * block[0], cols * block[1])[:n, :k].contiguous(), scale_inv
+
+
+def read_fp8_codes(ckpt, name: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 weight `name` of a `SafetensorsCheckpoint` as stored: its e4m3 codes [N, K] and its
+    fp32 scales (`name`_scale_inv, one per block), checked; CheckpointError naming the tensor that
+    is malformed."""
     scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
     weight, scale_inv = ckpt.raw(name), ckpt.raw(scale_name)
     where = ckpt.directory
@@ -70,7 +86,13 @@ def read_fp8_weight(ckpt, name: str, block: tuple[int, int]) -> torch.Tensor:
                               f"float32 {list(shape)} (one scale per {block[0]}×{block[1]} block of {name})")
     if not bool(torch.isfinite(scale_inv.float()).all()):
         raise CheckpointError(f"{where}: tensor {scale_name} has NaN or Inf scales")
-    out = dequantize_fp8_blocks(weight, scale_inv, block)
+    return weight.view(torch.float8_e4m3fn), scale_inv.float()
+
+
+def read_fp8_weight(ckpt, name: str, block: tuple[int, int]) -> torch.Tensor:
+    """The FP8 weight `name` (with `name`_scale_inv) of a `SafetensorsCheckpoint`, checked and
+    dequantized to bf16; CheckpointError naming the tensor that is malformed."""
+    out = dequantize_fp8_blocks(*read_fp8_codes(ckpt, name, block), block)
     if not bool(torch.isfinite(out).all()):
-        raise CheckpointError(f"{where}: tensor {name} holds NaN codes or dequantizes beyond bf16's range")
+        raise CheckpointError(f"{ckpt.directory}: tensor {name} holds NaN codes or dequantizes beyond bf16's range")
     return out

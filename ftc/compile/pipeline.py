@@ -38,6 +38,7 @@ from ftc.codegen.build import build_kernels
 from ftc.codegen.kernel_check import check_expert_kernel
 from ftc.codegen.render import render_cpu_kernels, render_triton_kernels
 from ftc.compile.checkpoint_tokenizer import check_checkpoint_tokenizer
+from ftc.compile.fp8_checkpoint import quantize_fp8_blocks
 from ftc.compile.ftw_writer import FtwWriter
 from ftc.compile.hub import Source, hub_repo_name, resolve_source
 from ftc.compile.spec_loader import load_spec
@@ -62,6 +63,7 @@ from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.formats import expert_format
 from ftc_runtime.io.ftw import ExpertPool, FtwHeader, read_header
 from ftc_runtime.models import family
+from ftc_runtime.models.dense_layout import FP8_BLOCK, fp8_names, scale_name
 from ftc_runtime.sampling import DEFAULT_FIELDS, PENALTY_FIELDS, check_defaults
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec, SpecError
@@ -234,10 +236,18 @@ def sampling_defaults(checkpoint: Path | None) -> dict[str, float | int]:
 
 
 def _write_dense(weights: WeightSource, staging: Path, progress: Progress, spec: ModelSpec) -> None:
+    """The dense tensors as the engine stores them (`dense_layout`): bf16, and where the spec's
+    dense_format is fp8 the family's projections as e4m3 codes and block scales, an FP8 release's
+    own codes kept bit for bit, 16-bit weights quantized here."""
     task = progress.add_task("dense weights", total=len(family(spec.family).dense_tensor_shapes(spec)))
+    fp8 = fp8_names(spec)
     tensors = {}
     for name, t in weights.dense():
-        tensors[name] = t.contiguous()
+        if name in fp8:
+            codes, scale_inv = weights.dense_fp8(name) or quantize_fp8_blocks(t, FP8_BLOCK)
+            tensors |= {name: codes.contiguous(), scale_name(name): scale_inv.float().contiguous()}
+        else:
+            tensors[name] = t.contiguous()
         progress.advance(task)
     save_file(tensors, str(staging / DENSE_FILE), metadata={"format": "pt"})
 

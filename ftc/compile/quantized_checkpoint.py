@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ftc.compile.checkpoint import SafetensorsCheckpoint
-from ftc.compile.fp8_checkpoint import DEFAULT_BLOCK, fp8_settings, read_fp8_weight
+from ftc.compile.fp8_checkpoint import DEFAULT_BLOCK, fp8_settings, read_fp8_codes, read_fp8_weight
 from ftc_runtime.formats import expert_format
 from ftc_runtime.formats.base import QuantizedMatrix
 from ftc_runtime.models.base import CheckpointError
@@ -231,6 +231,11 @@ class DequantizedDense:
             return self.ckpt.shape(name)
         rows, half = self.ckpt.shape(q[0])
         return rows, 2 * half
+
+    def fp8_codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The e4m3 codes and block scales of FP8 weight `name` as stored, None if it is not one."""
+        q = self._quantized(name)
+        return read_fp8_codes(self.ckpt, name, self.fp8_block) if q is not None and q[1] == "fp8" else None
 
     def get(self, name: str) -> torch.Tensor:
         q = self._quantized(name)

@@ -20,6 +20,8 @@ def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None,
     `dotted.field=yaml_value` (e.g. `num_layers=4`: the spec's first 4 layers) applied before
     validation. The expert format
     is `quant`, else an HF checkpoint's own (4-bit experts stay in their format), else the spec's;
+    an FP8 release's dense projections stay FP8 where the family reads them so (an override of
+    `dense_format` decides otherwise);
     the name is `name`, else the spec's (an HF directory's: its folder's)."""
     if source.is_dir():
         cfg_path = source / "config.json"
@@ -31,6 +33,7 @@ def load_spec(source: Path, overrides: list[str] = (), quant: str | None = None,
             raise SpecError(f"{cfg_path}: not valid JSON ({e})") from None
         data, origin, checkpoint = spec_dict_from_hf(config, source), str(cfg_path), source
         data["expert_format"] = _checkpoint_format(source, config, quant)
+        data["dense_format"] = _checkpoint_dense_format(config, data.get("family"))
     elif source.is_file():
         _refuse_weights_file(source)
         try:
@@ -73,6 +76,14 @@ def _checkpoint_format(directory: Path, config: dict[str, Any], quant: str | Non
         raise SpecError(f"{directory}: the checkpoint's routed experts are {declared}; --quant {quant} would "
                         f"dequantize and round them again: leave --quant out or give --quant {declared}")
     return declared or quant or "bf16"
+
+
+def _checkpoint_dense_format(config: dict[str, Any], family_name: Any) -> str:
+    """fp8 for an FP8 release (`quant_method: fp8`) of a family that reads FP8 projections, whose
+    codes the engine then keeps as they are (`--dense-format bf16` dequantizes them); else bf16."""
+    q = config.get("quantization_config")
+    fp8 = isinstance(q, dict) and q.get("quant_method") == "fp8"
+    return "fp8" if fp8 and family_name in FAMILIES and family(family_name).fp8_linears else "bf16"
 
 
 def _apply_override(data: Any, item: str, origin: str) -> None:

@@ -21,6 +21,7 @@ from ftc_runtime.formats import expert_format
 from ftc_runtime.formats.base import Expert
 from ftc_runtime.formats.e2m1 import BlockFp4Format
 from ftc_runtime.models import family
+from ftc_runtime.models.dense_layout import FP8_BLOCK
 from ftc_runtime.spec import ModelSpec
 
 
@@ -30,6 +31,10 @@ class WeightSource(Protocol):
 
     def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every non-expert tensor, bf16, by checkpoint name."""
+
+    def dense_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Dense weight `name` as e4m3 codes and fp32 scales per `FP8_BLOCK` where the source stores
+        it so (an FP8 release), None where it holds it in 16 or 32 bits."""
 
     def expert(self, layer: int, expert: int) -> Expert:
         """Expert `expert` of decoder layer `layer`: float tensors gate_up [2I, H] (gate rows first)
@@ -96,6 +101,10 @@ class CheckpointWeights:
         for name in self.shapes:
             yield name, self.layout.get(name)
 
+    def dense_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # Another block size is dequantized and quantized again: the engine reads 128 × 128 blocks.
+        return self.reader.fp8_codes(self.layout.name(name)) if self.reader.fp8_block == FP8_BLOCK else None
+
     def expert(self, layer: int, expert: int) -> Expert:
         h, i, e = self.spec.hidden_size, self.spec.moe.expert_intermediate_size, self.spec.moe.num_experts
         p = self._experts_prefix(layer)
@@ -161,6 +170,9 @@ class RandomWeights:
                 yield name, self._randn(name, shape, 1.0)
             else:  # N(0, 1/fan_in); a depthwise convolution [C, 1, K] takes K inputs
                 yield name, self._randn(name, shape, (shape[1] if len(shape) == 2 else shape[-1]) ** -0.5)
+
+    def dense_fp8(self, name: str) -> None:
+        return None
 
     def expert(self, layer: int, expert: int) -> Expert:
         """bf16 draws; a 4-bit format's codes and scales drawn directly (as fast as the bytes)."""

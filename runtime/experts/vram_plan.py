@@ -3,7 +3,6 @@ expert slots. `--vram-budget` lets a large GPU stand in for an 8–32 GB card.""
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -38,7 +37,7 @@ def gib(n: int) -> str:
 @dataclass(frozen=True)
 class VramPlan:
     budget: int
-    dense: int  # non-expert weights: bf16 (or their projections in fp8, where planned so)
+    dense: int  # non-expert weights as the engine stores them (bf16, or projections in FP8)
     kv: int  # KV cache for max_context tokens, bf16
     workspace: int
     expert_stride: int  # bytes of one slot
@@ -61,21 +60,6 @@ class VramPlan:
         return asdict(self) | {"slots_bytes": self.slots, "total": self.total, "pool_share": self.pool_share}
 
 
-FP8_BLOCK = 128  # rows and columns of one scale's block in the FP8 releases (DeepSeek-V3, GLM-5)
-_FP8_LINEAR = re.compile(r"(?<!weights)_proj(_with_mqa)?\.weight$|\.indexer\.(wq_b|wk)\.weight$")
-
-
-def dense_bytes(shapes: dict[str, tuple[int, ...]], fp8: bool = False) -> int:
-    """Bytes of the non-expert tensors in bf16, or with `fp8` their linear projections as an FP8
-    release stores them (a byte a weight and an fp32 scale per 128 × 128 block; the embedding,
-    head, norms and router in bf16)."""
-    def size(name: str, shape: tuple[int, ...]) -> int:
-        if fp8 and len(shape) == 2 and _FP8_LINEAR.search(name):
-            return math.prod(shape) + 4 * math.ceil(shape[0] / FP8_BLOCK) * math.ceil(shape[1] / FP8_BLOCK)
-        return 2 * math.prod(shape)
-    return sum(size(name, shape) for name, shape in shapes.items())
-
-
 def kv_row_elements(spec: ModelSpec) -> int:
     """Elements one token keeps in one attention layer's cache: keys and values per KV head, or
     with latent attention the latent row, its rotary key and the indexer's key."""
@@ -85,8 +69,10 @@ def kv_row_elements(spec: ModelSpec) -> int:
     return ml.kv_lora_rank + ml.rope_dim + (ix.head_dim if ix is not None else 1)
 
 
-def plan_vram(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], budget: int, expert_stride: int,
-              pool_experts: int, max_context: int, dense_fp8: bool = False) -> VramPlan:
+def plan_vram(spec: ModelSpec, dense: int, budget: int, expert_stride: int, pool_experts: int,
+              max_context: int) -> VramPlan:
+    """The split of `budget` for an engine of `spec` whose dense tensors take `dense` bytes as it
+    stores them (`models.dense_layout`: bf16, or projections in FP8 where its dense_format says so)."""
     # Keys and values of the full-attention layers, and one sequence's Gated DeltaNet state (its
     # recurrent part fp32) in each linear layer: the "KV" share of the budget.
     kv = max_context * len(spec.full_attention_layers) * kv_row_elements(spec) * 2
@@ -95,7 +81,6 @@ def plan_vram(spec: ModelSpec, shapes: dict[str, tuple[int, ...]], budget: int, 
         conv = (2 * la.num_k_heads * la.k_head_dim + la.num_v_heads * la.v_head_dim) * (la.conv_kernel - 1) * 2
         kv += len(spec.linear_attention_layers) * (conv + la.num_v_heads * la.k_head_dim * la.v_head_dim * 4)
     workspace = LIBRARY_WORKSPACE + 4 * spec.vocab_size * 4 + 16 * spec.hidden_size * 4 * 64
-    dense = dense_bytes(shapes, dense_fp8)
     free = budget - dense - kv - workspace
     if free < expert_stride:
         raise VramError(f"--vram-budget {gib(budget)}: non-expert weights {gib(dense)}, KV cache for "

@@ -46,5 +46,8 @@ def checked_spec(data: Any, source: str = "spec") -> ModelSpec:
 
     spec, need = ModelSpec.from_dict(data, source), checker(source)
     need(spec.family in FAMILIES, "family", spec.family, "one of " + ", ".join(FAMILIES))
-    family(spec.family).check_spec(spec, need)
+    fam = family(spec.family)
+    fam.check_spec(spec, need)
+    need(spec.dense_format == "bf16" or fam.fp8_linears, "dense_format", spec.dense_format,
+         f"bf16 for family {spec.family} (its model reads no FP8 weights)")
     return spec

@@ -66,6 +66,9 @@ class Family:
     decode_graphs: type[DecodeGraphs] | None  # one decode step as CUDA graphs (None: eager)
     chat_template: str  # in chat/templates/: for engines whose checkpoint brings none
     tool_parser: str  # name in chat.tool_parsers.TOOL_PARSERS: how the family writes tool calls
+    # Name endings of the dense weights its model reads as FP8 blocks (`layers.fp8_linear`) where the
+    # spec's dense_format is fp8; none: the family holds its dense weights in bf16 only.
+    fp8_linears: tuple[str, ...] = ()
 
     @property
     def chat_template_path(self) -> Path:

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ftc_runtime.cache.kv import INITIAL_CAPACITY
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.decode.graphs import EAGER_FUNCTIONS, DecodeGraphs
 from ftc_runtime.models.layers.dsa_indexer import index_scores, indexer_keys, select_key_indices
+from ftc_runtime.models.layers.fp8_linear import BlockFp8, linear
 from ftc_runtime.models.layers.mla import attend_cached, mla_in
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm
@@ -37,6 +37,9 @@ class LatentDecodeGraphs(DecodeGraphs):
         # The keys each (layer, row) attended to in the step being run or captured: a mask over the
         # storage, or the indexer's chosen columns and which of them it sees (`attend_cached`).
         self._seen: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+        if any(isinstance(w, BlockFp8) for w in model.w.values()):
+            # Their FP8 projections are a Triton gemv each, which torch.compile would not fuse.
+            self.eager_functions = (*self.eager_functions, "mla_in", "indexer_keys", "index_scores", "dense_mlp")
         super().__init__(model, compile_fns, fused_body)
 
     def functions(self) -> dict[str, Callable]:
@@ -63,7 +66,7 @@ class LatentDecodeGraphs(DecodeGraphs):
         self._join_previous(i)
         h = f["rms_norm"](io.x, m.w[p + "input_layernorm.weight"], eps)
         attn = self.per_sequence(lambda r, cache: self._attend(i, r, h[r:r + 1], cache), caches)
-        io.x.add_(F.linear(attn, m.w[p + "self_attn.o_proj.weight"]))
+        io.x.add_(linear(attn, m.w[p + "self_attn.o_proj.weight"]))
         h = f["rms_norm"](io.x, m.w[p + "post_attention_layernorm.weight"], eps)
         if m.is_moe(i):
             ids, weights = f["route_sigmoid"](h, *self._router_args(i))

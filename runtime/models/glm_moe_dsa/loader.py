@@ -9,6 +9,11 @@ from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.models.layers.tensor_shapes import end_tensor_shapes, mlp_tensor_shapes
 from ftc_runtime.spec import ModelSpec, Need, SpecError
 
+# The projections an FP8 release stores in FP8 and the model reads through `linear`. kv_b_proj stays
+# bf16: decode reads it as per-head blocks of the absorbed attention, not as one linear layer.
+FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight",
+               "indexer.wq_b.weight", "indexer.wk.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
 
 def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every non-expert tensor of the model, by checkpoint name, with its shape."""

@@ -24,6 +24,7 @@ from ftc_runtime.models.layers.dsa_indexer import (
     select_key_indices,
     select_keys,
 )
+from ftc_runtime.models.layers.fp8_linear import BlockFp8, linear
 from ftc_runtime.models.layers.mla import MlaShape, attend_cached, mla_in
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm
@@ -48,8 +49,7 @@ class GlmMoeDsaModel:
         self.spec, self.experts, self.device = spec, experts, torch.device(device)
         self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         self.embed = weights["model.embed_tokens.weight"].to(self.device)
-        self.w = {k: v.to(self.device, torch.float32 if k.endswith(FP32_TENSORS) else self.dtype)
-                  for k, v in weights.items() if k != "model.embed_tokens.weight"}
+        self.w = {k: self._placed(k, v) for k, v in weights.items() if k != "model.embed_tokens.weight"}
         self.lm_head = self.embed.to(self.dtype) if spec.tie_word_embeddings else self.w["lm_head.weight"]
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         a, ml, ix = spec.attention, spec.mla, spec.indexer
@@ -59,6 +59,13 @@ class GlmMoeDsaModel:
         self.indexer = None if ix is None else IndexerShape(ix.num_heads, ix.head_dim, ml.rope_dim, ix.top_k)
         self.inv_freq = rope_inv_freq(spec).to(self.device)
         self.decode_graphs = None  # LatentDecodeGraphs, set by the engine on a GPU
+
+    def _placed(self, name: str, w: torch.Tensor | BlockFp8) -> torch.Tensor | BlockFp8:
+        """Weight `name` on the model's device: FP8 blocks as stored, the rest in the activations'
+        dtype (fp32 where transformers keeps fp32)."""
+        if isinstance(w, BlockFp8):
+            return w.to(self.device)
+        return w.to(self.device, torch.float32 if name.endswith(FP32_TENSORS) else self.dtype)
 
     def new_cache(self) -> SequenceCache:
         """Per layer and token the latent row and the shared rotary key (as the cache's keys) and
@@ -149,7 +156,7 @@ class GlmMoeDsaModel:
                                       index_keys[:, 0], cos, sin, self.indexer)
                 visible = select_key_indices(scores, positions, self.indexer.top_k)
             out = attend_cached(q_nope, q_rope, rows[:, 0], w[p + "kv_b_proj.weight"], visible, self.mla)
-            return F.linear(out, w[p + "o_proj.weight"]), visible
+            return linear(out, w[p + "o_proj.weight"]), visible
         outs, seen = [], []
         # In blocks of queries: the scores of a block are [heads, block, tokens so far], not of the whole prompt.
         for b in range(0, h.shape[0], QUERY_BLOCK):
@@ -166,7 +173,7 @@ class GlmMoeDsaModel:
             outs.append(attend_cached(q_nope[q], q_rope[q], rows[:, 0], w[p + "kv_b_proj.weight"], seen[-1],
                                       self.mla))
         out, visible = torch.cat(outs), torch.cat(seen)
-        return F.linear(out, w[p + "o_proj.weight"]), visible
+        return linear(out, w[p + "o_proj.weight"]), visible
 
     def mlp(self, i: int, h: torch.Tensor, first_position: int) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."

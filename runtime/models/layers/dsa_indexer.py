@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ftc_runtime.models.layers.fp8_linear import linear
 from ftc_runtime.models.layers.mla import interleaved_rope
 
 KEY_NORM_EPS = 1e-6  # the key LayerNorm's eps, fixed by the reference (not in the config)
@@ -32,7 +33,7 @@ def indexer_keys(x: torch.Tensor, wk_w: torch.Tensor, k_norm_w: torch.Tensor, k_
                  cos: torch.Tensor, sin: torch.Tensor, shape: IndexerShape) -> torch.Tensor:
     """The indexer keys [T, head_dim] of the normalized input x [T, hidden] (one head, shared by the
     indexer's query heads): LayerNorm of wk x, then RoPE of its first rope_dim dims."""
-    k = F.layer_norm(F.linear(x, wk_w), (shape.head_dim,), k_norm_w, k_norm_b, KEY_NORM_EPS)
+    k = F.layer_norm(linear(x, wk_w), (shape.head_dim,), k_norm_w, k_norm_b, KEY_NORM_EPS)
     return _partial_rope(k[:, None, :], cos, sin, shape.rope_dim)[:, 0]
 
 
@@ -44,7 +45,7 @@ def index_scores(x: torch.Tensor, q_resid: torch.Tensor, wq_b_w: torch.Tensor, w
     The scores are selected by rank, so fp32 throughout, as the reference, lest bf16 rounding reorder
     them. Holds [T, heads, C] fp32 at once: a long prompt is scored in chunks of queries."""
     t = x.shape[0]
-    q = F.linear(q_resid, wq_b_w).view(t, shape.num_heads, shape.head_dim)
+    q = linear(q_resid, wq_b_w).view(t, shape.num_heads, shape.head_dim)
     q = _partial_rope(q, cos, sin, shape.rope_dim)
     per_head = torch.relu(torch.matmul(q.float(), keys.float().T) * shape.head_dim ** -0.5)  # [T, heads, C]
     # [T, heads] in the weight's dtype (fp32 on every device), x converted to it as transformers does

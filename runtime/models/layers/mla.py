@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from ftc_runtime.models.layers.fp8_linear import linear
 from ftc_runtime.models.layers.norm import rms_norm
 
 
@@ -47,10 +47,10 @@ def mla_in(x: torch.Tensor, q_a_w: torch.Tensor, q_a_norm_w: torch.Tensor, q_b_w
     Weights as in the checkpoint: q_a [q_lora, hidden], q_b [heads · (nope + rope), q_lora],
     kv_a [kv_lora + rope, hidden]; no biases."""
     t = x.shape[0]
-    q_resid = rms_norm(F.linear(x, q_a_w), q_a_norm_w, shape.eps)
-    q = F.linear(q_resid, q_b_w).view(t, shape.num_heads, shape.nope_dim + shape.rope_dim)
+    q_resid = rms_norm(linear(x, q_a_w), q_a_norm_w, shape.eps)
+    q = linear(q_resid, q_b_w).view(t, shape.num_heads, shape.nope_dim + shape.rope_dim)
     q_nope, q_rope = q.split((shape.nope_dim, shape.rope_dim), dim=-1)
-    latent, k_rope = F.linear(x, kv_a_w).split((shape.kv_lora_rank, shape.rope_dim), dim=-1)
+    latent, k_rope = linear(x, kv_a_w).split((shape.kv_lora_rank, shape.rope_dim), dim=-1)
     latent = rms_norm(latent, kv_a_norm_w, shape.eps)
     k_rope = interleaved_rope(k_rope[:, None, :], cos, sin)[:, 0]  # one key head, shared by all query heads
     return q_nope, interleaved_rope(q_rope, cos, sin), latent, k_rope, q_resid

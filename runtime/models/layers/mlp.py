@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ftc_runtime.models.layers.fp8_linear import linear
+
 
 def dense_mlp(h: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
+    return linear(F.silu(linear(h, gate_w)) * linear(h, up_w), down_w)
 
 
 def shared_expert(h: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
