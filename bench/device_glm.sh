@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
 # Issue 21's device run, one call of under 10 minutes (carry .whl):  bash bench/device_glm.sh OUT_DIR 1
-# First the GPU tests of the GLM family, of batched graphs and of the doorbell (a call without CPU
-# experts posts no job); then GLM-5.2's real shapes cut to 14 layers (11 MoE layers, a 59.8 GB NVFP4 pool of random
-# weights in memory: what one call's time allows; the host's 128 GiB would hold about 20) at the
-# share of the pool a 96 GB card caches of the whole model (16.0%; 446 slots, 15.8%, at 19 GiB
-# here): decode and prefill against the bound, beside `ftc inspect`'s prediction of the same cut.
+# First the GPU tests of the GLM family (bf16 and FP8 projections), of batched graphs, of the
+# doorbell (a call without CPU experts posts no job) and of the FP8 kernels; then GLM-5.2's real
+# shapes cut to 16 layers (13 MoE layers, a 70.7 GB NVFP4 pool of random weights in memory: what
+# one call's time and the host's 128 GiB allow) at the share of the pool a 96 GB card caches of the
+# whole model (16.0% with bf16 projections: 532 slots at 21.5 GiB here, at least the 2 × 256 that
+# prompt chunks stream through, as on that card): decode and prefill against the bound, beside
+# `ftc inspect`'s prediction of the cut and of the whole model on rtx-pro-6000; then, in the time
+# left, the same cut with FP8 projections at that card's FP8 share (19.8%: 20.6 GiB here).
 source bench/device_setup.sh "$@"
+end=$(( $(date +%s) + 570 ))
 glm=model_specs/glm-5.2.yaml
-cut="--override num_layers=14"
-budget=19GiB
-timeout 190 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
-  -k "glm or batched or doorbell or wait_tunes or device_step" 2>&1 | tee "$out/pytest_gpu.txt" \
-  | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
-ftc inspect $glm --target h200 --vram-budget $budget $cut > "$out/glm_inspect.txt" 2>&1
-grep -E "expert slots|decode|prefill|tok/s" "$out/glm_inspect.txt"
-FTC_DEVICE_PLAN=1 timeout 360 python3 bench/decode_matrix.py $glm --target h200 --vram-budget $budget $cut \
-  --policies adaptive --routings uniform --new-tokens 34 --prefill-lengths 2048,8192 -o "$out/glm" \
-  > "$out/glm.log" 2>&1
+cut="--override num_layers=16"
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
+  tests/test_fp8_linear.py -k "glm or batched or doorbell or wait_tunes or device_step_graphs or fp8" 2>&1 \
+  | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
+for args in "$cut --vram-budget 21.5GiB" "$cut --vram-budget 20.6GiB --dense-format fp8" \
+            "--target rtx-pro-6000 --vram-budget 96GiB"; do
+  ftc inspect $glm --target h200 $args 2>&1 | tee -a "$out/glm_inspect.txt" | grep -E "expert slots|decode \(|prefill"
+done
+export FTC_DEVICE_PLAN=1
+timeout $(( end - $(date +%s) < 330 ? end - $(date +%s) : 330 )) python3 bench/decode_matrix.py $glm --target h200 \
+  --vram-budget 21.5GiB $cut --policies adaptive --routings uniform --new-tokens 34 --prefill-lengths 2048,8192 \
+  -o "$out/glm" > "$out/glm.log" 2>&1
 echo "glm rc $?"; grep -E "tok/s|in memory" "$out/glm.log" || tail -c 2000 "$out/glm.log"
+timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $glm --target h200 --vram-budget 20.6GiB $cut \
+  --override dense_format=fp8 --policies adaptive --routings uniform --new-tokens 34 -o "$out/glm_fp8" \
+  > "$out/glm_fp8.log" 2>&1
+echo "glm fp8 rc $?"; grep -E "tok/s|in memory" "$out/glm_fp8.log" || tail -c 1500 "$out/glm_fp8.log"

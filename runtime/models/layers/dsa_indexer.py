@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ftc_runtime.models.layers.fp8_linear import linear
+from ftc_runtime.models.layers.fp8_linear import Weight, linear
 from ftc_runtime.models.layers.mla import interleaved_rope
 
 KEY_NORM_EPS = 1e-6  # the key LayerNorm's eps, fixed by the reference (not in the config)
@@ -29,7 +29,7 @@ def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_di
     return torch.cat((interleaved_rope(x[..., :rope_dim], cos, sin), x[..., rope_dim:]), dim=-1)
 
 
-def indexer_keys(x: torch.Tensor, wk_w: torch.Tensor, k_norm_w: torch.Tensor, k_norm_b: torch.Tensor,
+def indexer_keys(x: torch.Tensor, wk_w: Weight, k_norm_w: torch.Tensor, k_norm_b: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, shape: IndexerShape) -> torch.Tensor:
     """The indexer keys [T, head_dim] of the normalized input x [T, hidden] (one head, shared by the
     indexer's query heads): LayerNorm of wk x, then RoPE of its first rope_dim dims."""
@@ -37,7 +37,7 @@ def indexer_keys(x: torch.Tensor, wk_w: torch.Tensor, k_norm_w: torch.Tensor, k_
     return _partial_rope(k[:, None, :], cos, sin, shape.rope_dim)[:, 0]
 
 
-def index_scores(x: torch.Tensor, q_resid: torch.Tensor, wq_b_w: torch.Tensor, weights_proj_w: torch.Tensor,
+def index_scores(x: torch.Tensor, q_resid: torch.Tensor, wq_b_w: Weight, weights_proj_w: torch.Tensor,
                  keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: IndexerShape) -> torch.Tensor:
     """fp32 scores [T, C] of C cached keys [C, head_dim] for T queries: x [T, hidden] the normalized
     input, q_resid [T, q_lora] MLA's low-rank query (`mla_in`). score[t, c] = Σ_h w[t, h] ·

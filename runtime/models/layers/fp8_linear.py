@@ -86,13 +86,16 @@ class BlockFp8:
         return w.to(dtype)
 
 
+Weight = torch.Tensor | BlockFp8  # a linear layer's weight: plain, or FP8 blocks
+
+
 @functools.cache
 def has_fp8_conversion(device: torch.device) -> bool:
     """Whether Triton converts e4m3 on this GPU: compute capability 8.9 (Ada) and later."""
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | BlockFp8, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for a plain weight or a `BlockFp8` one, x [..., K] → [..., N]: the
     FP8 gemv for a decode step's rows on the GPU, else the weight dequantized to x's dtype."""
     if not isinstance(w, BlockFp8):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ftc_runtime.models.layers.fp8_linear import linear
+from ftc_runtime.models.layers.fp8_linear import Weight, linear
 from ftc_runtime.models.layers.norm import rms_norm
 
 
@@ -38,8 +38,8 @@ def interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
 
 
-def mla_in(x: torch.Tensor, q_a_w: torch.Tensor, q_a_norm_w: torch.Tensor, q_b_w: torch.Tensor,
-           kv_a_w: torch.Tensor, kv_a_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def mla_in(x: torch.Tensor, q_a_w: Weight, q_a_norm_w: torch.Tensor, q_b_w: Weight,
+           kv_a_w: Weight, kv_a_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            shape: MlaShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The projections of the normalized input x [T, hidden]: q_nope [T, heads, nope], the rotated
     q_rope [T, heads, rope], the normalized latent [T, kv_lora] and the rotated k_rope [T, rope] (the
