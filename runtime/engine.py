@@ -43,7 +43,7 @@ from ftc_runtime.experts.vram_plan import VramPlan, plan_vram
 from ftc_runtime.io import ftw
 from ftc_runtime.models import family
 from ftc_runtime.models.dense_layout import FP8_BLOCK, StoredTensors, fp8_names, scale_name, stored_bytes
-from ftc_runtime.models.layers.fp8_linear import BlockFp8
+from ftc_runtime.models.layers.fp8_linear import BlockFp8, has_fp8_conversion
 from ftc_runtime.sampling import Sampler, SamplingParams
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec
@@ -136,6 +136,7 @@ class Engine:
         if offload is None:
             return cls(manifest, tokenizer, fam.model(spec, dense, CpuExperts(pool, kernel)), pool,
                        prefill_chunk=prefill_chunk, chat_template=checked.chat_template)
+        _check_fp8_device(spec, torch.device(offload.device))
         vram = _vram_plan(manifest, offload, stored, pool)
         if offload.cpu_experts:
             print("ftc: --cpu-experts: every routed expert runs on the CPU; only activations cross PCIe",
@@ -321,6 +322,16 @@ def _load_dense(path: Path, spec: ModelSpec) -> dict[str, torch.Tensor | BlockFp
     for name in fp8_names(spec):
         tensors[name] = BlockFp8(tensors[name], tensors.pop(scale_name(name)), FP8_BLOCK)
     return tensors
+
+
+def _check_fp8_device(spec: ModelSpec, device: torch.device) -> None:
+    """FP8 projections need a GPU whose Triton converts e4m3 (compute capability 8.9 on): on an
+    older one each decode step would dequantize every weight again."""
+    if fp8_names(spec) and device.type == "cuda" and not has_fp8_conversion(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"{spec.name}: its projections are FP8 (dense_format fp8), which this GPU (compute "
+                         f"capability {major}.{minor}) reads only from 8.9 on (Ada, Hopper, Blackwell): compile "
+                         "the engine with --dense-format bf16 for it")
 
 
 def _load_pool(manifest: EngineManifest, show_progress: bool) -> ftw.ExpertPool:

@@ -184,3 +184,17 @@ def test_a_dense_format_the_family_cannot_read_is_refused(spec_name, value, mess
 
 def test_the_cli_dense_formats_are_the_specs():
     assert [f.value for f in DenseFormat] == list(DENSE_FORMATS)
+
+
+def test_a_gpu_without_fp8_conversion_is_refused_naming_the_way_out(monkeypatch):
+    """Before Ada (compute capability 8.9) Triton has no e4m3 conversion: an engine of FP8
+    projections is refused there, saying to compile with --dense-format bf16; bf16 loads."""
+    from ftc_runtime import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "has_fp8_conversion", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    fp8 = load_spec(SPECS / "glm-5-tiny.yaml", ["dense_format=fp8"])[0]
+    with pytest.raises(ValueError, match=r"compute capability 8.6.*--dense-format bf16"):
+        engine_module._check_fp8_device(fp8, torch.device("cuda"))
+    engine_module._check_fp8_device(load_spec(SPECS / "glm-5-tiny.yaml")[0], torch.device("cuda"))
+    engine_module._check_fp8_device(fp8, torch.device("cpu"))
