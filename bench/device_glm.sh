@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 21's device run, one call of under 10 minutes (carry .whl):  bash bench/device_glm.sh OUT_DIR 1
+# Issue 21's device runs, each one call of under 10 minutes (carry .whl):  bash bench/device_glm.sh OUT_DIR PART
+# Part 1:
 # First the GPU tests of the GLM family (bf16 and FP8 projections), of batched graphs, of the
 # doorbell (a call without CPU experts posts no job) and of the FP8 kernels; then GLM-5.2's real
 # shapes cut to 16 layers (13 MoE layers, a 70.7 GB NVFP4 pool of random weights in memory: what
@@ -8,10 +9,18 @@
 # prompt chunks stream through, as on that card): decode and prefill against the bound, beside
 # `ftc inspect`'s prediction of the cut and of the whole model on rtx-pro-6000; then, in the time
 # left, the same cut with FP8 projections at that card's FP8 share (19.8%: 20.6 GiB here).
+# Part 2: that FP8 cut alone, decode and prefill.
 source bench/device_setup.sh "$@"
 end=$(( $(date +%s) + 570 ))
 glm=model_specs/glm-5.2.yaml
 cut="--override num_layers=16"
+if [ "$part" = 2 ]; then
+  FTC_DEVICE_PLAN=1 timeout 560 python3 bench/decode_matrix.py $glm --target h200 --vram-budget 20.6GiB $cut \
+    --override dense_format=fp8 --policies adaptive --routings uniform --new-tokens 34 --prefill-lengths 2048,8192 \
+    -o "$out/glm_fp8" > "$out/glm_fp8.log" 2>&1
+  echo "glm fp8 rc $?"; grep -E "tok/s|in memory" "$out/glm_fp8.log" || tail -c 1500 "$out/glm_fp8.log"
+  exit 0
+fi
 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
   tests/test_fp8_linear.py -k "glm or batched or doorbell or wait_tunes or device_step_graphs or fp8" 2>&1 \
   | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
