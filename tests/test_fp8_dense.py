@@ -198,3 +198,15 @@ def test_a_gpu_without_fp8_conversion_is_refused_naming_the_way_out(monkeypatch)
         engine_module._check_fp8_device(fp8, torch.device("cuda"))
     engine_module._check_fp8_device(load_spec(SPECS / "glm-5-tiny.yaml")[0], torch.device("cuda"))
     engine_module._check_fp8_device(fp8, torch.device("cpu"))
+
+
+def test_compile_takes_the_dense_format_from_its_option(tmp_path, seed):
+    """`ftc compile --dense-format fp8` on a spec: the engine's spec says fp8, and inspect shows it."""
+    out = tmp_path / "engine"
+    r = CliRunner().invoke(app, ["compile", str(SPECS / "glm-5-tiny.yaml"), "--random-weights", "--seed", str(seed),
+                                 "--target", "cpu", "--dense-format", "fp8", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert check_engine(out).manifest.spec.dense_format == "fp8"
+    r = CliRunner().invoke(app, ["compile", str(SPECS / "glm-5-tiny.yaml"), "--random-weights", "--dense-format",
+                                 "fp4", "-o", str(tmp_path / "other")])
+    assert r.exit_code == 2 and "--dense-format" in r.output
