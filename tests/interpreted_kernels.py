@@ -31,6 +31,7 @@ from ftc_runtime.models.layers.fp8_linear import BlockFp8
 from ftc_runtime.models.layers.gated_attention import gated_attention_out
 from ftc_runtime.models.layers.gated_deltanet import DeltaNetShape, delta_rule, finish, project
 from ftc_runtime.models.layers.gemv_kernel import linear_gpu
+from ftc_runtime.models.layers.mla import MlaShape, _sparse_attention_gpu, mla_attention
 from ftc_runtime.models.layers.mlp import shared_expert
 from ftc_runtime.models.layers.norm import rms_norm
 from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
@@ -207,6 +208,28 @@ def check_fp8_gemv(rng: random.Random, g: torch.Generator) -> None:
         assert got.dtype == dtype and got.shape == (t, n) and err < tol, what
 
 
+def check_sparse_latent_attention(rng: random.Random, g: torch.Generator) -> None:
+    """GLM's sparse latent attention on the chosen rows, read in place, against `mla_attention` on
+    those rows gathered (fp32): head counts that fill part of a block of heads, latent and rotary
+    widths below and above a tile, chosen columns with repeats, in one span or several, a random
+    part of them seen (at least one)."""
+    for trial in range(4):
+        heads, kv, rope = rng.choice([(4, 16, 8), (20, 64, 16), (3, 32, 24)])
+        nope, v, capacity = rng.choice([8, 16]), rng.choice([12, 16]), rng.choice([40, 300])
+        k = rng.choice([5, 32, 200])
+        shape = MlaShape(heads, 32, kv, nope, rope, v, 1e-6, (nope + rope) ** -0.5)
+        rows = torch.randn(capacity, kv + rope, generator=g)
+        columns = torch.randint(0, capacity, (1, k), generator=g)
+        seen = torch.rand(1, k, generator=g) < rng.choice([0.3, 1.0])
+        seen[0, rng.randrange(k)] = True
+        q_nope, q_rope = torch.randn(1, heads, nope, generator=g), torch.randn(1, heads, rope, generator=g)
+        kv_b = torch.randn(heads * (nope + v), kv, generator=g) / kv ** 0.5
+        want = mla_attention(q_nope, q_rope, rows[columns[0], :kv], rows[columns[0], kv:], kv_b, seen, shape)
+        got = _sparse_attention_gpu(q_nope, q_rope, rows, kv_b, columns[0], seen[0], shape)
+        what = f"sparse latent attention, trial {trial}: {heads} heads, {kv} + {rope}, {k} columns"
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4), what
+
+
 def check_qk_rope(rng: random.Random, g: torch.Generator) -> None:
     for trial in range(6):
         n_kv, group, d = rng.choice([1, 2, 4]), rng.choice([1, 3, 8]), rng.choice([16, 24, 64, 128])
@@ -332,6 +355,7 @@ def main() -> None:
     check_fp8_gemv(rng, g)
     check_gemv_gates(rng, g)
     check_qk_rope(rng, g)
+    check_sparse_latent_attention(rng, g)
     check_deltanet_step(rng, g)
     check_replay(rng, g)
     print("ok")

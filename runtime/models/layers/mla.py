@@ -83,9 +83,27 @@ def attend_cached(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor
     """`mla_attention` over a cache's rows [C, kv_lora + rope] (each token's latent, then its
     rotary key): `visible` a mask [T, C], or for one query the columns of the rows it was given
     and which of them it sees ([1, k] each; the DSA indexer's choice), those rows gathered first,
-    so that the step reads k rows however long the cache."""
+    so that the step reads k rows however long the cache (on a GPU one kernel reads them in place,
+    `sparse_mla_kernel`)."""
+    kv = shape.kv_lora_rank
     if isinstance(visible, tuple):
         columns, visible = visible
+        if rows.is_cuda:
+            return _sparse_attention_gpu(q_nope, q_rope, rows, kv_b_w, columns[0], visible[0], shape)
         rows = rows[columns[0]]
-    kv = shape.kv_lora_rank
     return mla_attention(q_nope, q_rope, rows[:, :kv], rows[:, kv:], kv_b_w, visible, shape)
+
+
+def _sparse_attention_gpu(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor, kv_b_w: torch.Tensor,
+                          columns: torch.Tensor, seen: torch.Tensor, shape: MlaShape) -> torch.Tensor:
+    """`mla_attention` of one query over the chosen rows on the GPU: the absorbed query, the
+    attention over the rows in place, the values' up-projection."""
+    from ftc_runtime.models.layers.sparse_mla_kernel import sparse_latent_attention_gpu
+
+    h = shape.num_heads
+    w = kv_b_w.view(h, shape.nope_dim + shape.v_dim, shape.kv_lora_rank)
+    w_uk, w_uv = w[:, :shape.nope_dim], w[:, shape.nope_dim:]
+    q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk)[:, 0]  # [heads, kv_lora]
+    ctx = sparse_latent_attention_gpu(torch.cat([q_lat, q_rope[0]], dim=-1), rows, columns, seen,
+                                      shape.kv_lora_rank, shape.scale)
+    return torch.matmul(ctx.to(rows.dtype)[:, None], w_uv.transpose(1, 2)).transpose(0, 1).reshape(1, h * shape.v_dim)

@@ -1,0 +1,105 @@
+"""Sparse latent attention of one query on the GPU (GLM-5.x's decode step): every head's absorbed
+query against the k latent rows the DSA indexer chose, read straight from the cache's storage by
+their columns, never gathered into a copy (`mla.attend_cached` on the CPU gathers, then runs torch).
+
+- `_partial`, one program per (block of heads, span of the chosen columns): scores of the heads'
+  queries [latent | rope] against the span's rows, masked to the columns the query sees, an online
+  softmax in fp32 ("flash decoding"), the span's maximum, sum and weighted latents;
+- `_combine`, one program per block of heads: the spans rescaled to the global maximum and summed.
+
+A span whose columns the query sees none of keeps a maximum of -inf and adds nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+HEADS = 16  # heads per program: the smallest tile of a tensor-core product
+SPAN = 128  # chosen columns per program of `_partial`
+BLOCK_N = 16  # columns per step
+
+
+@triton.jit
+def _partial(q, rows, columns, seen, acc_out, max_out, sum_out, H, K, row_stride, spans, scale,
+             R: tl.constexpr, P: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr, BH: tl.constexpr,
+             BLOCK_N: tl.constexpr, SPAN: tl.constexpr):
+    hb, s = tl.program_id(0), tl.program_id(1)
+    h = hb * BH + tl.arange(0, BH)
+    r, p = tl.arange(0, RP), tl.arange(0, PP)
+    h_ok = h < H
+    # Tiles in fp32 and full-precision products: the interpreter (the CPU tests) makes NaN of 16-bit ones.
+    q_lat = tl.load(q + h[:, None] * (R + P) + r[None, :], mask=h_ok[:, None] & (r[None, :] < R),
+                    other=0.0).to(tl.float32)
+    q_rope = tl.load(q + h[:, None] * (R + P) + R + p[None, :], mask=h_ok[:, None] & (p[None, :] < P),
+                     other=0.0).to(tl.float32)
+    m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, RP], dtype=tl.float32)
+    for step in range(0, SPAN, BLOCK_N):
+        j = s * SPAN + step + tl.arange(0, BLOCK_N)
+        in_range = j < K
+        col = tl.load(columns + j, mask=in_range, other=0)
+        ok = in_range & (tl.load(seen + j, mask=in_range, other=0) != 0)
+        row = rows + col.to(tl.int64)[:, None] * row_stride
+        lat = tl.load(row + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
+        k_rope = tl.load(row + R + p[None, :], mask=ok[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)
+        scores = (tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
+                  + tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee")) * scale
+        scores = tl.where(ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN from -inf - -inf
+        alpha = tl.exp(m_i - m_safe)
+        weights = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(weights, 1)
+        acc = acc * alpha[:, None] + tl.dot(weights, lat, input_precision="ieee")
+        m_i = m_new
+    at = (hb * spans + s) * BH + tl.arange(0, BH)
+    tl.store(acc_out + at[:, None] * RP + r[None, :], acc)
+    tl.store(max_out + at, m_i)
+    tl.store(sum_out + at, l_i)
+
+
+@triton.jit
+def _combine(acc_in, max_in, sum_in, out, H, R: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr,
+             SPANS: tl.constexpr, SPANS_P: tl.constexpr):
+    hb = tl.program_id(0)
+    h, r = hb * BH + tl.arange(0, BH), tl.arange(0, RP)
+    s_all = tl.arange(0, SPANS_P)
+    maxima = tl.load(max_in + (hb * SPANS + s_all[:, None]) * BH + tl.arange(0, BH)[None, :],
+                     mask=s_all[:, None] < SPANS, other=float("-inf"))
+    top = tl.max(maxima, 0)  # finite: the query sees at least one column
+    num = tl.zeros([BH, RP], dtype=tl.float32)
+    den = tl.zeros([BH], dtype=tl.float32)
+    for s in range(0, SPANS):
+        at = (hb * SPANS + s) * BH + tl.arange(0, BH)
+        w = tl.exp(tl.load(max_in + at) - top)
+        num += tl.load(acc_in + at[:, None] * RP + r[None, :]) * w[:, None]
+        den += tl.load(sum_in + at) * w
+    tl.store(out + h[:, None] * R + r[None, :], num / den[:, None], mask=(h[:, None] < H) & (r[None, :] < R))
+
+
+def sparse_latent_attention_gpu(q: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, seen: torch.Tensor,
+                                kv_lora: int, scale: float) -> torch.Tensor:
+    """Softmax attention of q [heads, kv_lora + rope] (each head's absorbed query, then its rotary
+    query) over the rows [C, kv_lora + rope] of the storage at `columns` (int64 [k]) that `seen`
+    (bool [k], at least one true) marks, the latent part of those rows as values: [heads, kv_lora]
+    fp32, before the values' up-projection."""
+    heads, width = q.shape
+    if rows.shape[1] != width or rows.stride(1) != 1 or columns.shape != seen.shape or columns.dim() != 1:
+        raise ValueError(f"sparse latent attention: q {list(q.shape)}, rows {list(rows.shape)} (strides "
+                         f"{list(rows.stride())}), columns {list(columns.shape)} and seen {list(seen.shape)}")
+    k, rope = columns.shape[0], width - kv_lora
+    blocks, spans = triton.cdiv(heads, HEADS), triton.cdiv(k, SPAN)
+    rp, pp = max(16, triton.next_power_of_2(kv_lora)), max(16, triton.next_power_of_2(rope))
+    partial = torch.empty(blocks, spans, HEADS, rp, dtype=torch.float32, device=q.device)
+    maxima = torch.empty(blocks, spans, HEADS, dtype=torch.float32, device=q.device)
+    sums = torch.empty_like(maxima)
+    out = torch.empty(heads, kv_lora, dtype=torch.float32, device=q.device)
+    _partial[(blocks, spans)](q.contiguous(), rows, columns, seen.to(torch.int8), partial, maxima, sums, heads, k,
+                              rows.stride(0), spans, scale, R=kv_lora, P=rope, RP=rp, PP=pp, BH=HEADS,
+                              BLOCK_N=BLOCK_N, SPAN=SPAN, num_warps=8 if rp > 128 else 4)
+    _combine[(blocks,)](partial, maxima, sums, out, heads, R=kv_lora, RP=rp, BH=HEADS, SPANS=spans,
+                        SPANS_P=triton.next_power_of_2(spans))
+    return out
