@@ -10,10 +10,21 @@
 # `ftc inspect`'s prediction of the cut and of the whole model on rtx-pro-6000; then, in the time
 # left, the same cut with FP8 projections at that card's FP8 share (19.8%: 20.6 GiB here).
 # Part 2: that FP8 cut alone, decode and prefill.
+# Part 3: the sparse latent attention kernel's GPU tests (alone, then inside GLM's decode graphs),
+# then the FP8 cut's decode and its 2048-token prefill in the time left.
 source bench/device_setup.sh "$@"
 end=$(( $(date +%s) + 570 ))
 glm=model_specs/glm-5.2.yaml
 cut="--override num_layers=16"
+if [ "$part" = 3 ]; then
+  timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_glm_layers.py tests/test_gpu.py \
+    -k "sparse_latent or glm_decode_graphs" 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR"
+  FTC_DEVICE_PLAN=1 timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $glm --target h200 \
+    --vram-budget 20.6GiB $cut --override dense_format=fp8 --policies adaptive --routings uniform --new-tokens 34 \
+    --prefill-lengths 2048 -o "$out/glm_fp8" > "$out/glm_fp8.log" 2>&1
+  echo "glm fp8 rc $?"; grep -E "tok/s|in memory" "$out/glm_fp8.log" || tail -c 1500 "$out/glm_fp8.log"
+  exit 0
+fi
 if [ "$part" = 2 ]; then
   FTC_DEVICE_PLAN=1 timeout 560 python3 bench/decode_matrix.py $glm --target h200 --vram-budget 20.6GiB $cut \
     --override dense_format=fp8 --policies adaptive --routings uniform --new-tokens 34 --prefill-lengths 2048,8192 \

@@ -202,3 +202,32 @@ def test_top_k_selection_breaks_ties_for_the_latest_key(seed):
                             reverse=True)[:top_k]
             assert set(torch.nonzero(mask[r]).flatten().tolist()) == set(ranked), f"row {r} of {t}: mask"
             assert columns[r][chosen[r]].tolist() == ranked, f"row {r} of {t}: columns in rank order"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv,rope,nope,v,k,capacity,dtype", [
+    (64, 512, 64, 192, 256, 2048, 5000, torch.bfloat16),  # GLM-5.2's decode step past its top_k
+    (20, 64, 16, 16, 12, 200, 300, torch.float32),  # heads filling part of a block; k not a multiple of a span
+    (3, 32, 24, 8, 16, 5, 40, torch.float32)])
+def test_sparse_latent_attention_kernel_matches_torch(seed, heads, kv, rope, nope, v, k, capacity, dtype):
+    """The Triton sparse latent attention (one query over the indexer's chosen rows, read in place in
+    the storage) against `mla_attention` in fp64 on those rows gathered on the CPU: chosen columns
+    with repeats, part of them seen."""
+    from ftc_runtime.models.layers.mla import _sparse_attention_gpu
+
+    g = torch.Generator().manual_seed(seed)
+    shape = MlaShape(heads, 32, kv, nope, rope, v, 1e-6, (nope + rope) ** -0.5)
+    rows = torch.randn(capacity, kv + rope, generator=g).to(dtype)
+    columns = torch.randint(0, capacity, (k,), generator=g)
+    seen = torch.rand(k, generator=g) < 0.7
+    seen[k // 2] = True
+    q_nope, q_rope = (torch.randn(1, heads, d, generator=g).to(dtype) for d in (nope, rope))
+    kv_b = (torch.randn(heads * (nope + v), kv, generator=g) / kv ** 0.5).to(dtype)
+    gathered = rows[columns].double()
+    want = mla_attention(q_nope.double(), q_rope.double(), gathered[:, :kv], gathered[:, kv:], kv_b.double(),
+                         seen[None], shape)
+    got = _sparse_attention_gpu(q_nope.cuda(), q_rope.cuda(), rows.cuda(), kv_b.cuda(), columns.cuda(),
+                                seen.cuda(), shape).cpu()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    err = relative_error(got.double(), want)
+    assert got.dtype == dtype and got.shape == want.shape and err < tol, f"{heads} heads, {k} columns: {err:.2e}"
