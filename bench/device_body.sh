@@ -15,6 +15,7 @@
 #                                         (bf16 32 GiB, mxfp4 8 GiB), qwen3.6 nvfp4 8 GiB profiled (its fused body)
 #   bash bench/device_body.sh OUT_DIR 7   the trace row's adaptive against gpu twice over, with the driving
 #                                         thread left to the scheduler and pinned (its host time doubled once)
+#   bash bench/device_body.sh OUT_DIR 8   part 7 once per setting (it shares a call with another script)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -68,10 +69,10 @@ elif [ "$part" = 6 ]; then
     --policies adaptive,cpu --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
   timeout 220 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \
     --policies adaptive --routings uniform --new-tokens 34 --profile -o "$out/q36_nvfp4" 2>&1 | grep "tok/s"
-elif [ "$part" = 7 ]; then
+elif [ "$part" = 7 ] || [ "$part" = 8 ]; then
   export FTC_DEVICE_PLAN=1
   for pin in 0 1; do
-    for run in 1 2; do
+    for run in $([ "$part" = 7 ] && echo 1 2 || echo 1); do
       echo "FTC_PIN_GPU_THREAD=$pin, run $run"
       FTC_PIN_GPU_THREAD=$pin timeout 130 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
         --policies adaptive,gpu --routings $trace --new-tokens 66 -o "$out/q30_pin${pin}_$run" 2>&1 | grep "tok/s"

@@ -12,6 +12,9 @@
 # Part 2: that FP8 cut alone, decode and prefill.
 # Part 3: the sparse latent attention kernel's GPU tests (alone, then inside GLM's decode graphs),
 # then the FP8 cut's decode and its 2048-token prefill in the time left.
+# Part 4: the FP8 gemv as an op that torch.compile keeps whole (GLM's functions compiled with FP8
+# projections): the FP8 GPU tests and GLM's FP8 graph cases, then the FP8 cut's decode with a
+# profile of its steps (where the body's 0.35-0.83 ms per MoE layer goes); about 300 s.
 source bench/device_setup.sh "$@"
 end=$(( $(date +%s) + 570 ))
 glm=model_specs/glm-5.2.yaml
@@ -23,6 +26,16 @@ if [ "$part" = 3 ]; then
     --vram-budget 20.6GiB $cut --override dense_format=fp8 --policies adaptive --routings uniform --new-tokens 34 \
     --prefill-lengths 2048 -o "$out/glm_fp8" > "$out/glm_fp8.log" 2>&1
   echo "glm fp8 rc $?"; grep -E "tok/s|in memory" "$out/glm_fp8.log" || tail -c 1500 "$out/glm_fp8.log"
+  exit 0
+fi
+if [ "$part" = 4 ]; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_linear.py tests/test_gpu.py \
+    -k "fp8" 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR"
+  FTC_DEVICE_PLAN=1 timeout 300 python3 bench/decode_matrix.py $glm --target h200 --vram-budget 20.6GiB $cut \
+    --override dense_format=fp8 --policies adaptive --routings uniform --new-tokens 34 --profile \
+    -o "$out/glm_fp8" > "$out/glm_fp8.log" 2>&1
+  echo "glm fp8 rc $?"; grep -E "tok/s|in memory" "$out/glm_fp8.log" || tail -c 1500 "$out/glm_fp8.log"
+  head -45 "$out/glm_fp8/profile.txt"
   exit 0
 fi
 if [ "$part" = 2 ]; then

@@ -73,6 +73,33 @@ def test_linear_on_the_cpu_equals_the_fp64_product(block, dtype, seed):
                 assert got.dtype == dtype and got.shape == (*lead, n) and err < tol, what
 
 
+def test_linear_compiles_whole_and_once_for_every_weight(seed):
+    """A decode function of FP8 projections (norm, linear, activation, linear with bias) traced by
+    torch.compile as one graph with the gemv as the opaque `ftc::fp8_linear` op between the
+    element-wise work, once for weights of the same shapes (a model's layers): no graph break, no
+    recompile, and the eager result."""
+    rng, g = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
+    graphs = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+        graphs.append([node.target for node in gm.graph.nodes if node.op == "call_function"])
+        return gm
+
+    def block(x: torch.Tensor, up: BlockFp8, down: BlockFp8, bias: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+        return linear(torch.relu(linear(h, up)), down, bias) * 2
+
+    compiled = torch.compile(block, dynamic=False, fullgraph=True, backend=record)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for layer in range(3):
+            up, down = (as_block_fp8(*random_weight(n, k, (128, 128), rng), (128, 128))
+                        for n, k in ((96, 200), (200, 96)))
+            x, bias = torch.randn(2, 200, generator=g), torch.randn(200, generator=g)
+            assert torch.equal(compiled(x, up, down, bias), block(x, up, down, bias)), f"layer {layer}"
+    assert len(graphs) == 1 and graphs[0].count(torch.ops.ftc.fp8_linear.default) == 2, graphs
+
+
 def test_linear_of_a_plain_weight_is_f_linear(seed):
     g = torch.Generator().manual_seed(seed)
     x, w, b = torch.randn(2, 3, 24, generator=g), torch.randn(5, 24, generator=g), torch.randn(5, generator=g)

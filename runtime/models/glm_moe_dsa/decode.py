@@ -17,7 +17,7 @@ from ftc_runtime.cache.kv import INITIAL_CAPACITY
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.decode.graphs import EAGER_FUNCTIONS, DecodeGraphs
 from ftc_runtime.models.layers.dsa_indexer import index_scores, indexer_keys, select_key_indices
-from ftc_runtime.models.layers.fp8_linear import BlockFp8, linear
+from ftc_runtime.models.layers.fp8_linear import linear
 from ftc_runtime.models.layers.mla import attend_cached, mla_in
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm
@@ -37,9 +37,6 @@ class LatentDecodeGraphs(DecodeGraphs):
         # The keys each (layer, row) attended to in the step being run or captured: a mask over the
         # storage, or the indexer's chosen columns and which of them it sees (`attend_cached`).
         self._seen: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
-        if any(isinstance(w, BlockFp8) for w in model.w.values()):
-            # Their FP8 projections are a Triton gemv each, which torch.compile would not fuse.
-            self.eager_functions = (*self.eager_functions, "mla_in", "indexer_keys", "index_scores", "dense_mlp")
         super().__init__(model, compile_fns, fused_body)
 
     def functions(self) -> dict[str, Callable]:

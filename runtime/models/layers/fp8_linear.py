@@ -96,19 +96,42 @@ def has_fp8_conversion(device: torch.device) -> bool:
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, w, bias)` for a plain weight or a `BlockFp8` one, x [..., K] → [..., N]: the
-    FP8 gemv for a decode step's rows on the GPU, else the weight dequantized to x's dtype."""
+    """`F.linear(x, w, bias)` for a plain weight or a `BlockFp8` one, x [..., K] → [..., N]: a
+    decode step's rows through the `ftc::fp8_linear` op (the FP8 gemv on a GPU), a prompt's with the
+    weight dequantized to x's dtype."""
     if not isinstance(w, BlockFp8):
         return F.linear(x, w, bias)
     n, k = w.shape
     if x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(f"linear: x {list(x.shape)} does not end in the FP8 weight {[n, k]}'s K")
     rows = x.reshape(-1, k)
-    if x.is_cuda and 0 < rows.shape[0] <= GEMV_ROWS and has_fp8_conversion(x.device):
-        from ftc_runtime.models.layers.fp8_gemv_kernel import fp8_linear_gpu
+    if not 0 < rows.shape[0] <= GEMV_ROWS:
+        return F.linear(x, w.dequantize(x.dtype), bias)
+    y = fp8_rows(rows.contiguous(), w.codes, w.scale_inv, *w.block)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], n)
 
-        y = fp8_linear_gpu(rows.contiguous(), w.codes, w.scale_inv, w.block)
-        if bias is not None:
-            y += bias
-        return y.reshape(*x.shape[:-1], n)
-    return F.linear(x, w.dequantize(x.dtype), bias)
+
+# An op of its own, opaque to torch.compile: a decode graph's compiled functions (GLM's attention
+# input, its indexer, the MLPs) keep their element-wise work fused around the gemv instead of
+# running uncompiled for the gemv's sake.
+@torch.library.custom_op("ftc::fp8_linear", mutates_args=())
+def fp8_rows(x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """x [T ≤ GEMV_ROWS, K] (contiguous) times the FP8 weight (codes, scale_inv, (bn, bk)): [T, N] in
+    x's dtype. On the CPU (and GPUs without e4m3 conversion in Triton) the weight dequantized."""
+    return F.linear(x, BlockFp8(codes, scale_inv, (bn, bk)).dequantize(x.dtype))
+
+
+@fp8_rows.register_kernel("cuda")
+def _fp8_rows_cuda(x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    if not has_fp8_conversion(x.device):
+        return F.linear(x, BlockFp8(codes, scale_inv, (bn, bk)).dequantize(x.dtype))
+    from ftc_runtime.models.layers.fp8_gemv_kernel import fp8_linear_gpu
+
+    return fp8_linear_gpu(x, codes, scale_inv, (bn, bk))
+
+
+@fp8_rows.register_fake
+def _fp8_rows_shape(x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0])
