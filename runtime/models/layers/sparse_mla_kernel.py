@@ -17,23 +17,25 @@ import triton
 import triton.language as tl
 
 HEADS = 16  # heads per program: the smallest tile of a tensor-core product
-SPAN = 128  # chosen columns per program of `_partial`
-BLOCK_N = 16  # columns per step
+SPAN = 64  # chosen columns per program of `_partial`: GLM's 64 heads × 2048 columns fill 128 programs
+BLOCK_N = 32  # columns per step
 
 
 @triton.jit
 def _partial(q, rows, columns, seen, acc_out, max_out, sum_out, H, K, row_stride, spans, scale,
              R: tl.constexpr, P: tl.constexpr, RP: tl.constexpr, PP: tl.constexpr, BH: tl.constexpr,
-             BLOCK_N: tl.constexpr, SPAN: tl.constexpr):
+             BLOCK_N: tl.constexpr, SPAN: tl.constexpr, EXACT: tl.constexpr):
     hb, s = tl.program_id(0), tl.program_id(1)
     h = hb * BH + tl.arange(0, BH)
     r, p = tl.arange(0, RP), tl.arange(0, PP)
     h_ok = h < H
-    # Tiles in fp32 and full-precision products: the interpreter (the CPU tests) makes NaN of 16-bit ones.
-    q_lat = tl.load(q + h[:, None] * (R + P) + r[None, :], mask=h_ok[:, None] & (r[None, :] < R),
-                    other=0.0).to(tl.float32)
+    # The products in the storage's dtype on the tensor cores, accumulated in fp32; fp32 storage
+    # (the CPU tests under the interpreter, which makes NaN of 16-bit products) in full precision.
+    dt = rows.dtype.element_ty
+    precision: tl.constexpr = "ieee" if EXACT else "tf32"
+    q_lat = tl.load(q + h[:, None] * (R + P) + r[None, :], mask=h_ok[:, None] & (r[None, :] < R), other=0.0).to(dt)
     q_rope = tl.load(q + h[:, None] * (R + P) + R + p[None, :], mask=h_ok[:, None] & (p[None, :] < P),
-                     other=0.0).to(tl.float32)
+                     other=0.0).to(dt)
     m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BH, RP], dtype=tl.float32)
@@ -43,17 +45,17 @@ def _partial(q, rows, columns, seen, acc_out, max_out, sum_out, H, K, row_stride
         col = tl.load(columns + j, mask=in_range, other=0)
         ok = in_range & (tl.load(seen + j, mask=in_range, other=0) != 0)
         row = rows + col.to(tl.int64)[:, None] * row_stride
-        lat = tl.load(row + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0).to(tl.float32)
-        k_rope = tl.load(row + R + p[None, :], mask=ok[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)
-        scores = (tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
-                  + tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee")) * scale
+        lat = tl.load(row + r[None, :], mask=ok[:, None] & (r[None, :] < R), other=0.0)
+        k_rope = tl.load(row + R + p[None, :], mask=ok[:, None] & (p[None, :] < P), other=0.0)
+        scores = tl.dot(q_lat, tl.trans(lat), input_precision=precision)
+        scores = tl.dot(q_rope, tl.trans(k_rope), scores, input_precision=precision) * scale
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN from -inf - -inf
         alpha = tl.exp(m_i - m_safe)
         weights = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(weights, 1)
-        acc = acc * alpha[:, None] + tl.dot(weights, lat, input_precision="ieee")
+        acc = tl.dot(weights.to(dt), lat, acc * alpha[:, None], input_precision=precision)
         m_i = m_new
     at = (hb * spans + s) * BH + tl.arange(0, BH)
     tl.store(acc_out + at[:, None] * RP + r[None, :], acc)
@@ -90,8 +92,15 @@ def sparse_latent_attention_gpu(q: torch.Tensor, rows: torch.Tensor, columns: to
     if rows.shape[1] != width or rows.stride(1) != 1 or columns.shape != seen.shape or columns.dim() != 1:
         raise ValueError(f"sparse latent attention: q {list(q.shape)}, rows {list(rows.shape)} (strides "
                          f"{list(rows.stride())}), columns {list(columns.shape)} and seen {list(seen.shape)}")
+    return launch(q, rows, columns, seen, kv_lora, scale, SPAN, BLOCK_N, 4)
+
+
+def launch(q: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, seen: torch.Tensor, kv_lora: int,
+           scale: float, span: int, block_n: int, warps: int) -> torch.Tensor:
+    """The two kernels at a given tiling (`bench/dev/sparse_mla.py` sweeps it)."""
+    heads, width = q.shape
     k, rope = columns.shape[0], width - kv_lora
-    blocks, spans = triton.cdiv(heads, HEADS), triton.cdiv(k, SPAN)
+    blocks, spans = triton.cdiv(heads, HEADS), triton.cdiv(k, span)
     rp, pp = max(16, triton.next_power_of_2(kv_lora)), max(16, triton.next_power_of_2(rope))
     partial = torch.empty(blocks, spans, HEADS, rp, dtype=torch.float32, device=q.device)
     maxima = torch.empty(blocks, spans, HEADS, dtype=torch.float32, device=q.device)
@@ -99,7 +108,7 @@ def sparse_latent_attention_gpu(q: torch.Tensor, rows: torch.Tensor, columns: to
     out = torch.empty(heads, kv_lora, dtype=torch.float32, device=q.device)
     _partial[(blocks, spans)](q.contiguous(), rows, columns, seen.to(torch.int8), partial, maxima, sums, heads, k,
                               rows.stride(0), spans, scale, R=kv_lora, P=rope, RP=rp, PP=pp, BH=HEADS,
-                              BLOCK_N=BLOCK_N, SPAN=SPAN, num_warps=8 if rp > 128 else 4)
+                              BLOCK_N=block_n, SPAN=span, EXACT=rows.dtype == torch.float32, num_warps=warps)
     _combine[(blocks,)](partial, maxima, sums, out, heads, R=kv_lora, RP=rp, BH=HEADS, SPANS=spans,
                         SPANS_P=triton.next_power_of_2(spans))
     return out
