@@ -11,9 +11,10 @@ embedding, of which one row is read) and every layer's hit and filled experts at
 bandwidth. Real routing has locality, so the model is a floor on speed for such routing, not a
 ceiling.
 
-A decode step also has fixed device work per MoE layer beyond its bytes (`STEP_FIXED_MS`): the
-launches of the one-graph step's kernels and the dependencies between them (norms, projections,
-attention, router, the plan, the hits, the join), which the bandwidth terms do not see.
+A decode step also has fixed device work per MoE layer beyond its bytes (the family's
+`decode_fixed_ms`): the launches of the one-graph step's kernels and the dependencies between them
+(norms, projections, attention, router, the plan, the hits, the join), which the bandwidth terms
+do not see. It is measured on the h200 and taken as the same on the other GPUs.
 
 Prefill of a long prompt streams whole MoE layers through two layer buffers at B_P (where the
 budget holds 2·E slots): a chunk of C tokens costs the layers' expert bytes over PCIe, the bound
@@ -30,13 +31,9 @@ from ftc.compile.targets import Target
 from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.vram_plan import VramPlan, plan_vram
 from ftc_runtime.io.ftw import round_up
+from ftc_runtime.models import family
 from ftc_runtime.models.dense_layout import stored_bytes, stored_dense
 from ftc_runtime.spec import ModelSpec
-
-# The one-graph decode step's device time per MoE layer beyond its bytes, measured on the h200
-# (docs/performance.md, the timelines of qwen3-30b-a3b and qwen3.6-35b-a3b: body, plan and hits
-# less their reads, 0.07-0.09 ms); launch-bound work, taken as the same on the other GPUs.
-STEP_FIXED_MS = 0.08
 
 
 class PredictionError(ValueError):
@@ -49,7 +46,7 @@ class Prediction:
     misses_per_layer: float  # expected misses of one token in one MoE layer
     miss_ms: float  # per token: every MoE layer's misses
     device_ms: float  # per token: the GPU's own reads
-    fixed_ms: float  # per token: the step's fixed work (STEP_FIXED_MS per MoE layer)
+    fixed_ms: float  # per token: the step's fixed work (the family's decode_fixed_ms per MoE layer)
     prefill_chunk: int
     prefill_tok_s: float | None  # None: too few slots to stream whole layers, or every expert resident
 
@@ -83,4 +80,5 @@ def predict(spec: ModelSpec, target: Target, budget: int, max_context: int) -> P
     streams = 2 * m.num_experts <= vram.n_slots < vram.pool_experts  # all resident: no transfers to bound it
     prefill = chunk / (moe_layers * m.num_experts * stride / (target.b_p * 1e9)) if streams else None
     return Prediction(vram, m.top_k * p_miss, 1e3 * moe_layers * layer_s,
-                      1e3 * device_bytes / (target.gpu_read_gbps * 1e9), moe_layers * STEP_FIXED_MS, chunk, prefill)
+                      1e3 * device_bytes / (target.gpu_read_gbps * 1e9),
+                      moe_layers * family(spec.family).decode_fixed_ms, chunk, prefill)

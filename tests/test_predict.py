@@ -14,9 +14,10 @@ from typer.testing import CliRunner
 from ftc.cli.main import app
 from ftc.compile.spec_loader import load_spec
 from ftc.compile.targets import PRESETS
-from ftc.predict import STEP_FIXED_MS, PredictionError, predict
+from ftc.predict import PredictionError, predict
 from ftc_runtime.experts.cache import ExpertCache
 from ftc_runtime.experts.miss_planner import MissPlanner
+from ftc_runtime.models import family
 
 SPECS = Path(__file__).resolve().parents[1] / "model_specs"
 
@@ -55,7 +56,8 @@ def test_the_decode_prediction_matches_a_simulation_of_the_cache(name, quant, bu
     simulated = _simulated_miss_ms(spec, target, p.vram.n_slots, p.vram.expert_stride, 2000 // len(spec.moe_layers),
                                    np.random.default_rng(seed))
     assert simulated == pytest.approx(p.miss_ms, rel=0.1), (simulated, p.miss_ms)
-    assert p.decode_tok_s == pytest.approx(1e3 / (p.miss_ms + p.device_ms + len(spec.moe_layers) * STEP_FIXED_MS))
+    fixed = len(spec.moe_layers) * family(spec.family).decode_fixed_ms
+    assert p.decode_tok_s == pytest.approx(1e3 / (p.miss_ms + p.device_ms + fixed))
 
 
 def test_the_gpu_reads_are_the_dense_weights_and_the_device_experts():
