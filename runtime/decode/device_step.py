@@ -49,18 +49,20 @@ class DeviceStep:
         whose first FTW row is `base_id`) with fp32 `weights` [T, k]; out ([T, hidden] fp32) = its
         routed experts. `timeline`: the call's phases marked.
 
-        Three parts run at once: the CPU's job (posted first), the fills over PCIe, and on a side
-        stream the hits, whose slots are ready already; the filled experts follow their fills."""
+        Three parts run at once: the CPU's job and the hits (posted and launched on a side stream,
+        the hits' slots ready already) and the fills over PCIe; the filled experts follow their
+        fills."""
         mark = timeline.mark if timeline is not None else lambda _phase: None
         mark("body")
         plan = plan_layer_triton(self.tables, self.rule, base_id, ids, weights)
-        self.kernels.post_job(plan, x)
-        self.counts.add(plan.counts)
         mark("plan")
         main = torch.cuda.current_stream(self.store.device)
         self.side.wait_stream(main)
         hits_out = self._hits_out(out.shape[0])
         with torch.cuda.stream(self.side):
+            # The CPU's job and the counts off the fills' path: the fills start right after the plan.
+            self.kernels.post_job(plan, x)
+            self.counts.add(plan.counts)
             hits_out.zero_()
             # The device kernel skips the pairs of other phases (slot -1).
             self.store.experts_on_device(x, plan.phase_pairs[0], hits_out)
