@@ -20,6 +20,7 @@ from ftc_runtime.formats import FORMATS, expert_format
 DENSE_FORMATS = ("bf16", "fp8")
 
 LAYER_KINDS = ("full_attention", "linear_attention")
+COMPRESSED_LAYER_TYPES = ("sliding", "csa", "hca")  # DeepSeek-V4's attention per layer
 
 # Upper bounds of the size fields: an engine.json or spec that is damaged or hostile must not make the
 # loader allocate or loop without limit. Each is several times the largest model in view: GLM-5 and
@@ -102,6 +103,55 @@ class IndexerSpec:
 
 
 @dataclass(frozen=True)
+class YarnSpec:
+    """YaRN's stretch of a rotary base to longer contexts: the frequencies below the original
+    context's are divided by `factor`, those above kept, a linear ramp between the wavelengths
+    that make `beta_fast` and `beta_slow` turns over `original_max_position`."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
+class CompressedAttentionSpec:
+    """DeepSeek-V4's attention (`attention.kind` "compressed"): `attention.num_heads` query heads
+    against one shared key/value head of `attention.head_dim` (its last `rope_dim` channels rotated
+    in interleaved pairs), queries through a `q_lora_rank` path, a learned sink logit per head, and
+    a grouped output projection (`o_groups` groups of heads, each to `o_lora_rank`). Every layer
+    attends the last `sliding_window` tokens' raw entries; `layer_types` per layer adds compressed
+    entries: "csa" one per `csa_rate` tokens (overlapping windows) of which the lightning indexer
+    (`index_heads` × `index_head_dim`) picks `index_top_k`, "hca" one per `hca_rate` tokens, all
+    seen, "sliding" none. Compressed entries rotate at base `compress_theta`, stretched by
+    `compress_yarn` where set; the raw ones at `rope.theta`."""
+
+    q_lora_rank: int
+    rope_dim: int
+    sliding_window: int
+    o_groups: int
+    o_lora_rank: int
+    layer_types: tuple[str, ...]
+    compress_theta: float
+    compress_yarn: YarnSpec | None = None
+    csa_rate: int = 4
+    hca_rate: int = 128
+    index_heads: int = 64
+    index_head_dim: int = 128
+    index_top_k: int = 512
+
+
+@dataclass(frozen=True)
+class HyperConnectionSpec:
+    """Manifold-constrained hyper-connections (DeepSeek-V4): the residual as `streams` streams, mixed
+    before each block by a matrix made doubly stochastic in `sinkhorn_iters` steps (floor `eps`)."""
+
+    streams: int = 4
+    sinkhorn_iters: int = 20
+    eps: float = 1e-6
+
+
+@dataclass(frozen=True)
 class RopeSpec:
     theta: float = 1_000_000.0
     partial_rotary_factor: float = 1.0
@@ -124,6 +174,12 @@ class MoESpec:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    # router "sqrt_softplus_topk" (DeepSeek-V4): scores sqrt(softplus(W x)) chosen with a learned
+    # bias, except in `hash_layers`, which take a fixed row of experts per token id (`tid2eid`).
+    hash_layers: tuple[int, ...] = ()
+    # The experts' gate and up pre-activations clamped to this magnitude (the gate from above
+    # only); 0: not clamped.
+    swiglu_limit: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -155,6 +211,8 @@ class ModelSpec:
     linear_attention: LinearAttentionSpec | None = None
     mla: MlaSpec | None = None  # where attention.kind is "mla"
     indexer: IndexerSpec | None = None  # sparse attention's indexer, where the family has one
+    compressed: CompressedAttentionSpec | None = None  # where attention.kind is "compressed"
+    hyper_connections: HyperConnectionSpec | None = None  # a residual of several streams, where set
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     expert_format: str = "bf16"  # how the routed experts are stored: a module of ftc_runtime.formats
@@ -339,6 +397,11 @@ def _check(s: ModelSpec, source: str) -> None:
             need(k in LAYER_KINDS, f"layer_kinds[{i}]", k, "one of " + ", ".join(LAYER_KINDS))
     _check_linear_attention(s, need)
     _check_mla(s, need)
+    _check_compressed(s, need)
+    _check_hyper_connections(s, need)
+    for i, layer in enumerate(m.hash_layers):
+        need(0 <= layer < s.num_layers, f"moe.hash_layers[{i}]", layer, f"a layer in [0, {s.num_layers})")
+    need(0 <= m.swiglu_limit < math.inf, "moe.swiglu_limit", m.swiglu_limit, "0 (no clamp) or a positive number")
     need(len(s.full_attention_layers) > 0, "layer_kinds", list(s.layer_kinds), "at least one full_attention layer")
     _check_tokens(s, need)
 
@@ -386,6 +449,50 @@ def _check_mla(s: ModelSpec, need: Need) -> None:
          "0 (the default) or a positive number")
     if s.indexer is not None:
         _check_indexer(s, s.indexer, need)
+
+
+def _check_compressed(s: ModelSpec, need: Need) -> None:
+    a, c = s.attention, s.compressed
+    if a.kind != "compressed":
+        need(c is None, "compressed", c, "no compressed attention unless attention.kind is 'compressed'")
+        return
+    need(c is not None, "compressed", c, "the compressed attention's shapes (attention.kind is 'compressed')")
+    need(a.num_kv_heads == 1, "attention.num_kv_heads", a.num_kv_heads, "1 (one shared key/value head)")
+    for path, v, top in (("compressed.q_lora_rank", c.q_lora_rank, MAX_HIDDEN),
+                         ("compressed.rope_dim", c.rope_dim, a.head_dim),
+                         ("compressed.sliding_window", c.sliding_window, MAX_POSITIONS),
+                         ("compressed.o_groups", c.o_groups, a.num_heads),
+                         ("compressed.o_lora_rank", c.o_lora_rank, MAX_HIDDEN),
+                         ("compressed.csa_rate", c.csa_rate, MAX_POSITIONS),
+                         ("compressed.hca_rate", c.hca_rate, MAX_POSITIONS),
+                         ("compressed.index_heads", c.index_heads, MAX_HEADS),
+                         ("compressed.index_head_dim", c.index_head_dim, MAX_HEAD_DIM),
+                         ("compressed.index_top_k", c.index_top_k, MAX_POSITIONS)):
+        _bounded(need, path, v, 1, top)
+    need(c.rope_dim % 2 == 0, "compressed.rope_dim", c.rope_dim, "an even number (RoPE pairs)")
+    need(a.num_heads % c.o_groups == 0, "compressed.o_groups", c.o_groups,
+         f"a divisor of attention.num_heads ({a.num_heads})")
+    need(c.index_head_dim >= c.rope_dim, "compressed.index_head_dim", c.index_head_dim,
+         f"at least compressed.rope_dim ({c.rope_dim})")
+    need(0 < c.compress_theta < math.inf, "compressed.compress_theta", c.compress_theta, "a positive finite number")
+    need(len(c.layer_types) == s.num_layers, "compressed.layer_types", len(c.layer_types),
+         f"one entry per layer ({s.num_layers})")
+    for i, kind in enumerate(c.layer_types):
+        need(kind in COMPRESSED_LAYER_TYPES, f"compressed.layer_types[{i}]", kind,
+             "one of " + ", ".join(COMPRESSED_LAYER_TYPES))
+    y = c.compress_yarn
+    if y is not None:
+        need(1 <= y.factor < math.inf, "compressed.compress_yarn.factor", y.factor, "a finite number of at least 1")
+        _bounded(need, "compressed.compress_yarn.original_max_position", y.original_max_position, 1, MAX_POSITIONS)
+
+
+def _check_hyper_connections(s: ModelSpec, need: Need) -> None:
+    hc = s.hyper_connections
+    if hc is None:
+        return
+    _bounded(need, "hyper_connections.streams", hc.streams, 1, 64)
+    _bounded(need, "hyper_connections.sinkhorn_iters", hc.sinkhorn_iters, 1, 1000)
+    need(0 < hc.eps < 1, "hyper_connections.eps", hc.eps, "a number in (0, 1)")
 
 
 def _check_indexer(s: ModelSpec, ix: IndexerSpec, need: Need) -> None:
