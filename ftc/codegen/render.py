@@ -68,10 +68,13 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
 # The grouped GEMM's tiling (rows of tokens, rows of weights, warps, pipeline stages): the best for
 # every expert format in bench/tune_grouped_gemm.py's sweep on an H200 (docs/performance.md).
 GROUPED_TILES = (128, 128, 8, 3)
+# The decode kernel's tiling (gate/up rows per program and K per step, down rows per program and K per
+# step, warps): bench/tune_decode_experts.py sweeps it.
+DECODE_TILES = (16, 256, 32, 128, 4)
 
 
-def render_triton_kernels(spec: ModelSpec, kernels_dir: Path,
-                          grouped_tiles: tuple[int, int, int, int] | None = None) -> list[dict[str, Any]]:
+def render_triton_kernels(spec: ModelSpec, kernels_dir: Path, grouped_tiles: tuple[int, int, int, int] | None = None,
+                          decode_tiles: tuple[int, int, int, int, int] | None = None) -> list[dict[str, Any]]:
     """The GPU expert kernels of the spec's expert format over cache slots, for the slots' FTW row
     layout: one for decode (a few tokens per expert), one grouped GEMM for prompt chunks (many
     tokens per expert). Rendered on every machine; the runtime imports it only where a GPU runs
@@ -80,6 +83,7 @@ def render_triton_kernels(spec: ModelSpec, kernels_dir: Path,
     fmt = expert_format(spec.expert_format)
     header = FtwHeader.create(fmt.name, 1, 1, h, i)
     block_m, block_n, warps, stages = grouped_tiles or GROUPED_TILES
+    block_i, block_h, block_out, block_in, decode_warps = decode_tiles or DECODE_TILES
     unit = fmt.slot_dtype.itemsize  # offsets and strides in the elements the kernels view the slots as
     kernels_dir.mkdir(parents=True, exist_ok=True)
     path = kernels_dir / Path(TRITON_EXPERT_FILE).name
@@ -87,8 +91,9 @@ def render_triton_kernels(spec: ModelSpec, kernels_dir: Path,
         template=fmt.triton_template, expert_format=fmt.name, slot_dtype=str(fmt.slot_dtype), hidden=h,
         intermediate=i, slot_stride=header.expert_stride // unit, gate_up_offset=header.bank("gate_up").offset // unit,
         down_offset=header.bank("down").offset // unit, bank_offsets={b.name: b.offset for b in header.banks},
-        block=header.banks[0].block, block_i=16, block_h=256, block_out=32, block_in=128, group_block_m=block_m,
-        group_block_n=block_n, group_block_k=64, group_warps=warps, group_stages=stages))
+        block=header.banks[0].block, block_i=block_i, block_h=block_h, block_out=block_out, block_in=block_in,
+        decode_warps=decode_warps, group_block_m=block_m, group_block_n=block_n, group_block_k=64, group_warps=warps,
+        group_stages=stages))
     shapes = {"hidden": h, "intermediate": i}
     return [{"name": "expert_ffn_gpu", "symbol": "expert_ffn", "source": TRITON_EXPERT_FILE, "isa": "triton",
              "expert_format": fmt.name, "shapes": shapes},
