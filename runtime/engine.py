@@ -147,7 +147,8 @@ class Engine:
         stream_min = offload.stream_min_tokens or plan.prefill_stream_min_tokens
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
                                    offload.cache_policy, device_kernel, stream_min, offload.prefill_overlap,
-                                   grouped_kernel, offload.device_plan or settings().device_plan)
+                                   grouped_kernel, offload.device_plan or settings().device_plan,
+                                   spec.moe.swiglu_limit)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, fam.decode_graphs, settings().decode_graphs,
                                                 settings().torch_compile, settings().fused_body)

@@ -33,20 +33,32 @@ VARIANTS = [pytest.param((fmt, isa, shape), id=f"{fmt}-{isa}-{shape[0]}x{shape[1
             if shape[0] % kernel.step == 0 and shape[1] % kernel.step == 0]
 
 
-def _spec(fmt: str, hidden: int, inter: int, experts: int) -> ModelSpec:
+# One shape per (format, ISA) for the SwiGLU limit's test: the first its kernel's step divides.
+LIMIT_VARIANTS = [pytest.param((fmt, isa, shape), id=f"{fmt}-{isa}",
+                               marks=pytest.mark.skipif(isa not in supported_isas(), reason=f"this CPU lacks {isa}"))
+                  for fmt in FORMATS for isa, kernel in expert_format(fmt).cpu_templates.items()
+                  for shape in [next(s for s in SHAPES if s[0] % kernel.step == 0 and s[1] % kernel.step == 0)]]
+
+
+def _spec(fmt: str, hidden: int, inter: int, experts: int, swiglu_limit: float = 0.0) -> ModelSpec:
     return ModelSpec.from_dict({
         "name": f"k{hidden}x{inter}", "family": "qwen3_moe", "num_layers": 2, "hidden_size": hidden,
         "vocab_size": 300, "attention": {"num_heads": 2, "num_kv_heads": 1, "head_dim": 16},
-        "moe": {"num_experts": experts, "top_k": 2, "expert_intermediate_size": inter}, "expert_format": fmt})
+        "moe": {"num_experts": experts, "top_k": 2, "expert_intermediate_size": inter, "swiglu_limit": swiglu_limit},
+        "expert_format": fmt})
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def setup(request, tmp_path_factory):
+    fmt, isa, shape = request.param
+    return _build(fmt, isa, shape, tmp_path_factory.mktemp(f"kern-{fmt}-{isa}-{shape[0]}"))
+
+
+def _build(fmt: str, isa: str, shape: tuple[int, int, int], tmp: Path, swiglu_limit: float = 0.0) -> tuple:
     """fp32 random experts written through the format; the reference takes them as the format's
     dequantization gives them back (the kernel computes on those, not on the fp32 originals)."""
-    fmt, isa, (hidden, inter, experts) = request.param
-    spec = _spec(fmt, hidden, inter, experts)
-    tmp = tmp_path_factory.mktemp(f"kern-{fmt}-{isa}-{hidden}")
+    hidden, inter, experts = shape
+    spec = _spec(fmt, hidden, inter, experts, swiglu_limit)
     header = ftw.FtwHeader.create(fmt, 2, experts, hidden, inter)
     writer = FtwWriter(tmp / "experts.ftw", header)
     g = torch.Generator().manual_seed(hidden + inter)  # fixed: the kernels and experts serve the whole module
@@ -62,15 +74,20 @@ def setup(request, tmp_path_factory):
     return isa, spec, pool, weights, plan, lib
 
 
-def _reference(weights: list, x: torch.Tensor, rows: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:
+def _reference(weights: list, x: torch.Tensor, rows: torch.Tensor, router_w: torch.Tensor,
+               limit: float = 0.0) -> torch.Tensor:
+    """Σ w · down(silu(gate) · up) in float64, gate and up clamped as DeepSeek-V4 does (gate from
+    above, up both ways) where the limit is above 0, written out here apart from the runtime's."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(rows.shape[1]):
             gate_up, down = weights[int(rows[t, j])]
             inter = gate_up.shape[0] // 2
             h = gate_up @ x[t].double()
-            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
-            out[t] += float(router_w[t, j]) * (down @ act)
+            gate, up = h[:inter], h[inter:]
+            if limit > 0:
+                gate, up = torch.minimum(gate, torch.tensor(limit)), torch.clamp(up, -limit, limit)
+            out[t] += float(router_w[t, j]) * (down @ (gate * torch.sigmoid(gate) * up))
     return out
 
 
@@ -97,10 +114,11 @@ def _check(setup, rng: random.Random, ids: torch.Tensor, threads: int, backgroun
         kernel.wait()
     else:
         kernel.run(*args)
-    ref = _reference(expert_weights, x, ids + layer * e, weights)
+    ref = _reference(expert_weights, x, ids + layer * e, weights, spec.moe.swiglu_limit)
     got = out.double() - start.double()
     rel = float((got - ref).norm() / ref.norm())
     assert rel < TOLERANCE[isa], f"{isa} tokens={n} ids={ids.tolist()}: relative error {rel:.2e}"
+    return x, ids + layer * e, weights, ref
 
 
 def test_each_bucket_alone(setup, seed):
@@ -158,3 +176,17 @@ def test_mxfp4_subnormal_scales(setup, seed):
     for n in (1, 2, 5):
         _check((isa, spec, changed, weights, plan, lib), rng, _routing(rng, spec.moe.num_experts, n),
                threads=len(physical_cpus()))
+
+
+@pytest.mark.parametrize("variant", LIMIT_VARIANTS)
+def test_a_swiglu_limit_clamps_as_the_reference(variant, tmp_path, seed):
+    """DeepSeek-V4's clamp of the experts' pre-activations, rendered into the kernel: at a limit of
+    0.5 (the pre-activations are O(1), so that most are clamped) the kernel equals the clamped
+    reference, which differs from the unclamped one far beyond the tolerance."""
+    fmt, isa, shape = variant
+    setup = _build(fmt, isa, shape, tmp_path, swiglu_limit=0.5)
+    rng = random.Random(seed)
+    for n in (1, 3, 6):
+        x, rows, weights, ref = _check(setup, rng, _routing(rng, shape[2], n), threads=2)
+        unclamped = _reference(setup[3], x, rows, weights)
+        assert float((unclamped - ref).norm() / ref.norm()) > 20 * TOLERANCE[isa], "the clamp changed nothing"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ftc_runtime.experts.base import group_by_expert
+from ftc_runtime.experts.base import group_by_expert, swiglu
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.io.ftw import ExpertPool
 
@@ -20,19 +20,20 @@ class KernelCheckError(RuntimeError):
     """A generated kernel disagrees with the torch reference."""
 
 
-def reference_moe(pool: ExpertPool, x: torch.Tensor, row_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Σ_k w[t,k] · down(silu(gate x_t) · up x_t) in float64; row_ids [T, k] are FTW rows."""
+def reference_moe(pool: ExpertPool, x: torch.Tensor, row_ids: torch.Tensor, weights: torch.Tensor,
+                  swiglu_limit: float = 0.0) -> torch.Tensor:
+    """Σ_k w[t,k] · down(swiglu(gate x_t, up x_t)) in float64; row_ids [T, k] are FTW rows."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for k in range(row_ids.shape[1]):
             gate_up, down = (w.double() for w in pool.header.dequantize(pool.experts[int(row_ids[t, k])]))
             gate, up = (gate_up @ x[t].double()).chunk(2)
-            out[t] += weights[t, k].double() * (down @ (torch.nn.functional.silu(gate) * up))
+            out[t] += weights[t, k].double() * (down @ swiglu(gate, up, swiglu_limit))
     return out
 
 
 def check_expert_kernel(kernel: CpuExpertKernel, pool: ExpertPool, top_k: int, n_tokens: int,
-                        seed: int) -> dict:
+                        seed: int, swiglu_limit: float = 0.0) -> dict:
     """Routes n_tokens random tokens to top_k random experts of one random MoE layer."""
     g = torch.Generator().manual_seed(seed)
     e = pool.header.num_experts
@@ -43,7 +44,7 @@ def check_expert_kernel(kernel: CpuExpertKernel, pool: ExpertPool, top_k: int, n
     out = torch.randn(n_tokens, kernel.hidden, generator=g)  # accumulated into: start from noise
     start = out.clone()
     kernel.run(pool.experts, x, out, *group_by_expert(layer * e, ids, weights))
-    ref = reference_moe(pool, x, ids + layer * e, weights)
+    ref = reference_moe(pool, x, ids + layer * e, weights, swiglu_limit)
     got = out.double() - start.double()
     rel = float((got - ref).norm() / ref.norm())
     if not rel <= TOLERANCE[kernel.isa]:  # also catches NaN

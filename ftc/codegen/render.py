@@ -54,7 +54,7 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
         template=kernel.path, expert_format=fmt.name, isa=plan.isa, hidden=h, intermediate=i,
         bank_offsets={b.name: b.offset for b in header.banks}, block=header.banks[0].block,
         buckets=list(plan.batch_buckets), gate_up_chunk=plan.gate_up_chunk, down_chunk=plan.down_chunk,
-        prefetch_rows=plan.prefetch_rows))
+        prefetch_rows=plan.prefetch_rows, swiglu_limit=float(spec.moe.swiglu_limit)))
     for name in RUNTIME_SOURCES:
         shutil.copyfile(CSRC_DIR / name, kernels_dir / name)
     sources = [source, *(name for name in RUNTIME_SOURCES if name.endswith(".cpp"))]
@@ -92,8 +92,8 @@ def render_triton_kernels(spec: ModelSpec, kernels_dir: Path, grouped_tiles: tup
         intermediate=i, slot_stride=header.expert_stride // unit, gate_up_offset=header.bank("gate_up").offset // unit,
         down_offset=header.bank("down").offset // unit, bank_offsets={b.name: b.offset for b in header.banks},
         block=header.banks[0].block, block_i=block_i, block_h=block_h, block_out=block_out, block_in=block_in,
-        decode_warps=decode_warps, group_block_m=block_m, group_block_n=block_n, group_block_k=64, group_warps=warps,
-        group_stages=stages))
+        decode_warps=decode_warps, swiglu_limit=float(spec.moe.swiglu_limit), group_block_m=block_m,
+        group_block_n=block_n, group_block_k=64, group_warps=warps, group_stages=stages))
     shapes = {"hidden": h, "intermediate": i}
     return [{"name": "expert_ffn_gpu", "symbol": "expert_ffn", "source": TRITON_EXPERT_FILE, "isa": "triton",
              "expert_format": fmt.name, "shapes": shapes},

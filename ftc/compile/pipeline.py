@@ -335,7 +335,8 @@ def _check_kernels(spec: ModelSpec, plan: Plan, staging: Path, pool: ExpertPool 
                              spec.moe.expert_intermediate_size, worker_cpus(plan.cpu_threads))
     results = []
     for n_tokens in plan.batch_buckets:
-        results.append(check_expert_kernel(kernel, pool, spec.moe.top_k, n_tokens, seed=n_tokens))
+        results.append(check_expert_kernel(kernel, pool, spec.moe.top_k, n_tokens, seed=n_tokens,
+                                           swiglu_limit=spec.moe.swiglu_limit))
         tick()
     return results
 

@@ -10,6 +10,14 @@ import numpy as np
 import torch
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """silu(gate) · up; with a limit above 0 (DeepSeek-V4) the gate is first clamped from above and
+    up both ways to it, as the generated kernels do."""
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return torch.nn.functional.silu(gate) * up
+
+
 class RoutingHook(Protocol):
     """Sees, and may replace, the router's choice on the host: benchmarks replay a trace
     (`routing_trace.TraceReplay`), `ftc trace` records one. Never set while serving."""

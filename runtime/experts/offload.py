@@ -70,11 +70,11 @@ class OffloadedExperts(ExpertBackend):
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
                  planner: MissPlanner, cache_policy: CachePolicy = "lru", device_kernel: DeviceKernel | None = None,
                  stream_min_tokens: int | None = None, stream_overlap: bool = True,
-                 grouped_kernel: DeviceKernel | None = None, device_plan: bool = False):
+                 grouped_kernel: DeviceKernel | None = None, device_plan: bool = False, swiglu_limit: float = 0.0):
         h = pool.header
         self.pool, self.kernel, self.planner = pool, kernel, planner
         # The slots, their cache and the engine's generated device kernels (None: torch).
-        self.store = SlotStore(pool, device, n_slots, cache_policy, device_kernel, grouped_kernel)
+        self.store = SlotStore(pool, device, n_slots, cache_policy, device_kernel, grouped_kernel, swiglu_limit)
         self.device, self.on_gpu, self.num_experts = self.store.device, self.store.on_gpu, h.num_experts
         self.hidden = h.hidden
         self._stats = OffloadStats(self.device)

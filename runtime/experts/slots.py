@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ftc_runtime.experts.base import swiglu
 from ftc_runtime.experts.cache import CachePolicy, ExpertCache
 from ftc_runtime.io.ftw import ExpertPool
 from ftc_runtime.io.host_memory import pin_in_place
@@ -45,9 +46,11 @@ class SlotStore:
     slot); None: torch."""
 
     def __init__(self, pool: ExpertPool, device: torch.device, n_slots: int, policy: CachePolicy = "lru",
-                 device_kernel: DeviceKernel | None = None, grouped_kernel: DeviceKernel | None = None):
+                 device_kernel: DeviceKernel | None = None, grouped_kernel: DeviceKernel | None = None,
+                 swiglu_limit: float = 0.0):
         h = pool.header
         self.pool, self.header, self.device = pool, h, torch.device(device)
+        self.swiglu_limit = swiglu_limit  # the torch path's clamp, as the generated kernels have it
         self.on_gpu = self.device.type == "cuda"
         self.pinned = self.on_gpu and pin_in_place(pool.buffer)
         if self.on_gpu and not self.pinned and n_slots:
@@ -120,5 +123,5 @@ class SlotStore:
             t = pair_tok[a:b].long()
             gate_up, down = self.header.dequantize(self.slots[slots[a]])  # the format's reference
             gate, up = F.linear(x[t], gate_up.float()).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, down.float())
+            y = F.linear(swiglu(gate, up, self.swiglu_limit), down.float())
             out.index_add_(0, t, y * pair_w[a:b, None])

@@ -85,3 +85,10 @@ def check_gqa_softmax_topk(s: ModelSpec, need: Need) -> None:
     top-k router (`models/layers/router`): the spec must name those."""
     need(s.attention.kind == "gqa", "attention.kind", s.attention.kind, f"'gqa' for family {s.family}")
     need(s.moe.router == "softmax_topk", "moe.router", s.moe.router, f"'softmax_topk' for family {s.family}")
+    check_plain_swiglu(s, need)
+
+
+def check_plain_swiglu(s: ModelSpec, need: Need) -> None:
+    """A family whose MLPs are plain SwiGLU routed by the router: no clamp, no hashed layers."""
+    need(s.moe.swiglu_limit == 0, "moe.swiglu_limit", s.moe.swiglu_limit, f"0 for family {s.family}")
+    need(not s.moe.hash_layers, "moe.hash_layers", list(s.moe.hash_layers), f"none for family {s.family}")

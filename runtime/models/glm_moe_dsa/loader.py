@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ftc_runtime.models.base import check_plain_swiglu
 from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.models.layers.tensor_shapes import end_tensor_shapes, mlp_tensor_shapes
 from ftc_runtime.spec import ModelSpec, Need, SpecError
@@ -109,6 +110,7 @@ def check_spec(s: ModelSpec, need: Need) -> None:
     need(s.moe.num_shared_experts <= 1, "moe.num_shared_experts", s.moe.num_shared_experts,
          f"0 or 1 for family {s.family} (its shared experts are one MLP)")
     need(not s.attention.bias, "attention.bias", s.attention.bias, f"false for family {s.family}")
+    check_plain_swiglu(s, need)
     need(not s.linear_attention_layers, "layer_kinds", list(s.layer_kinds),
          f"only full_attention layers for family {s.family}")
     ml = s.mla
