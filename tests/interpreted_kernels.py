@@ -1,20 +1,25 @@
 """Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1 (Triton reads
 it when the kernels are defined): the decode plan's, the fills', the step counters', decode
-attention's and the router's Triton kernels, interpreted on the CPU, against the torch plan
-(`plan_layer`), a plain copy, sums of `MissPlanner.bound_s`, softmax attention over the tokens and
-torch's softmax top-k, on random routings, batch sizes, slot counts (up to several candidate
-blocks), rules, rates, head shapes, capacities, positions and router shapes.
+attention's, the router's and the engines' decode expert Triton kernels, interpreted on the CPU,
+against the torch plan (`plan_layer`), a plain copy, sums of `MissPlanner.bound_s`, softmax
+attention over the tokens, torch's softmax top-k and float64 experts, on random routings, batch
+sizes, slot counts (up to several candidate blocks), rules, rates, head shapes, capacities,
+positions and router shapes.
 
     TRITON_INTERPRET=1 python tests/interpreted_kernels.py SEED RUNS STEPS
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
+from ftc.codegen.render import render_triton_kernels
 from ftc_runtime.decode.device_plan import TUNE_STEP, CacheTables, LayerPlan, PlanRule, plan_layer
 from ftc_runtime.decode.gather_fills import gather_fills
 from ftc_runtime.decode.plan_kernel import plan_layer_triton
@@ -23,6 +28,8 @@ from ftc_runtime.experts.cache import ExpertCache
 from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
 from ftc_runtime.experts.replay_kernel import replay_route_gpu
 from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay
+from ftc_runtime.formats import expert_format
+from ftc_runtime.io.ftw import FtwHeader
 from ftc_runtime.models.layers.attention import attention_in
 from ftc_runtime.models.layers.decode_attention_kernel import MAX_SPANS, MIN_SPAN, decode_attention_gpu
 from ftc_runtime.models.layers.deltanet_step_kernel import deltanet_step_gpu
@@ -38,6 +45,7 @@ from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
 from ftc_runtime.models.layers.rope import rope_cos_sin
 from ftc_runtime.models.layers.router import softmax_top_k
 from ftc_runtime.models.layers.router_kernel import softmax_top_k_gpu
+from ftc_runtime.spec import ModelSpec
 
 PLAN_FIELDS = ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts",
                "pairs", "phase_pairs")
@@ -258,6 +266,45 @@ def check_qk_rope(rng: random.Random, g: torch.Generator) -> None:
             assert got.dtype == dtype and got.shape == want.shape and err < tol, f"{what}: {name} {err:.2e}"
 
 
+def check_expert_kernels(rng: random.Random, g: torch.Generator) -> None:
+    """The engines' generated decode expert kernel (`expert_ffn`) of each format, rendered with and
+    without DeepSeek-V4's SwiGLU clamp, against float64 experts over the format's dequantization,
+    the clamp written out here (gate from above, up both ways)."""
+    h, i, e = 128, 64, 4
+    for fmt, limit in ((f, lim) for f in ("bf16", "mxfp4", "nvfp4") for lim in (0.0, 0.5)):
+        spec = ModelSpec.from_dict({"name": "t", "family": "qwen3_moe", "num_layers": 1, "hidden_size": h,
+                                    "vocab_size": 10, "attention": {"num_heads": 2, "num_kv_heads": 1, "head_dim": 16},
+                                    "moe": {"num_experts": e, "top_k": 2, "expert_intermediate_size": i,
+                                            "swiglu_limit": limit}, "expert_format": fmt})
+        header = FtwHeader.create(fmt, 1, e, h, i)
+        slots = torch.zeros(e, header.expert_stride, dtype=torch.uint8)
+        for s in range(e):
+            rows = expert_format(fmt).rows_of({"gate_up": torch.randn(2 * i, h, generator=g) * h ** -0.5,
+                                               "down": torch.randn(h, i, generator=g) * i ** -0.5})
+            for name, dst in header.rows(slots[s]).items():
+                dst.copy_(rows[name])
+        with tempfile.TemporaryDirectory() as d:
+            render_triton_kernels(spec, Path(d))
+            path = next(Path(d).glob("*.py"))
+            loaded = importlib.util.spec_from_file_location(f"expert_ffn_{fmt}", path)
+            module = importlib.util.module_from_spec(loaded)
+            loaded.loader.exec_module(module)
+        x = torch.randn(1, h, generator=g)
+        slot = torch.tensor(rng.sample(range(e), 2), dtype=torch.int32)
+        w = torch.rand(2, generator=g)
+        out = torch.zeros(1, h)
+        module.expert_ffn(x, slots, slot, torch.zeros(2, dtype=torch.int32), w, out)
+        want = torch.zeros(h, dtype=torch.float64)
+        for s, weight in zip(slot.tolist(), w.tolist(), strict=True):
+            gate_up, down = (t.double() for t in header.dequantize(slots[s]))
+            gate, up = (gate_up @ x[0].double()).chunk(2)
+            if limit > 0:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            want += weight * (down @ (gate * torch.sigmoid(gate) * up))
+        err = float((out[0].double() - want).norm() / want.norm())
+        assert err < 1e-5, f"expert kernel {fmt}, swiglu limit {limit}: relative error {err:.2e}"
+
+
 def check_gemv_gates(rng: random.Random, g: torch.Generator) -> None:
     """`linear_gpu`'s SwiGLU input with its sigmoid output gate (a shared expert's down projection)
     against `shared_expert`, and its gated input (gated attention's o_proj) against
@@ -354,6 +401,7 @@ def main() -> None:
     check_gemv(rng, g)
     check_fp8_gemv(rng, g)
     check_gemv_gates(rng, g)
+    check_expert_kernels(rng, g)
     check_qk_rope(rng, g)
     check_sparse_latent_attention(rng, g)
     check_deltanet_step(rng, g)
