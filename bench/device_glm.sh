@@ -15,19 +15,31 @@
 # Part 4: the FP8 gemv as an op that torch.compile keeps whole (GLM's functions compiled with FP8
 # projections): the FP8 GPU tests and GLM's FP8 graph cases, then the FP8 cut's decode with a
 # profile of its steps (where the body's 0.35-0.83 ms per MoE layer goes); about 300 s.
-# Part 5: the sparse latent attention kernel on the tensor cores: its GPU tests and GLM's graph
-# cases, its tilings swept (bench/dev/sparse_mla.py), then the FP8 cut's decode and prefill.
+# Part 5: part 3 with the sparse kernel's tilings swept (bench/dev/sparse_mla.py) before the cut.
+# Part 6: GPU tests (the sparse kernel, GLM's graphs, FP8, the device step) and the decode expert
+# kernel's tilings on GLM-5.2's and qwen3.6's NVFP4 shapes (bench/tune_decode_experts.py); ~350 s.
 source bench/device_setup.sh "$@"
 end=$(( $(date +%s) + 570 ))
 glm=model_specs/glm-5.2.yaml
 cut="--override num_layers=16"
-if [ "$part" = 3 ]; then
-  timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_glm_layers.py tests/test_gpu.py \
+if [ "$part" = 3 ] || [ "$part" = 5 ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_glm_layers.py tests/test_gpu.py \
     -k "sparse_latent or glm_decode_graphs" 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR"
+  [ "$part" = 5 ] && timeout 120 python3 bench/dev/sparse_mla.py -o "$out/sparse_mla" 2>&1 | tail -20
   FTC_DEVICE_PLAN=1 timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $glm --target h200 \
     --vram-budget 20.6GiB $cut --override dense_format=fp8 --policies adaptive --routings uniform --new-tokens 34 \
     --prefill-lengths 2048 -o "$out/glm_fp8" > "$out/glm_fp8.log" 2>&1
   echo "glm fp8 rc $?"; grep -E "tok/s|in memory" "$out/glm_fp8.log" || tail -c 1500 "$out/glm_fp8.log"
+  exit 0
+fi
+if [ "$part" = 6 ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_glm_layers.py tests/test_gpu.py \
+    tests/test_fp8_linear.py -k "sparse_latent or glm_decode_graphs or fp8 or device_step" 2>&1 \
+    | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR"
+  for spec in "$glm" "model_specs/qwen3.6-35b-a3b.yaml"; do
+    timeout 150 python3 bench/tune_decode_experts.py $spec --override expert_format=nvfp4 2>&1 \
+      | tee -a "$out/tune_decode_experts.txt" | grep -E "best|error"
+  done
   exit 0
 fi
 if [ "$part" = 4 ]; then
@@ -38,16 +50,6 @@ if [ "$part" = 4 ]; then
     -o "$out/glm_fp8" > "$out/glm_fp8.log" 2>&1
   echo "glm fp8 rc $?"; grep -E "tok/s|in memory" "$out/glm_fp8.log" || tail -c 1500 "$out/glm_fp8.log"
   head -45 "$out/glm_fp8/profile.txt"
-  exit 0
-fi
-if [ "$part" = 5 ]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_glm_layers.py tests/test_gpu.py \
-    -k "sparse_latent or glm_decode_graphs" 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR"
-  timeout 120 python3 bench/dev/sparse_mla.py -o "$out/sparse_mla" 2>&1 | tail -20
-  FTC_DEVICE_PLAN=1 timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $glm --target h200 \
-    --vram-budget 20.6GiB $cut --override dense_format=fp8 --policies adaptive --routings uniform --new-tokens 34 \
-    --prefill-lengths 2048 -o "$out/glm_fp8" > "$out/glm_fp8.log" 2>&1
-  echo "glm fp8 rc $?"; grep -E "tok/s|in memory" "$out/glm_fp8.log" || tail -c 1500 "$out/glm_fp8.log"
   exit 0
 fi
 if [ "$part" = 2 ]; then

@@ -20,13 +20,12 @@ from pathlib import Path
 
 import torch
 
+from ftc.bench.graph_timing import graph_us
 from ftc.codegen.render import DECODE_TILES, render_triton_kernels
 from ftc.compile.spec_loader import load_spec
 from ftc.compile.weights import RandomWeights
 from ftc_runtime.formats import expert_format
 from ftc_runtime.io.ftw import FtwHeader
-
-CALLS = 20  # per CUDA graph
 
 
 def slots_of(spec, n: int) -> torch.Tensor:
@@ -40,24 +39,6 @@ def slots_of(spec, n: int) -> torch.Tensor:
         for name, dst in header.rows(slots[e]).items():
             dst.copy_(rows[name])
     return slots.cuda()
-
-
-def graph_us(fn) -> float:
-    """µs per call of fn, CALLS calls in one CUDA graph replayed 10 times."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (10 * CALLS)
 
 
 def kernel(spec, tiles: tuple[int, ...], tmp: Path):

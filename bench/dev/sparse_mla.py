@@ -11,36 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from ftc.bench.graph_timing import graph_us
 from ftc_runtime.models.layers import sparse_mla_kernel
 from ftc_runtime.models.layers.mla import MlaShape, attend_cached, mla_attention
 
 HEADS, KV, ROPE, NOPE, V, TOP_K = 64, 512, 64, 192, 256, 2048
-CALLS = 20
-
-
-def time_us(fn: Callable[[], object]) -> float:
-    """µs per call of fn, CALLS calls captured in one graph, the graph replayed 10 times."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (10 * CALLS)
 
 
 def main() -> None:
@@ -67,12 +47,12 @@ def main() -> None:
                 if block_n > span:
                     continue
                 name = f"kernel span {span} block_n {block_n} warps {warps}"
-                results[name] = time_us(partial(sparse_mla_kernel.launch, q, rows, columns, seen, KV, shape.scale,
+                results[name] = graph_us(partial(sparse_mla_kernel.launch, q, rows, columns, seen, KV, shape.scale,
                                                 span, block_n, warps))
                 print(f"{name}: {results[name]:.2f} us", flush=True)
-    results["attend_cached (kernel)"] = time_us(
+    results["attend_cached (kernel)"] = graph_us(
         lambda: attend_cached(q_nope, q_rope, rows, kv_b, (columns[None], seen[None]), shape))
-    results["gathered rows, torch mla_attention"] = time_us(
+    results["gathered rows, torch mla_attention"] = graph_us(
         lambda: mla_attention(q_nope, q_rope, rows[columns, :KV], rows[columns, KV:], kv_b, seen[None], shape))
     for name in list(results)[-2:]:
         print(f"{name}: {results[name]:.2f} us", flush=True)
