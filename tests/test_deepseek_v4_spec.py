@@ -1,8 +1,8 @@
-"""DeepSeek-V4's spec mapping (`models/deepseek_v4/loader.py`) against transformers: random tiny
-configs read as transformers reads them (its config's layer kinds, hash layers and ropes, from the
-current fields and from the released checkpoints' older ones), and the non-expert tensors' names
-and shapes equal to those of transformers' model built from the same config; bad fields refused
-by name."""
+"""DeepSeek-V4's spec mapping and checkpoint layout (`models/deepseek_v4/loader.py`) against
+transformers: random tiny configs read as transformers reads them (its config's layer kinds, hash
+layers and ropes, from the current fields and from the released checkpoints' older ones), the
+non-expert tensors' names and shapes equal to those of transformers' model built from the same
+config and read from the released and the converted layout; bad fields refused by name."""
 
 from __future__ import annotations
 
@@ -12,9 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from ftc_runtime.models.deepseek_v4.loader import HF_LAYER_TYPES, check_spec, dense_tensor_shapes, spec_from_hf
+from ftc.compile.checkpoint import SafetensorsCheckpoint
+from ftc_runtime.models.deepseek_v4.loader import (
+    HF_LAYER_TYPES,
+    DeepseekV4Layout,
+    check_spec,
+    dense_tensor_shapes,
+    spec_from_hf,
+)
 from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.spec import ModelSpec, SpecError, checker
 
@@ -119,3 +127,38 @@ def test_bad_fields_are_refused_by_name(tmp_path, edit, message):
               "layer_types": ["sliding_attention", "compressed_sparse_attention"]} | edit
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
         read({k: v for k, v in fields.items() if v is not None}, tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["released", "released without model.", "converted"])
+def test_every_non_expert_tensor_is_read_from_either_layout(tmp_path, layout, seed):
+    """transformers' model saved as DeepSeek released it (`save_pretrained` writes the original
+    names; the release itself has no "model." prefix) and as transformers names it: each tensor of
+    `dense_tensor_shapes` is found under its canonical name, bit for bit (the hash layers' int64
+    `tid2eid` too, which the compiler's bf16 reading does not take yet)."""
+    rng = random.Random(seed)
+    fields = random_fields(rng)
+    fields["layer_types"][:3] = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"][
+        :len(fields["layer_types"])]
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**fields))
+    want = model.state_dict()
+    ckpt = tmp_path / "ckpt"
+    if layout == "converted":
+        ckpt.mkdir()
+        save_file({k: v.contiguous() for k, v in want.items()}, ckpt / "model.safetensors")
+    else:
+        model.save_pretrained(ckpt)
+        if layout == "released without model.":
+            (path,) = ckpt.glob("*.safetensors")
+            tensors = load_file(path)
+            assert "model.layers.0.attn.wq_a.weight" in tensors  # the original names, as released
+            for f in ckpt.glob("*.safetensors*"):
+                f.unlink()
+            save_file({k.removeprefix("model."): v for k, v in tensors.items()}, ckpt / "model.safetensors")
+    spec = read(fields, tmp_path)
+    reader = SafetensorsCheckpoint(ckpt)
+    layout_ = DeepseekV4Layout(reader, spec)
+    for name, shape in dense_tensor_shapes(spec).items():
+        assert name in layout_, f"{layout}: {name} not found"
+        stored = reader.raw(layout_.name(name))  # as stored: `get` would round to bf16
+        assert layout_.shape(name) == shape and torch.equal(stored, want[name]), f"{layout}: {name}"

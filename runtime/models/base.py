@@ -33,6 +33,8 @@ class CheckpointReader(Protocol):
 
     def get(self, name: str) -> torch.Tensor: ...
 
+    def names(self) -> list[str]: ...
+
 
 class CheckpointLayout:
     """The canonical tensor names of a model (`Family.dense_tensor_shapes`) in one checkpoint: here

@@ -4,8 +4,10 @@ released checkpoints' older ones, as transformers' config reads them), and the f
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from ftc_runtime.models.base import CheckpointLayout, CheckpointReader
 from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.models.layers.tensor_shapes import end_tensor_shapes, mlp_tensor_shapes
 from ftc_runtime.spec import MAX_LAYERS, ModelSpec, Need, SpecError
@@ -14,6 +16,23 @@ from ftc_runtime.spec import MAX_LAYERS, ModelSpec, Need, SpecError
 HF_LAYER_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
                   "heavily_compressed_attention": "hca"}
 RATE_LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+# The released checkpoint's names as transformers renames them (its conversion mapping for
+# deepseek_v4), in that order, each applied once where it matches; "model." then prefixes all but
+# the head.
+RELEASED_RENAMES = tuple((re.compile(a), b) for a, b in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_fn", "hc_head.hc_fn"), (r"^hc_head_base", "hc_head.hc_base"), (r"^hc_head_scale", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn", ".attn_hc.fn"), (r"\.hc_attn_base", ".attn_hc.base"), (r"\.hc_attn_scale", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn", ".ffn_hc.fn"), (r"\.hc_ffn_base", ".ffn_hc.base"), (r"\.hc_ffn_scale", ".ffn_hc.scale"),
+    (r"\.attn_sink", ".sinks"), (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."), (r"\.shared_experts\.w3\.", ".shared_experts.up_proj.")))
 DEFAULT_HASH_LAYERS = 3
 DEFAULT_ROTARY = 64 / 512
 
@@ -64,6 +83,28 @@ def _attention_shapes(spec: ModelSpec, kind: str, p: str) -> dict[str, tuple[int
 def _compressor_shapes(p: str, rate: int, width: int, d: int, hidden: int) -> dict[str, tuple[int, ...]]:
     return {p + "position_bias": (rate, width), p + "kv_proj.weight": (width, hidden),
             p + "gate_proj.weight": (width, hidden), p + "kv_norm.weight": (d,)}
+
+
+def canonical_name(released: str) -> str:
+    """A released checkpoint's tensor name (with or without "model.") as transformers' model names it."""
+    name = released.removeprefix("model.")
+    for pattern, target in RELEASED_RENAMES:
+        name = pattern.sub(target, name, count=1)
+    return name if name == "lm_head.weight" else "model." + name
+
+
+class DeepseekV4Layout(CheckpointLayout):
+    """A checkpoint whose tensors are named as DeepSeek released them, as transformers names them, or
+    both (transformers' `save_pretrained` writes the released names under "model." but the head's
+    and the embedding's): every stored name is mapped through `canonical_name`, which leaves
+    transformers' own names as they are."""
+
+    def __init__(self, ckpt: CheckpointReader, spec: ModelSpec):
+        super().__init__(ckpt, spec)
+        self.stored = {canonical_name(n): n for n in ckpt.names()}
+
+    def name(self, canonical: str) -> str:
+        return self.stored.get(canonical, canonical)
 
 
 def layer_types(cfg: HfConfig, n_layers: int) -> list[str]:
