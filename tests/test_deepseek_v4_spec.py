@@ -46,7 +46,7 @@ def random_fields(rng: random.Random) -> dict:
             "rope_parameters": {"main": {"rope_type": "default", "rope_theta": rng.choice([1e4, 5e4])},
                                 "compress": {"rope_type": "yarn", "rope_theta": 160000.0,
                                              "factor": rng.choice([4.0, 16.0]),
-                                             "original_max_position_embeddings": 4096}}}
+                                             "original_max_position_embeddings": 4096, "attention_factor": 1.0}}}
 
 
 def read(fields: dict, tmp_path: Path) -> ModelSpec:
@@ -118,6 +118,11 @@ def test_the_released_configs_older_fields_map_as_their_current_form(tmp_path, s
     ({"mlp_layer_types": ["moe", "dense"]}, "'mlp_layer_types' has 'dense'"),
     ({"rope_parameters": {"main": {"rope_type": "yarn", "factor": 2.0}, "compress": {"rope_type": "default"}}},
      "the main rope's type 'yarn'"),
+    ({"rope_parameters": {"main": {"rope_type": "default"}, "compress": {"rope_type": "yarn", "factor": 4.0,
+                                                                         "original_max_position_embeddings": 64}}},
+     "YaRN attention_factor None is not supported"),
+    ({"rope_parameters": {"main": {"partial_rotary_factor": 0.25}, "compress": {"partial_rotary_factor": 0.5}}},
+     "the compress rope's partial_rotary_factor 0.5 differs"),
     ({"o_groups": 3}, "field 'compressed.o_groups' = 3"),
     ({"n_shared_experts": 2}, "field 'moe.num_shared_experts' = 2"),
 ])

@@ -3,7 +3,7 @@ time (the CPU path of the family's model, which comes next). A layer's state is 
 size but for its compressed entries: the last `sliding_window - 1` raw key/value rows, and per
 compressor (the layer's own, and for CSA its indexer's) the entries of the windows closed so far,
 the source rows of the window still open and, for overlapping windows, the first series of the
-last closed one. A prefix checkpoint is that fixed part and the entries' count. The attention
+last closed one, so that a prefix checkpoint can be that fixed part and the entries' count. The attention
 functions are in `models/layers/` (`sink_attention`, `window_compressor`, `compressed_indexer`).
 """
 

@@ -146,15 +146,20 @@ def rope_fields(cfg: HfConfig, head_dim: int) -> tuple[dict[str, Any], dict[str,
     compress}, or from the older `rope_theta`, `compress_rope_theta` and `rope_scaling` (whose YaRN
     stretches the compressed entries' base only)."""
     rp = cfg.get("rope_parameters", None) or cfg.get("rope_scaling", None) or {}
-    rotary = cfg.get("partial_rotary_factor", None)
-    if rotary is None:  # the older qk_rope_head_dim, else transformers' default of 64 of 512 dims
-        rope_dim = cfg.get("qk_rope_head_dim", None)
-        rotary = rope_dim / head_dim if isinstance(rope_dim, int) and isinstance(head_dim, int) else DEFAULT_ROTARY
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         main, compress = rp["main"], rp["compress"]
     else:
         main = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}
-        compress = {**rp, "rope_theta": cfg.get("compress_rope_theta", 160000.0)}
+        compress = {**rp, "rope_theta": cfg.get("compress_rope_theta", 160000.0), "attention_factor": 1.0}
+    # the rotated share of a head: the ropes' own, else the config's, else the older qk_rope_head_dim,
+    # else transformers' default of 64 of 512 dims
+    rotary = main.get("partial_rotary_factor", cfg.get("partial_rotary_factor", None))
+    if rotary is None:
+        rope_dim = cfg.get("qk_rope_head_dim", None)
+        rotary = rope_dim / head_dim if isinstance(rope_dim, int) and isinstance(head_dim, int) else DEFAULT_ROTARY
+    if compress.get("partial_rotary_factor", rotary) != rotary:
+        raise SpecError(f"{cfg.where}: the compress rope's partial_rotary_factor "
+                        f"{compress['partial_rotary_factor']!r} differs from the main rope's {rotary!r}")
     for name, params in (("main", main), ("compress", compress)):
         kind = params.get("rope_type", params.get("type", "default"))
         if kind not in ("default", "yarn") or (name == "main" and kind != "default"):
@@ -162,6 +167,9 @@ def rope_fields(cfg: HfConfig, head_dim: int) -> tuple[dict[str, Any], dict[str,
                             f"({'default' if name == 'main' else 'default or yarn'})")
     yarn = None
     if compress.get("rope_type", compress.get("type")) == "yarn":
+        if compress.get("attention_factor", None) != 1.0:  # as released: cos and sin not scaled
+            raise SpecError(f"{cfg.where}: the compress rope's YaRN attention_factor "
+                            f"{compress.get('attention_factor')!r} is not supported (only 1.0)")
         yarn = {"factor": float(compress["factor"]),
                 "original_max_position": int(compress["original_max_position_embeddings"]),
                 "beta_fast": float(compress.get("beta_fast", 32.0)), "beta_slow": float(compress.get("beta_slow", 1.0))}
