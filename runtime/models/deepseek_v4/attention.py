@@ -1,5 +1,5 @@
 """DeepSeek-V4's attention of one layer over a sequence's state, one prompt chunk or decode step at a
-time (the CPU path of the family's model, which comes next). A layer's state is small and of fixed
+time (the CPU path of the family's model). A layer's state is small and of fixed
 size but for its compressed entries: the last `sliding_window - 1` raw key/value rows, and per
 compressor (the layer's own, and for CSA its indexer's) the entries of the windows closed so far,
 the source rows of the window still open and, for overlapping windows, the first series of the
