@@ -375,7 +375,7 @@ def check_replay(rng: random.Random, g: torch.Generator) -> None:
         experts = torch.full((rows, layers, trace_k), -1, dtype=torch.int16)
         for r in range(rows):
             for layer in range(layers):
-                n = rng.randrange(0, trace_k + 1)
+                n = rng.randrange(0, min(trace_k, e) + 1)  # a row names distinct experts
                 experts[r, layer, :n] = torch.tensor(rng.sample(range(e), n), dtype=torch.int16)
         replay = TraceReplay(RoutingTrace(experts.numpy(), torch.full(experts.shape, 1.0).numpy(),
                                           torch.ones(rows, dtype=torch.bool).numpy()))

@@ -24,10 +24,14 @@ def test_route_picks_the_most_probable_experts(device, seed):
         probs = np.exp(logits - logits.max(1, keepdims=True))
         probs /= probs.sum(1, keepdims=True)
         want_ids = np.argsort(-probs, axis=1, kind="stable")[:, :k]
-        want_w = np.take_along_axis(probs, want_ids, 1)
-        if renormalize:
-            want_w /= want_w.sum(1, keepdims=True)
+        got_ids = ids.cpu().numpy()
         what = f"trial {trial}: {t} tokens, {e} experts, top {k}, renormalize {renormalize}"
         assert ids.dtype == torch.int64 and weights.dtype == torch.float32, what
-        assert np.array_equal(ids.cpu().numpy(), want_ids), what
+        # The reference's experts in its order, but where two probabilities lie within fp32's
+        # rounding of each other (then either order is right): compared by their probabilities.
+        got_p = np.take_along_axis(probs, got_ids, 1)
+        assert all(len(set(row)) == k for row in got_ids.tolist()), what
+        assert np.allclose(got_p, np.take_along_axis(probs, want_ids, 1), rtol=1e-4, atol=0), what
+        assert (got_ids == want_ids).mean() > 0.99, what  # near-ties are rare
+        want_w = got_p / got_p.sum(1, keepdims=True) if renormalize else got_p
         assert np.allclose(weights.cpu().numpy(), want_w, rtol=1e-4, atol=1e-6), what
