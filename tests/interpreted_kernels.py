@@ -259,7 +259,7 @@ def check_qk_rope(rng: random.Random, g: torch.Generator) -> None:
         qkv_in = rms_norm(qkv, torch.ones(qkv.shape[1], dtype=dtype), 1e-6)
         got_q = qk_norm_rope_store_gpu(qkv_in, *norms, cos, sin, 1e-6, heads, keys, values,
                                        torch.tensor([position]))
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        tol = 1e-5 if dtype == torch.float32 else 4e-2  # bf16: the interpreter truncates (check_gemv_gates)
         what = f"qk rope, trial {trial}: {heads}, rotary {rotary}, {dtype}, qk norm {qk_norm}, position {position}"
         for name, got, want in (("q", got_q, want_q), ("keys", keys, want_keys), ("values", values, want_values)):
             err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
