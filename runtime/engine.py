@@ -181,10 +181,10 @@ class Engine:
         return min(available // 4, 8 << 30)
 
     def enable_prefix_cache(self, kv_budget: int, checkpoint_budget: int) -> PrefixCache:
-        """Keeps past sequences' keys and values, and for hybrid models the linear layers' state
-        after each of the spec's boundary tokens, so that `generate` resumes a prompt after its
-        longest cached prefix (budgets in bytes)."""
-        self.prefix_cache = PrefixCache(kv_budget, checkpoint_budget, bool(self.spec.linear_attention_layers))
+        """Keeps past sequences' keys and values, and for models whose state replaces their past
+        (`ModelSpec.resumes_at_checkpoints`) that state after each of the spec's boundary tokens,
+        so that `generate` resumes a prompt after its longest cached prefix (budgets in bytes)."""
+        self.prefix_cache = PrefixCache(kv_budget, checkpoint_budget, self.spec.resumes_at_checkpoints)
         return self.prefix_cache
 
     def rebalance(self, needs: list[tuple[object, int]]) -> None:

@@ -241,6 +241,12 @@ class ModelSpec:
         return self.layer_kinds[i] if self.layer_kinds else "full_attention"
 
     @property
+    def resumes_at_checkpoints(self) -> bool:
+        """A sequence's state replaces its past in some layers (Gated DeltaNet's recurrence,
+        compressed attention's windows): it resumes only where a checkpoint holds that state."""
+        return bool(self.linear_attention_layers) or self.attention.kind == "compressed"
+
+    @property
     def expert_bytes(self) -> int:
         """Bytes of one routed expert (gate, up and down, and scales where its format has them)."""
         return expert_format(self.expert_format).expert_bytes(self.hidden_size, self.moe.expert_intermediate_size)

@@ -19,6 +19,7 @@ from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
 
 from fp4_checkpoints import FP4_INTERMEDIATE, LAYOUTS, save_quantized_checkpoint, widen_experts
+from hf_deepseek_v4_models import build_deepseek_v4, save_deepseek_v4_checkpoint
 from hf_glm_models import build_glm, save_glm_checkpoint
 from hf_hybrid_models import build_hybrid, save_hybrid_checkpoint
 from hf_models import TinyShape, build_model, save_checkpoint
@@ -101,6 +102,10 @@ HYBRID_AVX2 = Bounds(prompt=Closeness(1e-4, argmax=1.0), own_steps=1e-3, steps=1
 # GLM-5's latent attention runs absorbed in the engine (the latent never expanded into per-head
 # keys), expanded in transformers: the same sums in another order, ~1e-6 apart in fp32.
 GLM_AVX2 = Bounds(prompt=Closeness(1e-4, argmax=1.0), own_steps=1e-3, steps=1e-3)
+# DeepSeek-V4's attention runs over each layer's compressed state in the engine, over the whole
+# sequence in transformers; the hyper-connections' Sinkhorn steps are the same in both: ~1e-6 apart
+# in fp32.
+DEEPSEEK_V4_AVX2 = Bounds(prompt=Closeness(1e-4, argmax=1.0), own_steps=1e-3, steps=1e-3)
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,11 @@ def _hybrid(family: str, layout: str, nested: bool = False) -> Checkpoint:
 
 def _glm(layout: str) -> Checkpoint:
     return Checkpoint(layout, build_glm, partial(save_glm_checkpoint, layout=layout))
+
+
+def _deepseek_v4(layout: str, intermediate: int = 32) -> Checkpoint:
+    return Checkpoint(layout, partial(build_deepseek_v4, intermediate=intermediate),
+                      partial(save_deepseek_v4_checkpoint, layout=layout))
 
 
 def _build_fp4_hybrid(family: str, seed: int) -> torch.nn.Module:
@@ -179,6 +189,12 @@ TINY_FAMILIES: dict[str, TinyFamily] = {f.name: f for f in [
     TinyFamily("glm_moe_dsa", (_glm("fused"), _glm("per_expert"),
                                _fp4("nvfp4_modelopt", partial(build_glm, intermediate=FP4_INTERMEDIATE))),
                targets=("cpu",), bounds={"avx2": GLM_AVX2}),
+    # DeepSeek-V4: transformers' fused experts, its save_pretrained layout (the release's names under
+    # "model.", per-expert w1/w3/w2), and the release itself (MXFP4 experts, FP8 projections with
+    # power-of-two block scales, which the compiler dequantizes).
+    TinyFamily("deepseek_v4", (_deepseek_v4("fused"), _deepseek_v4("pretrained"),
+                               _deepseek_v4("released", FP4_INTERMEDIATE)),
+               targets=("cpu",), bounds={"avx2": DEEPSEEK_V4_AVX2}),
 ]}
 
 
@@ -218,14 +234,16 @@ def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def router_margin(model: torch.nn.Module, ids: list[int]) -> float:
     """The reference's smallest gap, over the prompt's tokens and MoE layers, between a token's k-th
-    and (k+1)-th expert by the score its router chooses on (a sigmoid router: the score plus its
-    selection bias)."""
+    and (k+1)-th expert by the score its router chooses on (a biased router: its score, sigmoid or
+    DeepSeek-V4's `score_fn`, plus its selection bias); a router by token id has none."""
     k, gaps = model.config.num_experts_per_tok, []
 
     def record(module: torch.nn.Module, _inputs: tuple, out: torch.Tensor | tuple) -> None:
+        if hasattr(module, "tid2eid"):
+            return
         logits = (out[0] if isinstance(out, tuple) else out).float()
         bias = getattr(module, "e_score_correction_bias", None)
-        scores = logits if bias is None else logits.sigmoid() + bias.float()
+        scores = logits if bias is None else getattr(module, "score_fn", torch.sigmoid)(logits) + bias.float()
         top = scores.topk(k + 1, dim=-1).values
         gaps.append(float((top[:, -2] - top[:, -1]).min()))
 

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from ftc_runtime import Engine
+from ftc_runtime.sampling import Sampler
 from ftc_runtime.serve.app import ServerConfig, create_app
 
 
@@ -44,3 +45,17 @@ def serving_app(app, **options) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def script_sampler(monkeypatch, script: list[int], method: str = "__call__") -> dict:
+    """Every sampler's `method` (its whole choice, or `_pick`: sampling alone) returns the
+    script's tokens in turn, the last one ever after. Returns the per-sampler positions."""
+    position: dict[int, int] = {}
+
+    def scripted(self, logits):
+        i = position.setdefault(id(self), 0)
+        position[id(self)] = i + 1
+        return script[min(i, len(script) - 1)]
+
+    monkeypatch.setattr(Sampler, method, scripted)
+    return position

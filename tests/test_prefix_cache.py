@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ftc.bench.agent import markers
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.cache.prefix import PrefixCache
@@ -19,32 +20,26 @@ SPECS = Path(__file__).resolve().parents[1] / "model_specs"
 NEW = 6  # greedy tokens per turn
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe-tiny", "qwen3.6-moe-tiny", "glm-5-tiny"])
+@pytest.fixture(scope="module", params=["qwen3-moe-tiny", "qwen3.6-moe-tiny", "glm-5-tiny", "deepseek-v4-tiny"])
 def engine_dir(request, tmp_path_factory) -> Path:
     return compile_engine(CompileOptions(source=SPECS / f"{request.param}.yaml", target="cpu", random_weights=True,
                                          seed=3, output=tmp_path_factory.mktemp("prefix") / request.param))
 
 
-def _turn_tokens(engine: Engine) -> tuple[int, int]:
-    """The tokens that open and close a turn in the family's chat format (ChatML's, or GLM's user
-    and assistant markers)."""
-    sp = engine.spec.tokens.special
-    return (sp["<|im_start|>"], sp["<|im_end|>"]) if "<|im_start|>" in sp else (sp["<|user|>"], sp["<|assistant|>"])
-
-
 def _session(engine: Engine, rng: random.Random) -> list[list[int]]:
-    """Prompts of an agent session; the assistant's turns are filled in by `_run`."""
-    sp = engine.spec.tokens.special
-    (start, end), call, call_end = _turn_tokens(engine), sp["<tool_call>"], sp["</tool_call>"]
-    resp, resp_end = sp["<tool_response>"], sp["</tool_response>"]
+    """Prompts of an agent session in the family's chat format (the agent bench's markers); the
+    assistant's turns are filled in by `_run`."""
+    m = markers(engine.spec.tokens.special)
 
     def text(n: int) -> list[int]:
         return [rng.randrange(400) for _ in range(n)]
 
-    system = [start, *text(30), end]
-    turns = [[start, *text(12), end, start], [call, *text(8), call_end, resp, *text(rng.randrange(60, 120)), resp_end],
-             [start, *text(10), end, start], [call, *text(6), call_end, resp, *text(rng.randrange(60, 120)), resp_end],
-             [start, *text(9), end, start]]
+    system = [*m.user, *text(30), *m.close]
+    turns = [[*m.user, *text(12), *m.close, *m.assistant],
+             [m.call, *text(8), m.call_end, m.resp, *text(rng.randrange(60, 120)), m.resp_end],
+             [*m.user, *text(10), *m.close, *m.assistant],
+             [m.call, *text(6), m.call_end, m.resp, *text(rng.randrange(60, 120)), m.resp_end],
+             [*m.user, *text(9), *m.close, *m.assistant]]
     return [system, *turns]
 
 
@@ -54,7 +49,8 @@ def _run(engine: Engine, parts: list[list[int]], edit_at: int | None) -> tuple[l
     the generated tokens, the prompt tokens restored from the cache, and the prompts."""
     history, outs, reused, prompts = list(parts[0]), [], [], []
     bodies: list[tuple[int, int]] = []  # (start, end) of each tool output's body in the history
-    resp, resp_end = engine.spec.token_id("<tool_response>"), engine.spec.token_id("</tool_response>")
+    m = markers(engine.spec.tokens.special)
+    resp, resp_end = m.resp, m.resp_end
     for part in parts[1:]:
         if resp in part:
             a = len(history) + part.index(resp) + 1
@@ -64,7 +60,7 @@ def _run(engine: Engine, parts: list[list[int]], edit_at: int | None) -> tuple[l
         outs.append(list(gen))
         reused.append(gen.stats.reused_tokens)
         prompts.append(list(history))
-        history += outs[-1] + [_turn_tokens(engine)[1]]
+        history += outs[-1] + (m.close or m.user)
     if edit_at is not None:
         a, b = bodies[edit_at]
         history = history[:a] + history[a:a + 3] + history[b:]
@@ -87,7 +83,7 @@ def _expected_reuse(engine: Engine, prompts: list[list[int]], outs: list[list[in
             while n < min(len(s), len(prompt) - 1) and s[n] == prompt[n]:
                 n += 1
             lcp = max(lcp, n)
-        if engine.spec.linear_attention_layers:
+        if engine.spec.resumes_at_checkpoints:
             lcp = max([i + 1 for i in range(lcp) if prompt[i] in engine.boundary_ids], default=0)
         want.append(lcp)
         seen.append(prompt + out[:-1])
@@ -106,7 +102,7 @@ def test_an_agent_session_decodes_the_same_with_and_without_the_cache(engine_dir
     assert outs == plain
     assert reused == _expected_reuse(cached, prompts, outs)
     assert reused[-1] > 0 and cache.stats.hits > 0
-    if cached.spec.linear_attention_layers:
+    if cached.spec.resumes_at_checkpoints:
         assert cache.checkpoints > 0 and cache.checkpoint_used > 0
 
 
@@ -120,9 +116,9 @@ def test_tiny_budgets_evict_and_keep_outputs_correct(engine_dir, budgets, seed):
     outs, _, _ = _run(cached, parts, 0)
     assert outs == plain
     assert cache.kv_used <= budgets[0] and cache.checkpoint_used <= budgets[1]
-    if budgets[0] < 1 << 30:
+    if budgets[0] < 1 << 30 and cached.model.new_cache().kv.num_layers:  # DeepSeek-V4 keeps no per-token KV
         assert cache.stats.kv_evictions > 0
-    if budgets[1] < 1 << 30 and cached.spec.linear_attention_layers:
+    if budgets[1] < 1 << 30 and cached.spec.resumes_at_checkpoints:
         assert cache.stats.checkpoint_evictions + cache.stats.kv_evictions > 0
 
 
@@ -138,7 +134,7 @@ def test_without_room_for_checkpoints_prompts_capture_none(engine_dir, seed):
     outs, reused, _ = _run(cached, parts, 0)
     assert outs == plain
     assert cache.checkpoints == 0 and cache.stats.checkpoint_evictions == 0
-    if cached.spec.linear_attention_layers:
+    if cached.spec.resumes_at_checkpoints:
         assert not any(reused)
     else:
         assert reused[-1] > 0
@@ -149,7 +145,7 @@ def test_held_nodes_are_never_evicted(engine_dir, seed):
     too small for anything evicts everything else, never them; once released, they go too."""
     rng = random.Random(seed)
     engine = Engine.load(engine_dir)
-    recurrent = bool(engine.spec.linear_attention_layers)
+    recurrent = engine.spec.resumes_at_checkpoints
     cache = PrefixCache(kv_budget=1 << 30, checkpoint_budget=1 << 30, recurrent=recurrent)
     boundary = engine.spec.token_id(engine.spec.tokens.boundaries[-1])
     first = [rng.randrange(400) for _ in range(20)] + [boundary] + [rng.randrange(400) for _ in range(5)]
@@ -223,7 +219,7 @@ def test_the_agent_bench_reports_what_each_mode_reuses(engine_dir, seed):
     result = bench_agent(engine_dir, None, ["cache", "no-checkpoints", "no-prefix-cache"], 700, 120,
                          kv_budget=1 << 30, checkpoint_budget=1 << 30, new_tokens=2, seed=seed)
     engine = Engine.load(engine_dir)
-    hybrid = bool(engine.spec.linear_attention_layers)
+    hybrid = engine.spec.resumes_at_checkpoints
     for mode, run in result["runs"].items():
         for row in run["turns"]:
             assert row["reused_tokens"] + row["prefilled_tokens"] == row["prompt_tokens"]
@@ -233,7 +229,7 @@ def test_the_agent_bench_reports_what_each_mode_reuses(engine_dir, seed):
     turns = result["runs"]["cache"]["turns"]
     assert turns[0]["reused_tokens"] == 0 and all(r["reused_tokens"] > 0 for r in turns[1:])
     history, starts = [], []
-    resp = engine.spec.token_id("<tool_response>")
+    resp = markers(engine.spec.tokens.special).resp
     for turn in agent_session(engine, 700, 120, seed)[:-1]:
         if resp in turn.tokens:
             starts.append(len(history) + turn.tokens.index(resp))

@@ -23,10 +23,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from ftc_runtime import Engine, SamplingParams  # noqa: E402
-from ftc_runtime.sampling import Sampler  # noqa: E402
 
 from conftest import seed_for  # noqa: E402
-from live_server import free_port, serving  # noqa: E402
+from live_server import free_port, script_sampler, serving  # noqa: E402
 
 KEY = f"test-key-{seed_for('test_serve.KEY')}"
 
@@ -71,20 +70,6 @@ def script_tool_call(engine: Engine, monkeypatch, tools: list[dict], *calls: tup
                                            add_generation_prompt=False)
     script = engine.tokenizer.encode(rendered.split("<|im_start|>assistant\n")[-1].removesuffix("<|im_end|>\n"))
     return script_sampler(monkeypatch, script + [engine.spec.eos_token_ids[0]])
-
-
-def script_sampler(monkeypatch, script: list[int], method: str = "__call__") -> dict:
-    """Every sampler's `method` (its whole choice, or `_pick`: sampling alone) returns the
-    script's tokens in turn, the last one ever after. Returns the per-sampler positions."""
-    position: dict[int, int] = {}
-
-    def scripted(self, logits):
-        i = position.setdefault(id(self), 0)
-        position[id(self)] = i + 1
-        return script[min(i, len(script) - 1)]
-
-    monkeypatch.setattr(Sampler, method, scripted)
-    return position
 
 
 def test_models_and_health(url, engine):

@@ -39,6 +39,44 @@ class Turn:
 EDITED = -2  # the edit replaces this tool output (counted from the last)
 
 
+@dataclass(frozen=True)
+class Markers:
+    """The special tokens of the spec's chat format that the session is scripted with: what opens a
+    user turn, closes any turn, opens the assistant's and opens a tool result (lists: a format may
+    have none), the reasoning's, a tool call's and a tool output's delimiters."""
+
+    user: list[int]
+    close: list[int]
+    assistant: list[int]
+    tool: list[int]
+    think: int
+    think_end: int
+    call: int
+    call_end: int
+    resp: int
+    resp_end: int
+
+
+def markers(sp: dict[str, int]) -> Markers:
+    """The session's markers in the spec's chat format: ChatML (<|im_start|> ... <|im_end|>), GLM's
+    (<|user|>, <|assistant|>, <|observation|>, no closing token), or DeepSeek's (a tool call's tags
+    each open with ｜DSML｜; tool outputs come back in a <｜User｜> turn, closed by <｜Assistant｜>)."""
+    def tag(name: str) -> int:
+        if name not in sp:
+            raise ValueError(f"agent bench: the spec has no special token {name!r}")
+        return sp[name]
+
+    think = (tag("<think>"), tag("</think>"))
+    if "｜DSML｜" in sp:
+        return Markers([tag("<｜User｜>")], [tag("<｜end▁of▁sentence｜>")], [tag("<｜Assistant｜>")], [], *think,
+                       tag("｜DSML｜"), tag("｜DSML｜"), tag("<｜User｜>"), tag("<｜Assistant｜>"))
+    calls = (tag("<tool_call>"), tag("</tool_call>"), tag("<tool_response>"), tag("</tool_response>"))
+    if "<|im_start|>" not in sp and "<|observation|>" in sp:
+        return Markers([tag("<|user|>")], [], [tag("<|assistant|>")], [tag("<|observation|>")], *think, *calls)
+    start = [tag("<|im_start|>")]
+    return Markers(start, [tag("<|im_end|>")], start, start, *think, *calls)
+
+
 def agent_session(engine: Engine, session_tokens: int, tool_tokens: int, seed: int) -> list[Turn]:
     """Turns of a session that grows to about `session_tokens` (at least two tool outputs), then
     one edit turn."""
@@ -48,36 +86,19 @@ def agent_session(engine: Engine, session_tokens: int, tool_tokens: int, seed: i
     def text(n: int) -> list[int]:
         return [rng.choice(words) for _ in range(n)]
 
-    def tag(name: str) -> int:
-        if name not in sp:
-            raise ValueError(f"agent bench: the spec has no special token {name!r}")
-        return sp[name]
-
-    user, close, assistant, tool = _turn_markers(sp, tag)
-    think, think_end, call, call_end = tag("<think>"), tag("</think>"), tag("<tool_call>"), tag("</tool_call>")
-    resp, resp_end = tag("<tool_response>"), tag("</tool_response>")
-    turns = [Turn("user", [*user, *text(400), *close, *user, *text(60), *close, *assistant])]
+    m = markers(sp)
+    turns = [Turn("user", [*m.user, *text(400), *m.close, *m.user, *text(60), *m.close, *m.assistant])]
     size = len(turns[0].tokens)
     while size < session_tokens or sum(t.kind == "tool" for t in turns) < -EDITED:  # what the edit needs
-        answer = [think, *text(80), think_end, call, *text(30), call_end, *close]
-        output = [*tool, resp, *text(tool_tokens), resp_end, *close, *assistant]
+        answer = [m.think, *text(80), m.think_end, m.call, *text(30), m.call_end, *m.close]
+        output = [*m.tool, m.resp, *text(tool_tokens), m.resp_end, *m.close, *m.assistant]
         turns += [Turn("tool", answer + output)]
         size += len(answer) + len(output)
         if len(turns) % 3 == 0:
-            turns.append(Turn("user", [*text(40), *close, *user, *text(50), *close, *assistant]))
+            turns.append(Turn("user", [*text(40), *m.close, *m.user, *text(50), *m.close, *m.assistant]))
             size += len(turns[-1].tokens)
-    turns.append(Turn("edit", [resp, *text(8), resp_end]))  # a tool output cut to a placeholder
+    turns.append(Turn("edit", [m.resp, *text(8), m.resp_end]))  # a tool output cut to a placeholder
     return turns
-
-
-def _turn_markers(sp: dict[str, int], tag) -> tuple[list[int], list[int], list[int], list[int]]:
-    """The tokens that open a user turn, close any turn, open the assistant's and open a tool
-    result, in the spec's chat format: ChatML (<|im_start|> ... <|im_end|>) or GLM's (<|user|>,
-    <|assistant|>, <|observation|>, no closing token)."""
-    if "<|im_start|>" not in sp and "<|observation|>" in sp:
-        return [tag("<|user|>")], [], [tag("<|assistant|>")], [tag("<|observation|>")]
-    start = [tag("<|im_start|>")]
-    return start, [tag("<|im_end|>")], start, start
 
 
 def bench_agent(engine_dir: Path, offload: OffloadConfig | None, modes: list[str], session_tokens: int,
@@ -106,9 +127,10 @@ def bench_agent(engine_dir: Path, offload: OffloadConfig | None, modes: list[str
 
 def _replay(engine: Engine, turns: list[Turn], new_tokens: int) -> dict:
     history: list[int] = []
-    outputs: list[tuple[int, int]] = []  # where each tool output sits (<tool_response> to its end)
+    outputs: list[tuple[int, int]] = []  # where each tool output sits (its opening marker to its end)
     rows = []
-    resp, resp_end = engine.spec.token_id("<tool_response>"), engine.spec.token_id("</tool_response>")
+    m = markers(engine.spec.tokens.special)
+    resp, resp_end = m.resp, m.resp_end
     stats = getattr(engine.model.experts, "stats", None)  # offloaded experts: what prompts streamed
     for n, turn in enumerate(turns):
         if turn.kind == "edit":

@@ -72,6 +72,10 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype's safetensors name ("BF16", "F8_E4M3", ...), read from the header."""
+        return self._slice(name).get_dtype()
+
     def raw(self, name: str, index: int | None = None) -> torch.Tensor:
         """The tensor `name` (or its `index`-th entry along dim 0, read alone) as stored."""
         s = self._slice(name)
@@ -79,13 +83,13 @@ class SafetensorsCheckpoint:
             return self._handles[self._where[name]].get_tensor(name)
         return s[index]
 
-    def get(self, name: str, index: int | None = None) -> torch.Tensor:
-        """The tensor `name` (or its `index`-th entry along dim 0, read alone) as bf16."""
+    def get(self, name: str, index: int | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The tensor `name` (or its `index`-th entry along dim 0, read alone) as `dtype` (bf16 or fp32)."""
         t = self.raw(name, index)
         where = self.directory / self._where[name]
         if t.dtype not in ACCEPTED_DTYPES:
             raise CheckpointError(f"{where}: tensor {name} has dtype {t.dtype}, expected bfloat16, float16 or float32")
-        t = t.to(torch.bfloat16)  # after the cast: a float32 beyond bf16's range is an Inf too
+        t = t.to(dtype)  # after the cast: a float32 beyond bf16's range is an Inf too
         bad = nonfinite_count(t)
         if bad:
             part = f" (entry {index} along dim 0)" if index is not None else ""

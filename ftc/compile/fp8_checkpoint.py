@@ -1,7 +1,8 @@
 """Checkpoints whose linear weights are FP8 with block scales (DeepSeek-V3's and GLM-5's FP8
 releases): `X.weight` float8_e4m3fn [N, K] and `X.weight_scale_inv` fp32 [⌈N/bn⌉, ⌈K/bk⌉], one
 scale per block of bn × bk weights (the config's `quantization_config.weight_block_size`, 128 ×
-128 in those releases), the weight being `X.weight · X.weight_scale_inv` of its block. Modules
+128 in those releases), the weight being `X.weight · X.weight_scale_inv` of its block;
+DeepSeek-V4's release names them `X.scale` and stores powers of two (e8m0). Modules
 the settings exclude (`modules_to_not_convert`) are 16-bit and carry no scale. The compiler
 dequantizes them to bf16 (the product in fp32, rounded once to nearest), the routed experts too,
 which the engine's expert format then stores.
@@ -69,12 +70,25 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[t
     return codes.view(rows * block[0], cols * block[1])[:n, :k].contiguous(), scale_inv
 
 
+def _scale_of(ckpt, name: str) -> tuple[str, torch.Tensor]:
+    """The block scales beside FP8 weight `X.weight`, by name and as fp32: `X.weight_scale_inv`
+    (fp32 or bf16), or DeepSeek-V4's `X.scale` (e8m0: powers of two, as torch's float8_e8m0fnu or
+    as their bytes, 2^(b - 127))."""
+    base = name.removesuffix(".weight")
+    if f"{base}.weight_scale_inv" in ckpt or f"{base}.scale" not in ckpt:
+        return f"{base}.weight_scale_inv", ckpt.raw(f"{base}.weight_scale_inv")
+    scale = ckpt.raw(f"{base}.scale")
+    if scale.dtype == torch.uint8:
+        scale = scale.view(torch.float8_e8m0fnu)
+    return f"{base}.scale", scale.float() if scale.dtype == torch.float8_e8m0fnu else scale
+
+
 def read_fp8_codes(ckpt, name: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 weight `name` of a `SafetensorsCheckpoint` as stored: its e4m3 codes [N, K] and its
-    fp32 scales (`name`_scale_inv, one per block), checked; CheckpointError naming the tensor that
-    is malformed."""
-    scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
-    weight, scale_inv = ckpt.raw(name), ckpt.raw(scale_name)
+    fp32 scales (one per block, `_scale_of`), checked; CheckpointError naming the tensor that is
+    malformed."""
+    weight = ckpt.raw(name)
+    scale_name, scale_inv = _scale_of(ckpt, name)
     where = ckpt.directory
     if weight.dtype not in FP8_TYPES or weight.dim() != 2:
         raise CheckpointError(f"{where}: tensor {name} is {weight.dtype} {list(weight.shape)}, expected a 2-D "

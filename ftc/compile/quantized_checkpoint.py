@@ -11,6 +11,9 @@ as usual; an NVFP4 linear weight outside the routed experts is dequantized to bf
 checkpoints (`quant_method: fp8`) declare no 4-bit experts: every weight is dequantized
 (`fp8_checkpoint`).
 
+DeepSeek-V4's release declares `quant_method: fp8` with `expert_dtype: fp4`: FP8 linears with
+power-of-two block scales (`X.scale`, e8m0) and MXFP4 experts.
+
 Expert layouts, found by their tensor names under a layer's experts prefix `P`:
 - gpt-oss: `P gate_up_proj_blocks` u8 [E, 2I, H/32, 16] + `_scales` u8 [E, 2I, H/32], the gate and
   up rows interleaved (row 2i gate i, row 2i+1 up i); `P down_proj_blocks` / `_scales`.
@@ -66,9 +69,9 @@ def declared_format(directory: Path, config: dict[str, Any]) -> str | None:
         return _modelopt_settings(q, where)
     if method == "compressed-tensors":
         return _compressed_tensors_settings(q, where)
-    if method == "fp8":  # block-scaled FP8 linears, experts included: dequantized (`fp8_checkpoint`)
-        fp8_settings(q, where)
-        return None
+    if method == "fp8":  # block-scaled FP8 linears (`fp8_checkpoint`), the experts too unless they are
+        fp8_settings(q, where)  # e2m1 (DeepSeek-V4: `expert_dtype` fp4, in the settings or beside them)
+        return "mxfp4" if q.get("expert_dtype", config.get("expert_dtype")) == "fp4" else None
     raise CheckpointError(f"{where}: quantization_config.quant_method = {method!r}: ftc reads MXFP4 (gpt-oss, "
                           "DeepSeek-V4), NVFP4 (ModelOpt, compressed-tensors nvfp4-pack-quantized), block-scaled "
                           "FP8 (DeepSeek-V3, GLM-5) or 16/32-bit weights")
@@ -193,7 +196,7 @@ LAYOUT_FORMAT = {"gptoss_mxfp4": "mxfp4", "dsv4_mxfp4": "mxfp4", "modelopt_nvfp4
 
 def find_layout(ckpt: SafetensorsCheckpoint, prefix: str) -> str | None:
     """The quantized layout whose tensors sit under the experts prefix of a layer; None: float."""
-    probes = (("gptoss_mxfp4", "gate_up_proj_blocks"), ("dsv4_mxfp4", "0.w1.weight"),
+    probes = (("gptoss_mxfp4", "gate_up_proj_blocks"), ("dsv4_mxfp4", "0.w1.scale"),
               ("compressed_tensors_nvfp4", "0.gate_proj.weight_packed"),
               ("modelopt_nvfp4", "0.gate_proj.weight_scale"))
     return next((layout for layout, suffix in probes if prefix + suffix in ckpt), None)
@@ -220,10 +223,15 @@ class DequantizedDense:
             return name, "modelopt_nvfp4"
         if f"{base}.weight_scale_inv" in self.ckpt and name in self.ckpt:
             return name, "fp8"
+        if f"{base}.scale" in self.ckpt and name in self.ckpt and self.ckpt.dtype(name) == "F8_E4M3":
+            return name, "fp8"  # DeepSeek-V4's release: power-of-two scales (e8m0) named `X.scale`
         return None
 
     def __contains__(self, name: str) -> bool:
         return name in self.ckpt or self._quantized(name) is not None
+
+    def names(self) -> list[str]:
+        return self.ckpt.names()
 
     def shape(self, name: str) -> tuple[int, ...]:
         q = self._quantized(name)

@@ -105,21 +105,22 @@ def _apply_override(data: Any, item: str, origin: str) -> None:
 
 def _cut_to_layers(data: Any) -> None:
     """A spec whose `num_layers` was overridden below its per-layer lists is its first layers: the
-    lists of one entry per layer (`layer_kinds`, `indexer.layer_types`) keep their first entries,
-    `moe.dense_layers` the layers below the count. A count above a list's length is left for the
-    spec's check to name."""
+    lists of one entry per layer (`layer_kinds`, `indexer.layer_types`, `compressed.layer_types`)
+    keep their first entries, `moe.dense_layers` and `moe.hash_layers` the layers below the count.
+    A count above a list's length is left for the spec's check to name."""
     n = data.get("num_layers") if isinstance(data, dict) else None
     if not isinstance(n, int) or n < 1:
         return
-    for path in (("layer_kinds",), ("indexer", "layer_types")):
+    for path in (("layer_kinds",), ("indexer", "layer_types"), ("compressed", "layer_types")):
         node = data
         for p in path[:-1]:
             node = node.get(p) if isinstance(node, dict) else None
         if isinstance(node, dict) and isinstance(node.get(path[-1]), list) and len(node[path[-1]]) > n:
             node[path[-1]] = node[path[-1]][:n]
     moe = data.get("moe")
-    if isinstance(moe, dict) and isinstance(moe.get("dense_layers"), list):
-        moe["dense_layers"] = [i for i in moe["dense_layers"] if not isinstance(i, int) or i < n]
+    for field in ("dense_layers", "hash_layers"):
+        if isinstance(moe, dict) and isinstance(moe.get(field), list):
+            moe[field] = [i for i in moe[field] if not isinstance(i, int) or i < n]
 
 
 def spec_dict_from_hf(config: dict[str, Any], directory: Path) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """A byte-level tokenizer for engines of random weights (a checkpoint must bring its own: checkpoint_tokenizer.py).
 
-Ids 0-255 are the bytes, the spec's special tokens sit at their ids, and every other id of the
-vocabulary decodes to a visible `<|reserved_N|>`, so any id the model emits can be shown.
+The spec's special tokens sit at their ids, the 256 bytes at the lowest ids left (0-255 unless a
+special token takes one: DeepSeek's begin and end of sentence are ids 0 and 1), and every other id
+of the vocabulary decodes to a visible `<|reserved_N|>`, so any id the model emits can be shown.
 """
 
 from __future__ import annotations
@@ -16,19 +17,18 @@ BYTE_TOKENS = 256
 
 
 def build_byte_tokenizer(spec: ModelSpec, path: Path) -> None:
-    if spec.vocab_size < BYTE_TOKENS:
-        raise SpecError(f"spec field 'vocab_size' = {spec.vocab_size}: a checkpoint-free engine needs at "
-                        f"least {BYTE_TOKENS} (its byte-level tokenizer)")
-    for text, tid in spec.tokens.special.items():
-        if tid < BYTE_TOKENS:
-            raise SpecError(f"spec field 'tokens.special.{text}' = {tid}: ids below {BYTE_TOKENS} are the "
-                            "byte tokens of the generated tokenizer")
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
-    vocab = {c: i for i, c in enumerate(byte_chars)}
     by_id = {tid: text for text, tid in spec.tokens.special.items()}
-    for tid in range(BYTE_TOKENS, spec.vocab_size):
-        vocab[by_id.get(tid, f"<|reserved_{tid}|>")] = tid
+    if spec.vocab_size < BYTE_TOKENS + len(by_id):
+        raise SpecError(f"spec field 'vocab_size' = {spec.vocab_size}: a checkpoint-free engine needs at "
+                        f"least {BYTE_TOKENS + len(by_id)} (the {BYTE_TOKENS} bytes of its byte-level tokenizer and "
+                        f"{len(by_id)} special tokens)")
+    free = (tid for tid in range(spec.vocab_size) if tid not in by_id)
+    byte_ids = [next(free) for _ in range(BYTE_TOKENS)]
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: _byte_of(c))
+    vocab, taken = dict(zip(byte_chars, byte_ids, strict=True)), set(byte_ids)
+    for tid in range(spec.vocab_size):
+        if tid not in taken:
+            vocab[by_id.get(tid, f"<|reserved_{tid}|>")] = tid
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -21,7 +21,7 @@ from ftc_runtime.formats import expert_format
 from ftc_runtime.formats.base import Expert
 from ftc_runtime.formats.e2m1 import BlockFp4Format
 from ftc_runtime.models import family
-from ftc_runtime.models.dense_layout import FP8_BLOCK
+from ftc_runtime.models.dense_layout import FP8_BLOCK, stored_dense
 from ftc_runtime.spec import ModelSpec
 
 
@@ -30,7 +30,8 @@ class WeightSource(Protocol):
     extra_layers: dict[str, int]  # layers past the spec's that the source holds and the engine skips
 
     def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every non-expert tensor, bf16, by checkpoint name."""
+        """Every non-expert tensor by checkpoint name: bf16, or fp32 and int64 where the engine
+        stores it so (`dense_layout.stored_dense`)."""
 
     def dense_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Dense weight `name` as e4m3 codes and fp32 scales per `FP8_BLOCK` where the source stores
@@ -43,22 +44,30 @@ class WeightSource(Protocol):
 
 
 def extra_layers(names: list[str], num_layers: int) -> dict[str, int]:
-    """Decoder layers a checkpoint holds past the spec's `num_layers` (GLM-5's and DeepSeek's
-    multi-token-prediction layers), which the engine does not read: tensors by layer prefix."""
+    """Decoder layers a checkpoint holds past the spec's `num_layers` (GLM-5's and DeepSeek-V3's
+    multi-token-prediction layers) or under `mtp.` (DeepSeek-V4's), which the engine does not
+    read: tensors by layer prefix."""
     counts: dict[str, int] = {}
     for name in names:
         match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-        if match and int(match.group(1)) >= num_layers:
+        if not (match and int(match.group(1)) >= num_layers):
+            match = re.match(r"(?:model\.)?mtp\.\d+\.", name)
+        if match:
             prefix = name[:match.end()].rstrip(".")
             counts[prefix] = counts.get(prefix, 0) + 1
     return counts
 
 
+# 16/32-bit experts one by one: the names of their gate, up and down projections (HF's, DeepSeek's).
+PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
 class CheckpointWeights:
-    """An HF checkpoint with 16/32-bit experts in either layout (per-expert
-    `experts.J.{gate,up,down}_proj.weight` or fused `experts.gate_up_proj` [E, 2I, H] /
-    `experts.down_proj` [E, H, I], or transposed) or 4-bit ones (`quantized_checkpoint`); dense
-    tensors by canonical name wherever the checkpoint's layout keeps them (the family's `CheckpointLayout`)."""
+    """An HF checkpoint with 16/32-bit experts in any layout (per-expert
+    `experts.J.{gate,up,down}_proj.weight` or DeepSeek's `experts.J.{w1,w3,w2}.weight`, or fused
+    `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I], or transposed) or 4-bit
+    ones (`quantized_checkpoint`); dense tensors by canonical name wherever the checkpoint's layout
+    keeps them (the family's `CheckpointLayout`)."""
 
     def __init__(self, spec: ModelSpec, directory: Path):
         self.spec, self.ckpt = spec, SafetensorsCheckpoint(directory)
@@ -76,9 +85,10 @@ class CheckpointWeights:
         first = self._experts_prefix(spec.moe_layers[0])
         self.quantized = self._quantized_experts(first)
         self.fused = f"{first}gate_up_proj" in self.ckpt
-        if self.quantized is None and not self.fused and f"{first}0.gate_proj.weight" not in self.ckpt:
+        self.per_expert = next((n for n in PER_EXPERT_NAMES if f"{first}0.{n[0]}.weight" in self.ckpt), None)
+        if self.quantized is None and not self.fused and self.per_expert is None:
             raise CheckpointError(f"{directory}: no experts for layer {spec.moe_layers[0]}: expected "
-                                  f"{first}gate_up_proj or {first}0.gate_proj.weight")
+                                  f"{first}gate_up_proj, {first}0.gate_proj.weight or {first}0.w1.weight")
 
     def _quantized_experts(self, prefix: str) -> QuantizedExperts | None:
         """The reader of the checkpoint's 4-bit experts; None where they are 16/32-bit. Either way
@@ -98,8 +108,27 @@ class CheckpointWeights:
         return self.layout.name(f"model.layers.{layer}.mlp.experts.")
 
     def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
+        stored = stored_dense(self.spec)
         for name in self.shapes:
-            yield name, self.layout.get(name)
+            dtype = stored[name][1]
+            if dtype == "I64":
+                yield name, self._expert_ids(self.layout.name(name))
+            elif dtype == "F32":
+                yield name, self.ckpt.get(self.layout.name(name), dtype=torch.float32)
+            else:
+                yield name, self.layout.get(name)
+
+    def _expert_ids(self, name: str) -> torch.Tensor:
+        """A table of expert ids (a hash router's), int64, each within the layer's experts."""
+        t, e = self.ckpt.raw(name), self.spec.moe.num_experts
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise CheckpointError(f"{self.ckpt.directory}: tensor {name} has dtype {t.dtype}, expected integer "
+                                  "expert ids")
+        bad = (t < 0) | (t >= e)
+        if bool(bad.any()):
+            raise CheckpointError(f"{self.ckpt.directory}: tensor {name} holds expert id {int(t[bad][0])}, outside "
+                                  f"[0, {e}) (moe.num_experts)")
+        return t.long()
 
     def dense_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         # Another block size is dequantized and quantized again: the engine reads 128 × 128 blocks.
@@ -114,10 +143,11 @@ class CheckpointWeights:
             down, transposed = self._fused(p + "down_proj", (e, h, i), expert, None)
             gate_up, _ = self._fused(p + "gate_up_proj", (e, 2 * i, h), expert, transposed)
         else:
-            gate = self._checked(f"{p}{expert}.gate_proj.weight", (i, h))
-            up = self._checked(f"{p}{expert}.up_proj.weight", (i, h))
+            gate_name, up_name, down_name = self.per_expert
+            gate = self._checked(f"{p}{expert}.{gate_name}.weight", (i, h))
+            up = self._checked(f"{p}{expert}.{up_name}.weight", (i, h))
             gate_up = torch.cat([gate, up], dim=0)
-            down = self._checked(f"{p}{expert}.down_proj.weight", (h, i))
+            down = self._checked(f"{p}{expert}.{down_name}.weight", (h, i))
         return {"gate_up": gate_up, "down": down}
 
     def _checked(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -159,17 +189,27 @@ class RandomWeights:
         return (torch.randn(shape, generator=self._generator(name)) * std).to(torch.bfloat16)
 
     def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
+        stored = stored_dense(self.spec)
+        for name, shape in self.shapes.items():
+            dtype = stored[name][1]
+            if dtype == "I64":  # each token id's distinct experts
+                g, e = self._generator(name), self.spec.moe.num_experts
+                yield name, torch.rand(shape[0], e, generator=g).argsort(dim=1)[:, :shape[1]].contiguous()
+            else:
+                t = self._float(name, shape)
+                yield name, t.float() if dtype == "F32" else t
+
+    def _float(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         # (1 + w) norms store the offset from 1; the linear layers' gated norm is plain w.
         one_plus = self.spec.norm.kind == "rms_one_plus"
-        for name, shape in self.shapes.items():
-            if len(shape) == 1:
-                zero = name.endswith(".bias") or (one_plus and name.endswith("norm.weight")
-                                                  and not name.endswith("linear_attn.norm.weight"))
-                yield name, (torch.zeros if zero else torch.ones)(shape, dtype=torch.bfloat16)
-            elif name == "model.embed_tokens.weight":
-                yield name, self._randn(name, shape, 1.0)
-            else:  # N(0, 1/fan_in); a depthwise convolution [C, 1, K] takes K inputs
-                yield name, self._randn(name, shape, (shape[1] if len(shape) == 2 else shape[-1]) ** -0.5)
+        if len(shape) == 1:
+            zero = name.endswith((".bias", "sinks")) or (one_plus and name.endswith("norm.weight")
+                                                         and not name.endswith("linear_attn.norm.weight"))
+            return (torch.zeros if zero else torch.ones)(shape, dtype=torch.bfloat16)
+        if name == "model.embed_tokens.weight":
+            return self._randn(name, shape, 1.0)
+        # N(0, 1/fan_in); a depthwise convolution [C, 1, K] takes K inputs
+        return self._randn(name, shape, (shape[1] if len(shape) == 2 else shape[-1]) ** -0.5)
 
     def dense_fp8(self, name: str) -> None:
         return None

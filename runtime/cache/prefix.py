@@ -26,6 +26,7 @@ import torch
 from ftc_runtime.cache.base import RecurrentCheckpoint, SequenceState
 
 _clock = itertools.count(1)
+TOKEN_BYTES = 8  # a token id in a node's tuple: one pointer (small ints are shared)
 
 
 @dataclass(eq=False)
@@ -40,7 +41,10 @@ class RadixNode:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+        """Its keys and values, and its token ids (all a node of a model without per-token keys
+        holds, DeepSeek-V4's: so that the budget bounds its tree too)."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv) \
+            + TOKEN_BYTES * len(self.tokens)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ftc_runtime.chat.stop_strings import StopMatcher
 from ftc_runtime.chat.tokenizer import StreamDecoder
-from ftc_runtime.chat.tool_parsers import ReasoningSplitter
+from ftc_runtime.chat.tool_parsers import ReasoningSplitter, prompt_opens_reasoning
 from ftc_runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -44,7 +44,8 @@ class ChatSession:
         self.generation = self.engine.generate(ids, max_new_tokens, sampling, self.stop_at_eos)
         self.tokens = []
         hidden = self.engine.hidden_token_ids
-        decoder, stops, splitter, content = StreamDecoder(tokenizer), StopMatcher(self.stop), ReasoningSplitter(), []
+        decoder, stops, content = StreamDecoder(tokenizer), StopMatcher(self.stop), []
+        splitter = ReasoningSplitter(opened=prompt_opens_reasoning(tokenizer, ids))
         try:
             for token in self.generation:
                 self.tokens.append(token)

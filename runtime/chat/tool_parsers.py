@@ -32,7 +32,9 @@ class AssistantOutput:
 class ToolParser(Protocol):
     open_tag: str  # a call's block in the model's text: open_tag ... close_tag
     close_tag: str
-    inner_tags: tuple[str, ...]  # tags inside a block that the parser reads (a tokenizer may mark them special)
+    # Tags, or tokens that tags are written with, inside a block that the parser reads (a tokenizer
+    # may mark them special)
+    inner_tags: tuple[str, ...]
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
         """(content without the parsed calls, the calls); `tools` (OpenAI schemas) type the arguments
@@ -50,13 +52,20 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return reasoning.strip(), text[end + len("</think>"):].lstrip()
 
 
+def prompt_opens_reasoning(tokenizer, ids: list[int]) -> bool:
+    """The prompt ends with `<think>`, written by the template for the answer (DeepSeek-V4's with
+    thinking on): the answer's text starts inside the reasoning."""
+    return tokenizer.decode(ids[-4:]).rstrip().endswith("<think>")
+
+
 class ReasoningSplitter:
     """Streamed text split into ("reasoning", text) and ("content", text) pieces as it arrives: text
-    that opens with `<think>` is reasoning until `</think>`. A piece that might be the start of a
-    tag is held back until the next delta (or `flush`) tells."""
+    that opens with `<think>` is reasoning until `</think>`; so is all text from the start where the
+    prompt already `opened` it (DeepSeek-V4's prompts end with `<think>` when thinking is on). A
+    piece that might be the start of a tag is held back until the next delta (or `flush`) tells."""
 
-    def __init__(self):
-        self.mode, self.held = "start", ""
+    def __init__(self, opened: bool = False):
+        self.mode, self.held = "reasoning" if opened else "start", ""
         self.after_reasoning = False  # content right after `</think>`: its leading blank lines go
 
     def feed(self, delta: str) -> list[tuple[str, str]]:
@@ -137,30 +146,46 @@ def _content(out: list[tuple[str, Any]], text: str) -> None:
         out.append(("content", text))
 
 
-_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _FUNCTION = re.compile(r"^<function=([^>\s]+)>(.*)</function>$", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
-class TaggedToolParser(ABC):
-    """Calls in `<tool_call>` ... `</tool_call>` blocks; a subclass reads one block's body."""
+class BlockToolParser(ABC):
+    """Calls in `open_tag` ... `close_tag` blocks; a subclass reads one block's body into its calls."""
 
-    open_tag, close_tag = "<tool_call>", "</tool_call>"
+    open_tag: str
+    close_tag: str
     inner_tags: tuple[str, ...] = ()
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
         schemas = {t.get("function", t).get("name"): t.get("function", t).get("parameters") or {}
                    for t in tools or [] if isinstance(t, dict)}
+        block = re.compile(f"{re.escape(self.open_tag)}(.*?){re.escape(self.close_tag)}", re.DOTALL)
         calls, kept, last = [], [], 0
-        for m in _BLOCK.finditer(text):
-            call = self._call(m.group(1).strip(), schemas)
-            if call is None:
+        for m in block.finditer(text):
+            found = self._calls(m.group(1), schemas)
+            if not found:
                 continue  # left in the content
             kept.append(text[last:m.start()])
             last = m.end()
-            calls.append(call)
+            calls += found
         kept.append(text[last:])
         return "".join(kept).strip(), calls
+
+    @abstractmethod
+    def _calls(self, body: str, schemas: dict[str, dict]) -> list[ToolCall] | None:
+        """The calls in a block's body (`schemas`: the tools' parameters by name), None where it
+        does not read as calls."""
+
+
+class TaggedToolParser(BlockToolParser):
+    """One call per `<tool_call>` ... `</tool_call>` block; a subclass reads one block's body."""
+
+    open_tag, close_tag = "<tool_call>", "</tool_call>"
+
+    def _calls(self, body: str, schemas: dict[str, dict]) -> list[ToolCall] | None:
+        call = self._call(body.strip(), schemas)
+        return None if call is None else [call]
 
     @abstractmethod
     def _call(self, body: str, schemas: dict[str, dict]) -> ToolCall | None:
@@ -215,6 +240,54 @@ class GlmToolParser(TaggedToolParser):
         return ToolCall(name, {k: _typed(v, props.get(k, {})) for k, v in _GLM_ARGUMENT.findall(m.group(2))})
 
 
+# DeepSeek-V4's DSML markup (its checkpoint's encoding/README.md): every tag is written with the
+# vocabulary's `｜DSML｜` token, so a tokenizer that marks that token special must keep it in the text.
+_DSML = "｜DSML｜"
+_INVOKE = re.compile(rf'\s*<{_DSML}invoke\s+name="([^"]+)"\s*>(.*?)</{_DSML}invoke>', re.DOTALL)
+_DSML_PARAMETER = re.compile(rf'\s*<{_DSML}parameter\s+name="([^"]+)"\s+string="(true|false)"\s*>(.*?)'
+                             rf'</{_DSML}parameter>', re.DOTALL)
+
+
+class DeepseekToolParser(BlockToolParser):
+    """DeepSeek-V4's `<｜DSML｜tool_calls>` blocks: one or more `<｜DSML｜invoke name="NAME">` calls,
+    each holding `<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>`
+    arguments (whitespace between the parts). A `string="true"` value is the text as written; a
+    `string="false"` one is JSON. A block with anything else in it (stray text, a value that is not
+    JSON, a key given twice) is not calls: it stays in the content, whole."""
+
+    open_tag, close_tag = f"<{_DSML}tool_calls>", f"</{_DSML}tool_calls>"
+    inner_tags = (_DSML,)
+
+    def _calls(self, body: str, schemas: dict[str, dict]) -> list[ToolCall] | None:
+        calls, at = [], 0
+        while m := _INVOKE.match(body, at):
+            arguments = _dsml_arguments(m.group(2))
+            if arguments is None:
+                return None
+            calls.append(ToolCall(m.group(1), arguments))
+            at = m.end()
+        return calls if body[at:].strip() == "" else None
+
+
+def _dsml_arguments(body: str) -> dict[str, Any] | None:
+    """An invoke's parameters as arguments; None where the body is anything else."""
+    arguments: dict[str, Any] = {}
+    at = 0
+    while m := _DSML_PARAMETER.match(body, at):
+        key, is_string, value = m.groups()
+        if key in arguments:
+            return None
+        if is_string == "true":
+            arguments[key] = value
+        else:
+            try:
+                arguments[key] = json.loads(value)
+            except json.JSONDecodeError:
+                return None
+        at = m.end()
+    return arguments if body[at:].strip() == "" else None
+
+
 def _typed(value: str, schema: dict[str, Any]) -> Any:
     """A parameter's text as its schema's type; without one, JSON where it parses, else the text."""
     kind = schema.get("type") if isinstance(schema, dict) else None
@@ -230,7 +303,8 @@ def _typed(value: str, schema: dict[str, Any]) -> Any:
     return value
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"qwen": QwenToolParser, "glm": GlmToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"qwen": QwenToolParser, "glm": GlmToolParser,
+                                             "deepseek": DeepseekToolParser}
 
 
 def tool_parser(name: str) -> ToolParser:

@@ -69,17 +69,47 @@ def kv_row_elements(spec: ModelSpec) -> int:
     return ml.kv_lora_rank + ml.rope_dim + (ix.head_dim if ix is not None else 1)
 
 
-def plan_vram(spec: ModelSpec, dense: int, budget: int, expert_stride: int, pool_experts: int,
-              max_context: int) -> VramPlan:
-    """The split of `budget` for an engine of `spec` whose dense tensors take `dense` bytes as it
-    stores them (`models.dense_layout`: bf16, or projections in FP8 where its dense_format says so)."""
-    # Keys and values of the full-attention layers, and one sequence's Gated DeltaNet state (its
-    # recurrent part fp32) in each linear layer: the "KV" share of the budget.
-    kv = max_context * len(spec.full_attention_layers) * kv_row_elements(spec) * 2
+def compressed_state_elements(spec: ModelSpec, tokens: int) -> int:
+    """Elements of one sequence's state in compressed attention (DeepSeek-V4) after `tokens`
+    tokens: per layer its last sliding_window - 1 raw rows, and per compressor (a layer's own, a
+    CSA layer's indexer's) its entries so far, the source rows (keys and gates) of its open window
+    and, where windows overlap (CSA), the last closed one's first series with its gates."""
+    c, d = spec.compressed, spec.attention.head_dim
+
+    def compressor(rate: int, dim: int, overlap: bool) -> int:
+        width = 2 * dim if overlap else dim
+        return tokens // rate * dim + 2 * (rate - 1) * width + (2 * rate * dim if overlap else 0)
+
+    total = 0
+    for kind in c.layer_types:
+        total += (c.sliding_window - 1) * d
+        if kind == "hca":
+            total += compressor(c.hca_rate, d, False)
+        elif kind == "csa":
+            total += compressor(c.csa_rate, d, True) + compressor(c.csa_rate, c.index_head_dim, True)
+    return total
+
+
+def sequence_state_bytes(spec: ModelSpec, tokens: int, element_size: int = 2) -> int:
+    """Device bytes of one sequence's attention and recurrent state at `tokens` tokens (16-bit
+    caches; a Gated DeltaNet layer's recurrent part fp32)."""
+    if spec.compressed is not None:
+        return compressed_state_elements(spec, tokens) * element_size
+    kv = tokens * len(spec.full_attention_layers) * kv_row_elements(spec) * element_size
     la = spec.linear_attention
     if la is not None:
         conv = (2 * la.num_k_heads * la.k_head_dim + la.num_v_heads * la.v_head_dim) * (la.conv_kernel - 1) * 2
         kv += len(spec.linear_attention_layers) * (conv + la.num_v_heads * la.k_head_dim * la.v_head_dim * 4)
+    return kv
+
+
+def plan_vram(spec: ModelSpec, dense: int, budget: int, expert_stride: int, pool_experts: int,
+              max_context: int) -> VramPlan:
+    """The split of `budget` for an engine of `spec` whose dense tensors take `dense` bytes as it
+    stores them (`models.dense_layout`: bf16, or projections in FP8 where its dense_format says so)."""
+    # One sequence's state at max_context (keys and values, a compressed attention's entries, a
+    # linear layer's recurrent state): the "KV" share of the budget.
+    kv = sequence_state_bytes(spec, max_context)
     workspace = LIBRARY_WORKSPACE + 4 * spec.vocab_size * 4 + 16 * spec.hidden_size * 4 * 64
     free = budget - dense - kv - workspace
     if free < expert_stride:

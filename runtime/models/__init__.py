@@ -25,6 +25,7 @@ FAMILIES: dict[str, Entry] = {
     "qwen3_next": Entry("qwen3_next", ("qwen3_next",)),
     "qwen3_5_moe": Entry("qwen3_next", ("qwen3_5_moe", "qwen3_5_moe_text")),
     "glm_moe_dsa": Entry("glm_moe_dsa", ("glm_moe_dsa",)),
+    "deepseek_v4": Entry("deepseek_v4", ("deepseek_v4",)),
 }
 
 

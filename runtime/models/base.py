@@ -76,6 +76,11 @@ class Family:
     # prediction adds it per MoE layer. The default is the Qwen families' (their timelines: body,
     # plan and hits less their reads, 0.07-0.09 ms).
     decode_fixed_ms: float = 0.08
+    # Name endings of the dense tensors an engine stores in fp32 (DeepSeek-V4's hyper-connections,
+    # sinks, position terms and router bias: its checkpoints' fp32 tensors) and of its tables of
+    # expert ids, stored int64 (a hash router's token id → experts); the rest bf16 or FP8.
+    fp32_tensors: tuple[str, ...] = ()
+    expert_index_tensors: tuple[str, ...] = ()
 
     @property
     def chat_template_path(self) -> Path:

@@ -1,9 +1,9 @@
-"""The non-expert tensors an engine stores, by checkpoint name, with their safetensors dtypes: every
-one in bf16, or where the spec's `dense_format` is fp8, the family's linear projections
-(`Family.fp8_linears`) as e4m3 codes of the same shape beside `<name>_scale_inv`, one fp32 scale
-per 128 × 128 block, the layout of the FP8 releases (DeepSeek-V3, GLM-5), whose codes an engine
-then keeps bit for bit. The compiler writes this layout, the engine checks and loads it, and the
-VRAM plan counts its bytes.
+"""The non-expert tensors an engine stores, by checkpoint name, with their safetensors dtypes: bf16,
+or where the spec's `dense_format` is fp8, the family's linear projections (`Family.fp8_linears`)
+as e4m3 codes of the same shape beside `<name>_scale_inv`, one fp32 scale per 128 × 128 block, the
+layout of the FP8 releases (DeepSeek-V3, GLM-5), whose codes an engine then keeps bit for bit; the
+family's fp32 tensors in fp32 and its tables of expert ids in int64. The compiler writes this
+layout, the engine checks and loads it, and the VRAM plan counts its bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ftc_runtime.models import family
 from ftc_runtime.spec import ModelSpec
 
 FP8_BLOCK = (128, 128)  # rows and columns of one scale's block
-DTYPE_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
+DTYPE_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4, "I64": 8}
 # name → (shape, safetensors dtype)
 StoredTensors = dict[str, tuple[tuple[int, ...], str]]
 
@@ -39,13 +39,15 @@ def fp8_names(spec: ModelSpec) -> frozenset[str]:
 
 def stored_dense(spec: ModelSpec) -> StoredTensors:
     """Every dense tensor an engine of `spec` stores, FP8 scales included."""
-    fp8 = fp8_names(spec)
+    fp8, fam = fp8_names(spec), family(spec.family)
     stored: StoredTensors = {}
-    for name, shape in family(spec.family).dense_tensor_shapes(spec).items():
+    for name, shape in fam.dense_tensor_shapes(spec).items():
         if name in fp8:
             stored |= {name: (shape, "F8_E4M3"), scale_name(name): (scale_shape(shape), "F32")}
+        elif fam.expert_index_tensors and name.endswith(fam.expert_index_tensors):
+            stored[name] = (shape, "I64")
         else:
-            stored[name] = (shape, "BF16")
+            stored[name] = (shape, "F32" if fam.fp32_tensors and name.endswith(fam.fp32_tensors) else "BF16")
     return stored
 
 

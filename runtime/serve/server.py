@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 
 from ftc_runtime.chat.template import ChatTemplateError
-from ftc_runtime.chat.tool_parsers import tool_parser
+from ftc_runtime.chat.tool_parsers import prompt_opens_reasoning, tool_parser
 from ftc_runtime.engine import Engine
 from ftc_runtime.sampling import ReasoningBudget, SamplingParams, with_defaults
 from ftc_runtime.serve.api_types import ApiError
@@ -102,13 +102,15 @@ class Server:
 
     async def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                          force_call: bool = False, **options: Any) -> tuple[list[int], str]:
-        """The conversation as prompt ids and, where a tool call is forced, the call's opening tag,
-        which the prompt then ends with (the answer starts inside the call)."""
+        """The conversation as prompt ids and the text the prompt ends with on the answer's behalf:
+        `<think>` where the template opened the reasoning, and where a tool call is forced, the
+        call's opening tag (the answer starts inside the call; an opened reasoning is closed first)."""
         ids = await self._render_ids(messages, tools, **options)
+        opened = prompt_opens_reasoning(self.engine.tokenizer, ids)
         if not force_call:
-            return ids, ""
+            return ids, "<think>" if opened else ""
         opening = tool_parser(self.engine.tool_parser).open_tag + "\n"
-        return ids + self.engine.tokenizer.encode(opening), opening
+        return ids + self.engine.tokenizer.encode(("</think>" if opened else "") + opening), opening
 
     async def _render_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                           **options: Any) -> list[int]:

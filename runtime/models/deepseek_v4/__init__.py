@@ -1,6 +1,21 @@
 """DeepSeek-V4 (transformers' deepseek_v4): compressed sparse and heavily compressed attention beside
-a sliding window, hyper-connections, hash-routed first layers. In construction: the spec mapping,
-the checkpoint's tensors and its released layout's names (`loader`), and the decoder's CPU path
-over a sequence's state (`model`, `attention`) are here, the layers in `models/layers/`; the
-engine's side (its caches and prefix checkpoints, the compiler's reading of its tensors) and with
-it the registry entry come next."""
+a sliding window, hyper-connections, hash-routed first layers. The spec mapping, the checkpoint's
+tensors and its released layout's names (`loader`), the decoder (`model`) over each sequence's
+compressed state (`attention`, `cache`); the layers are in `models/layers/`. A checkpoint brings
+its own chat template; an engine without one writes DeepSeek's format (`deepseek_v4_tools.jinja`);
+tool calls are read in DeepSeek's DSML blocks either way."""
+
+from ftc_runtime.models.base import Family
+from ftc_runtime.models.deepseek_v4.loader import DeepseekV4Layout, check_spec, dense_tensor_shapes, spec_from_hf
+from ftc_runtime.models.deepseek_v4.model import DeepseekV4Model
+
+# The tensors DeepSeek's checkpoints keep in fp32: the hyper-connections' maps (per block, and the
+# head's), the attention sinks, the compressors' position terms, the router's selection bias.
+FP32_TENSORS = ("hc.fn", "hc.base", "hc.scale", "hc_fn", "hc_base", "hc_scale", "sinks", "position_bias",
+                "e_score_correction_bias")
+
+FAMILIES = {
+    "deepseek_v4": Family("deepseek_v4", DeepseekV4Model, check_spec, dense_tensor_shapes, spec_from_hf,
+                          DeepseekV4Layout, None, "deepseek_v4_tools.jinja", "deepseek",
+                          fp32_tensors=FP32_TENSORS, expert_index_tensors=("tid2eid",)),
+}

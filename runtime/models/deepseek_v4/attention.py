@@ -9,7 +9,7 @@ functions are in `models/layers/` (`sink_attention`, `window_compressor`, `compr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from ftc_runtime.models.layers.window_compressor import (
     compress_windows,
     visible_entries,
 )
+from ftc_runtime.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,19 @@ class AttentionShape:
     eps: float
     rate: int  # source tokens per compressed entry (0: a sliding-window layer)
     top_k: int  # CSA: the indexer's entries per query (0: every visible entry, HCA)
+
+    @property
+    def sparse(self) -> bool:
+        """A CSA layer: overlapping windows, and the indexer's choice of entries."""
+        return self.top_k > 0
+
+
+def layer_shapes(spec: ModelSpec) -> list[AttentionShape]:
+    """Each layer's attention shape, by its kind in `spec.compressed.layer_types`."""
+    c, a = spec.compressed, spec.attention
+    rates = {"sliding": 0, "csa": c.csa_rate, "hca": c.hca_rate}
+    return [AttentionShape(a.num_heads, a.head_dim, c.sliding_window, c.o_groups, spec.norm.eps, rates[kind],
+                           c.index_top_k if kind == "csa" else 0) for kind in c.layer_types]
 
 
 def angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,9 +65,17 @@ class CompressorState:
     prior: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def empty(cls, d: int, width: int, dtype: torch.dtype, device: torch.device) -> CompressorState:
+    def empty(cls, d: int, width: int, dtype: torch.dtype, device: torch.device | str) -> CompressorState:
         return cls(torch.zeros(0, d, dtype=dtype, device=device), torch.zeros(0, width, dtype=dtype, device=device),
                    torch.zeros(0, width, dtype=dtype, device=device))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.entries, self.open_kv, self.open_gate, *(self.prior or ())]
+
+    def moved(self, move) -> CompressorState:
+        """A copy whose tensors are `move(t)` (a clone, or a copy on another device)."""
+        return CompressorState(move(self.entries), move(self.open_kv), move(self.open_gate),
+                               None if self.prior is None else (move(self.prior[0]), move(self.prior[1])))
 
     def add(self, kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, norm_w: torch.Tensor,
             eps: float, inv_freq: torch.Tensor) -> None:
@@ -70,19 +92,56 @@ class CompressorState:
             else:
                 new = compress_overlapping_windows(closed_kv, closed_gate, position_bias, norm_w, eps, cos, sin,
                                                    self.prior)
-                self.prior = (closed_kv[-rate:, :d], closed_gate[-rate:, :d] + position_bias[:, :d])
+                self.prior = (closed_kv[-rate:, :d].clone(), closed_gate[-rate:, :d] + position_bias[:, :d])
             self.entries = torch.cat([self.entries, new.to(self.entries.dtype)])
-        self.open_kv, self.open_gate = kv[n * rate:], gate[n * rate:]
+        # copies: views would keep the whole chunk's source rows alive
+        self.open_kv, self.open_gate = kv[n * rate:].clone(), gate[n * rate:].clone()
 
 
 @dataclass
 class LayerState:
-    """One layer's state for one sequence (`compressor` and `indexer` where the layer has them)."""
+    """One layer's state for one sequence (`compressor` and `indexer` where the layer has them): a
+    `cache.base.RecurrentState`, which a prefix checkpoint copies whole. Its tensors grow by
+    concatenation, so no CUDA graph may hold them."""
 
     window: torch.Tensor  # the last window - 1 raw rows [≤ window - 1, head_dim]
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
     length: int = 0  # tokens seen
+
+    @classmethod
+    def empty(cls, shape: AttentionShape, index_head_dim: int, dtype: torch.dtype,
+              device: torch.device | str) -> LayerState:
+        """The state before the first token; a CSA compressor's source rows hold two series each."""
+        d = shape.head_dim
+        state = cls(torch.zeros(0, d, dtype=dtype, device=device))
+        if shape.rate:
+            state.compressor = CompressorState.empty(d, 2 * d if shape.sparse else d, dtype, device)
+        if shape.sparse:
+            state.indexer = CompressorState.empty(index_head_dim, 2 * index_head_dim, dtype, device)
+        return state
+
+    def _moved(self, move) -> LayerState:
+        return replace(self, window=move(self.window),
+                       compressor=None if self.compressor is None else self.compressor.moved(move),
+                       indexer=None if self.indexer is None else self.indexer.moved(move))
+
+    def clone(self) -> LayerState:
+        return self._moved(torch.clone)
+
+    def to(self, device: torch.device | str) -> LayerState:
+        return self._moved(lambda t: t.to(device))
+
+    def assign(self, other: LayerState) -> None:
+        """Takes `other`'s state (copied onto this state's device)."""
+        moved = other._moved(lambda t: t.to(self.window.device, copy=True))
+        for f in fields(self):
+            setattr(self, f.name, getattr(moved, f.name))
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.window, *(t for c in (self.compressor, self.indexer) if c is not None for t in c.tensors())]
+        return sum(t.numel() * t.element_size() for t in parts)
 
 
 def attend(w: dict[str, torch.Tensor], h: torch.Tensor, positions: torch.Tensor, state: LayerState,

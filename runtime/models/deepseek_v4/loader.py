@@ -102,9 +102,16 @@ class DeepseekV4Layout(CheckpointLayout):
     def __init__(self, ckpt: CheckpointReader, spec: ModelSpec):
         super().__init__(ckpt, spec)
         self.stored = {canonical_name(n): n for n in ckpt.names()}
+        self.prefixes: dict[str, str] = {}
 
     def name(self, canonical: str) -> str:
-        return self.stored.get(canonical, canonical)
+        """Where the canonical tensor sits; for a prefix (ending in "."), the stored prefix of the
+        tensors under it (a layer's experts: `layers.L.ffn.experts.` as released)."""
+        if canonical.endswith(".") and canonical not in self.prefixes:
+            under = next((c for c in self.stored if c.startswith(canonical)), None)
+            self.prefixes[canonical] = canonical if under is None else \
+                self.stored[under].removesuffix(under[len(canonical):])
+        return self.prefixes[canonical] if canonical.endswith(".") else self.stored.get(canonical, canonical)
 
 
 def layer_types(cfg: HfConfig, n_layers: int) -> list[str]:

@@ -1,101 +1,130 @@
 """DeepSeek-V4 (transformers' deepseek_v4) decoder in torch: a residual of `hyper_connections.streams`
 streams mixed around each block, the compressed attention over each layer's state
-(`deepseek_v4/attention.py`), the sqrt-softplus router (by token id in the hash layers) with the
-routed experts on an `ExpertBackend` beside one shared expert, both SwiGLU clamped at
-`moe.swiglu_limit`. The CPU path of the family: the engine's caches, decode graphs and registry
-entry come next.
+(`deepseek_v4/attention.py`, the state in a `CompressedCache`), the sqrt-softplus router (by
+token id in the hash layers) with the routed experts on an `ExpertBackend` beside one shared
+expert, both SwiGLU clamped at `moe.swiglu_limit`.
 
 Tensor names follow transformers' model (`model.layers.L.self_attn.q_a_proj.weight`, ...).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ftc_runtime.experts.base import ExpertBackend
-from ftc_runtime.models.deepseek_v4.attention import AttentionShape, CompressorState, LayerState, attend
+from ftc_runtime.models.deepseek_v4.attention import LayerState, attend, layer_shapes
+from ftc_runtime.models.deepseek_v4.cache import CompressedCache
 from ftc_runtime.models.layers.hyper_connections import hc_collapse, hc_expand, hc_weights, hyper_head
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm_fp32_weight
-from ftc_runtime.models.layers.rope import yarn_inv_freq
+from ftc_runtime.models.layers.rope import plain_inv_freq, yarn_inv_freq
 from ftc_runtime.models.layers.softplus_router import route_biased, route_hashed
 from ftc_runtime.spec import ModelSpec
 
-
-@dataclass
-class SequenceState:
-    """One sequence's state: each layer's (`attention.LayerState`) and the tokens seen."""
-
-    layers: list[LayerState]
-    length: int = 0
+# A run of tokens of one sequence within a pass: its cache and its rows of the pass's activations.
+Run = tuple[CompressedCache, slice]
 
 
 class DeepseekV4Model:
-    """One sequence at a time in fp32 on the CPU (its weights as given, in fp32)."""
+    """One sequence at a time (or several decoding together), on `device`: fp32 activations on the
+    CPU, bf16 on a GPU; the tensors the checkpoint keeps in fp32 (hyper-connections, sinks,
+    position terms, router bias) stay fp32, `tid2eid` int64."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertBackend):
-        self.spec, self.experts = spec, experts
-        self.w = {k: v if v.dtype == torch.int64 else v.float() for k, v in weights.items()}
-        c, a = spec.compressed, spec.attention
-        rates = {"sliding": 0, "csa": c.csa_rate, "hca": c.hca_rate}
-        self.shapes = [AttentionShape(a.num_heads, a.head_dim, c.sliding_window, c.o_groups, spec.norm.eps,
-                                      rates[kind], c.index_top_k if kind == "csa" else 0) for kind in c.layer_types]
-        self.inv_freq = 1.0 / spec.rope.theta ** (torch.arange(0, c.rope_dim, 2, dtype=torch.float64) / c.rope_dim)
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertBackend,
+                 device: torch.device | str = "cpu"):
+        self.spec, self.experts, self.device = spec, experts, torch.device(device)
+        self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.w = {k: self._placed(v) for k, v in weights.items()}
+        self.shapes = layer_shapes(spec)
+        self.attention_w = [{k.removeprefix(f"model.layers.{i}.self_attn."): v for k, v in self.w.items()
+                             if k.startswith(f"model.layers.{i}.self_attn.")} for i in range(spec.num_layers)]
+        c = spec.compressed
+        self.inv_freq = plain_inv_freq(spec.rope.theta, c.rope_dim).to(self.device)
         y = c.compress_yarn
         self.compress_inv_freq = (
-            1.0 / c.compress_theta ** (torch.arange(0, c.rope_dim, 2, dtype=torch.float64) / c.rope_dim) if y is None
+            plain_inv_freq(c.compress_theta, c.rope_dim) if y is None
             else yarn_inv_freq(c.compress_theta, c.rope_dim, y.factor, y.original_max_position, y.beta_fast,
-                               y.beta_slow, attention_factor=1.0)[0])
+                               y.beta_slow, attention_factor=1.0)[0]).to(self.device)
         self.hash_layers = set(spec.moe.hash_layers)
+        self.decode_graphs = None  # eager on every device
 
-    def new_state(self) -> SequenceState:
-        c, d = self.spec.compressed, self.spec.attention.head_dim
-        layers = []
-        for kind in c.layer_types:
-            state = LayerState(torch.zeros(0, d))
-            if kind != "sliding":
-                state.compressor = CompressorState.empty(d, 2 * d if kind == "csa" else d, torch.float32,
-                                                         torch.device("cpu"))
-            if kind == "csa":
-                state.indexer = CompressorState.empty(c.index_head_dim, 2 * c.index_head_dim, torch.float32,
-                                                      torch.device("cpu"))
-            layers.append(state)
-        return SequenceState(layers)
+    def _placed(self, w: torch.Tensor) -> torch.Tensor:
+        """On the model's device; 16-bit weights in the activations' dtype, the rest as stored."""
+        return w.to(self.device, self.dtype if w.dtype in (torch.bfloat16, torch.float16) else w.dtype)
+
+    def new_cache(self) -> CompressedCache:
+        layers = [LayerState.empty(s, self.spec.compressed.index_head_dim, self.dtype, self.device)
+                  for s in self.shapes]
+        return CompressedCache(self.spec, layers, self.dtype, self.device)
+
+    def is_moe(self, i: int) -> bool:
+        return True
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, state: SequenceState, all_logits: bool = False) -> torch.Tensor:
-        """Runs `ids` (1-D) after the state's tokens; returns logits [T or 1, vocab] in fp32."""
-        start, n = state.length, ids.numel()
-        self.experts.begin_pass(n)
-        positions = torch.arange(start, start + n)
+    def forward(self, ids: torch.Tensor, cache: CompressedCache, all_logits: bool = False,
+                checkpoint_at: tuple[int, ...] = (), between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32.
+        `checkpoint_at`: indices into ids (ascending) after which the state goes into
+        `cache.checkpoints` (the chunk runs in parts cut there). `between_layers` is called after
+        each layer and may raise to abandon the pass (the state is then part-way: the sequence
+        must end)."""
+        ends = [a + 1 for a in checkpoint_at if a + 1 < ids.numel()] + [ids.numel()]
+        outs, begin = [], 0
+        for end in ends:
+            outs.append(self._pass(ids[begin:end], [(cache, slice(0, end - begin))], between_layers))
+            begin = end
+            if end - 1 in checkpoint_at:
+                cache.checkpoints[cache.length] = cache.take()
+        logits = torch.cat(outs)
+        return logits if all_logits else logits[-1:]
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], caches: list[CompressedCache]) -> torch.Tensor:
+        """One new token for each of several sequences, each after its own tokens: logits [B, vocab]
+        fp32. Hyper-connections, router, experts and head run once over the batch; attention runs
+        per sequence on its own state."""
+        if len(tokens) != len(caches) or not tokens:
+            raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
+        return self._pass(torch.tensor(tokens), [(c, slice(j, j + 1)) for j, c in enumerate(caches)], None,
+                          prompt=False)
+
+    def _pass(self, ids: torch.Tensor, runs: list[Run], between_layers: Callable[[], None] | None,
+              prompt: bool = True) -> torch.Tensor:
+        """Every layer over the pass's tokens `ids` (each run's rows after its cache's tokens):
+        logits [T, vocab] fp32."""
+        n, first = ids.numel(), runs[0][0].length
+        self.experts.begin_pass(n, prompt=prompt)
+        ids = ids.to(self.device)
+        positions = [torch.arange(c.length, c.length + rows.stop - rows.start, device=self.device) for c, rows in runs]
         x = self.w["model.embed_tokens.weight"][ids]
         streams = x[:, None, :].expand(-1, self.spec.hyper_connections.streams, -1).contiguous()
+        eps = self.spec.norm.eps
         for i in range(self.spec.num_layers):
             p = f"model.layers.{i}."
-            streams = self._block(streams, p + "attn_hc.", lambda h, i=i, p=p: attend(
-                self._attention_weights(p), rms_norm_fp32_weight(h, self.w[p + "input_layernorm.weight"],
-                                                                self.spec.norm.eps),
-                positions, state.layers[i], self.shapes[i], self.inv_freq, self.compress_inv_freq))
+            streams = self._block(streams, p + "attn_hc.", lambda h, i=i, p=p: self._attention(
+                i, rms_norm_fp32_weight(h, self.w[p + "input_layernorm.weight"], eps), runs, positions))
             streams = self._block(streams, p + "ffn_hc.", lambda h, i=i, p=p: self._moe(
-                i, rms_norm_fp32_weight(h, self.w[p + "post_attention_layernorm.weight"], self.spec.norm.eps),
-                ids, start))
-        state.length = start + n
-        return self._head(streams if all_logits else streams[-1:])
+                i, rms_norm_fp32_weight(h, self.w[p + "post_attention_layernorm.weight"], eps), ids, first))
+            if between_layers is not None:
+                between_layers()
+        for cache, rows in runs:
+            cache.length += rows.stop - rows.start
+        return self._head(streams)
 
-    def _block(self, streams: torch.Tensor, hc: str, block) -> torch.Tensor:
+    def _attention(self, i: int, h: torch.Tensor, runs: list[Run], positions: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([attend(self.attention_w[i], h[rows], at, cache.layers[i], self.shapes[i], self.inv_freq,
+                                 self.compress_inv_freq) for (cache, rows), at in zip(runs, positions, strict=True)])
+
+    def _block(self, streams: torch.Tensor, hc: str, block: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The streams after one block (attention or MoE) between its hyper-connection's collapse
         and expansion."""
         h = self.spec.hyper_connections
         pre, post, comb = hc_weights(streams, self.w[hc + "fn"], self.w[hc + "base"], self.w[hc + "scale"],
                                      self.spec.norm.eps, h.eps, h.sinkhorn_iters)
         return hc_expand(streams, block(hc_collapse(streams, pre)), post, comb)
-
-    def _attention_weights(self, p: str) -> dict[str, torch.Tensor]:
-        q = p + "self_attn."
-        return {k[len(q):]: v for k, v in self.w.items() if k.startswith(q)}
 
     def _moe(self, i: int, h: torch.Tensor, ids: torch.Tensor, first_position: int) -> torch.Tensor:
         """The routed experts (chosen by token id in a hash layer) and the shared expert."""

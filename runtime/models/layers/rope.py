@@ -9,10 +9,14 @@ import torch
 from ftc_runtime.spec import ModelSpec
 
 
+def plain_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
+    """float64 inverse frequencies [rotary_dim // 2] of base `theta`: pair i turns at theta^(-2i / rotary_dim)."""
+    return 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+
+
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     """float64 inverse frequencies of the rotated part of a head (`partial_rotary_factor`)."""
-    rot = int(spec.attention.head_dim * spec.rope.partial_rotary_factor) // 2 * 2
-    return 1.0 / (spec.rope.theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    return plain_inv_freq(spec.rope.theta, int(spec.attention.head_dim * spec.rope.partial_rotary_factor) // 2 * 2)
 
 
 def yarn_inv_freq(theta: float, rotary_dim: int, factor: float, original_max_position: int,
@@ -38,7 +42,7 @@ def yarn_inv_freq(theta: float, rotary_dim: int, factor: float, original_max_pos
         high += 0.001  # as transformers: a one-step ramp rather than a division by zero
     # 0 up to the fast pairs (kept), 1 from the slow ones (interpolated)
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    inv_freq = plain_inv_freq(theta, rotary_dim)
     inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
     def get_mscale(m: float) -> float:

@@ -1,0 +1,197 @@
+"""DeepSeek-V4 beyond the shared parity tests (tests/families.py): the release's multi-token
+prediction tensors named and not read; a hash router's table of experts checked when compiled; a
+sequence's state as large as the VRAM plan counts it; the released spec's shapes; the sparse
+indexer (fewer entries per query than a long prompt closes) the same whole, in chunks and in steps;
+a restored checkpoint continues as an uninterrupted run."""
+
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file, save_file
+
+from ftc.compile.pipeline import CompileOptions, compile_engine
+from ftc.compile.spec_loader import load_spec
+from ftc_runtime import Engine
+from ftc_runtime.experts.vram_plan import sequence_state_bytes
+from ftc_runtime.models.base import CheckpointError
+
+from conftest import seed_for
+from families import MIN_ROUTER_MARGIN, reference_logits, rel, router_margin
+from hf_deepseek_v4_models import (
+    VOCAB,
+    build_deepseek_v4,
+    deepseek_v4_fields,
+    random_model,
+    save_deepseek_v4_checkpoint,
+)
+
+SPECS = Path(__file__).resolve().parents[1] / "model_specs"
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory) -> tuple[Engine, torch.nn.Module]:
+    """An engine of the tiny model (transformers' fused layout) and the model, for a fresh seed."""
+    seed, root = seed_for("deepseek_v4-family"), tmp_path_factory.mktemp("dsv4")
+    model = build_deepseek_v4(seed)
+    ckpt = save_deepseek_v4_checkpoint(model, root / "ckpt", "fused")
+    return Engine.load(compile_engine(CompileOptions(source=ckpt, target="cpu", output=root / "engine"))), model
+
+
+def test_the_multi_token_prediction_tensors_are_named_and_not_read(tmp_path, seed):
+    """The release's `mtp.0.*` tensors: compiling names them in one line and builds the engine of
+    the model's layers, which still matches transformers' model."""
+    model = build_deepseek_v4(seed, intermediate=64)
+    ckpt = save_deepseek_v4_checkpoint(model, tmp_path / "ckpt", "released")
+    state = load_file(ckpt / "model.safetensors")
+    extra = {"mtp.0." + k.removeprefix("layers.3."): v.clone() for k, v in state.items() if k.startswith("layers.3.")}
+    save_file(state | extra, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    out = io.StringIO()
+    engine_dir = compile_engine(CompileOptions(source=ckpt, target="cpu", output=tmp_path / "engine"),
+                                Console(file=out, width=200))
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("not read:")]
+    assert lines == [f"not read: mtp.0 ({len(extra)} tensors), past the spec's 4 layers (multi-token prediction)"]
+    ids = [random.Random(seed).randrange(VOCAB) for _ in range(12)]
+    assert rel(Engine.load(engine_dir).logits(ids), reference_logits(model, ids)) < 1e-4
+
+
+def test_a_table_of_experts_outside_the_layer_is_refused(tmp_path, seed):
+    model = build_deepseek_v4(seed)
+    ckpt = save_deepseek_v4_checkpoint(model, tmp_path / "ckpt", "fused")
+    state = load_file(ckpt / "model.safetensors")
+    name = "model.layers.1.mlp.gate.tid2eid"
+    rng = random.Random(seed)
+    row, bad = rng.randrange(VOCAB), rng.choice([-1, model.config.n_routed_experts])
+    state[name][row, rng.randrange(state[name].shape[1])] = bad
+    save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor {name} holds expert id {bad}, outside \\[0, 8\\)"):
+        compile_engine(CompileOptions(source=ckpt, target="cpu", output=tmp_path / "engine"))
+    assert not (tmp_path / "engine").exists()
+
+
+def test_a_sequence_state_is_as_large_as_the_plan_counts(fused, seed):
+    """After n tokens with every window open as far as it goes (n + 1 a multiple of both rates),
+    the cache's state takes the bytes `sequence_state_bytes` counts, in fp32 on the CPU."""
+    engine, _ = fused
+    c = engine.spec.compressed
+    rng = random.Random(seed)
+    step = c.csa_rate * c.hca_rate
+    n = step * rng.randrange(2, 5) - 1
+    cache = engine.model.new_cache()
+    engine.prefill(torch.tensor([rng.randrange(VOCAB) for _ in range(n)]), cache)
+    assert sum(layer.nbytes for layer in cache.layers) == sequence_state_bytes(engine.spec, n, 4) == cache.bytes_for(n)
+
+
+def test_a_restored_checkpoint_continues_as_an_uninterrupted_run(fused, seed):
+    """The state taken at token p, restored after the sequence went elsewhere (a prompt chunk and a
+    decode step), continues with the logits of a run that never left: the engine's and transformers'."""
+    engine, model = fused
+    rng = random.Random(seed)
+
+    def ids(most: int) -> list[int]:
+        return [rng.randrange(VOCAB) for _ in range(rng.randrange(1, most))]
+
+    prefix, detour, after = ids(30), ids(20), ids(20)
+    cache = engine.model.new_cache()
+    engine.prefill(torch.tensor(prefix), cache)
+    checkpoint = cache.take()
+    engine.prefill(torch.tensor(detour), cache)
+    engine.model.forward(torch.tensor([detour[0]]), cache)
+    cache.restore(checkpoint)
+    ours = engine.prefill(torch.tensor(after), cache, all_logits=True)
+    assert rel(ours, reference_logits(model, prefix + after)[len(prefix):]) < 1e-4, f"{prefix} | {after}"
+
+
+@torch.no_grad()
+def indexer_margin(model: torch.nn.Module, ids: list[int]) -> float:
+    """The reference's smallest gap, over the prompt's queries and CSA layers, between the k-th and
+    the (k+1)-th of a query's visible entries by the indexer's score (inf where it sees k or fewer)."""
+    cfg, gaps = model.config, []
+    rate, k = cfg.compress_rates["compressed_sparse_attention"], cfg.index_topk
+
+    def record(_module: torch.nn.Module, _inputs: tuple, scores: torch.Tensor) -> None:
+        for t, row in enumerate(scores[0]):
+            visible = row[:(t + 1) // rate]
+            if visible.numel() > k:
+                top = visible.topk(k + 1).values
+                gaps.append(float(top[-2] - top[-1]))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if type(m).__name__ == "DeepseekV4IndexerScorer"]
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return min(gaps, default=float("inf"))
+
+
+def test_the_indexer_picks_among_more_entries_than_it_keeps(tmp_path, seed):
+    """A prompt that closes more CSA entries than the indexer keeps (top-k 2 of up to 20): the
+    logits of the whole prompt, of uneven chunks and of one-token steps agree with each other and
+    with transformers'. The indexer's scores are sums of ReLUs, which tie (at zero) or nearly: a
+    prompt where a choice is that close, or the router's, is redrawn."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    model = random_model(deepseek_v4_fields(index_top_k=2), g)
+    ckpt = save_deepseek_v4_checkpoint(model, tmp_path / "ckpt", "fused")
+    engine_dir = compile_engine(CompileOptions(source=ckpt, target="cpu", output=tmp_path / "engine"))
+    for _ in range(100):
+        ids = [rng.randrange(VOCAB) for _ in range(rng.randrange(50, 80))]
+        if min(indexer_margin(model, ids), router_margin(model, ids)) > MIN_ROUTER_MARGIN:
+            break
+    else:
+        pytest.fail("100 prompts had a near tie in the indexer's or the router's choice")
+    want = reference_logits(model, ids)
+    whole = Engine.load(engine_dir).logits(ids)
+    assert rel(whole, want) < 1e-4, f"ids={ids}"
+    chunked = Engine.load(engine_dir, prefill_chunk=rng.randrange(5, 14)).logits(ids)
+    assert rel(chunked, whole) < 1e-4, f"ids={ids}"
+    engine = Engine.load(engine_dir)
+    cache = engine.model.new_cache()
+    engine.prefill(torch.tensor(ids[:30]), cache)
+    steps = torch.stack([engine.model.forward(torch.tensor([t]), cache)[-1] for t in ids[30:]])
+    assert rel(steps, whole[30:]) < 1e-3, f"ids={ids}"
+
+
+def test_the_released_spec_has_the_released_shapes():
+    spec, _ = load_spec(SPECS / "deepseek-v4-flash.yaml")
+    c, m = spec.compressed, spec.moe
+    assert (spec.num_layers, spec.hidden_size, spec.vocab_size) == (43, 4096, 129280)
+    assert list(c.layer_types[:4]) == ["sliding", "sliding", "csa", "hca"]
+    assert all(t == ("csa" if i % 2 == 0 else "hca") for i, t in enumerate(c.layer_types) if i >= 2)
+    assert (m.num_experts, m.top_k, m.expert_intermediate_size, list(m.hash_layers)) == (256, 6, 2048, [0, 1, 2])
+    assert spec.expert_format == "mxfp4"
+    # every pool of 141 GiB holds 43 layers × 256 experts of 13369344 bytes (MXFP4 with its scales)
+    assert spec.expert_bytes == 3 * 2048 * 4096 // 2 + 3 * 2048 * 4096 // 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "mxfp4"])
+def test_the_gpu_engine_matches_the_cpu_engine(tmp_path, quant, seed):
+    """The tiny spec on the GPU (bf16 activations, experts from a slot cache and the CPU) against
+    the fp32 CPU engine: a prompt's logits, then one-token steps and a batch of two sequences."""
+    from ftc_runtime.engine import OffloadConfig
+
+    from slot_checks import near_best_share
+
+    engine_dir = compile_engine(CompileOptions(source=SPECS / "deepseek-v4-tiny.yaml", target="auto",
+                                               random_weights=True, seed=7, quant=quant, output=tmp_path / "e"))
+    rng = random.Random(seed)
+    cpu = Engine.load(engine_dir)
+    gpu = Engine.load(engine_dir, offload=OffloadConfig(device="cuda", n_slots=24, b_p=25.0, b_h=50.0))
+    ids = [rng.randrange(2, 500) for _ in range(rng.randrange(40, 90))]
+    want = cpu.logits(ids)
+    got = gpu.logits(ids).cpu()
+    # bf16 projections and states on the GPU against fp32 on the CPU (the Qwen engines': 4.0e-2)
+    assert rel(got, want) < 8e-2 and near_best_share(got, want) >= 0.95, f"ids={ids}"
+    caches = [gpu.model.new_cache() for _ in range(2)]
+    gpu.prefill(torch.tensor(ids[:20]), caches[0])
+    gpu.prefill(torch.tensor(ids[:30]), caches[1])
+    steps = torch.stack([gpu.model.forward(torch.tensor([t]), caches[0])[-1] for t in ids[20:30]]).cpu()
+    assert rel(steps, want[20:30]) < 8e-2, f"ids={ids}"
+    batch = gpu.model.decode_batch([ids[30], ids[30]], caches).cpu()
+    assert rel(batch, want[30:31].expand(2, -1)) < 8e-2, f"ids={ids}"
