@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 22's device runs, each one call of under 10 minutes (carry .whl):  bash bench/device_dsv4.sh OUT_DIR PART
 # Part 1: the GPU tests of the DeepSeek-V4 family (the tiny spec on the GPU against the CPU
-# engine, bf16 and MXFP4 experts) and of the one-graph MoE step; `ftc inspect` of DeepSeek-V4-Flash
+# engine, bf16 and MXFP4 experts; the decode attention kernel with sinks at Flash's shape, timed)
+# and of the one-graph MoE step; `ftc inspect` of DeepSeek-V4-Flash
 # cut to 20 layers on this GPU and of the whole model on an RTX 5090 server at 32 GiB (13.3% of
 # the pool in slots); then the cut (a 64 GiB MXFP4 pool of random weights in memory) at that share
 # of its pool (16 GiB here: 682 slots, beyond the 2 × 256 that prompt chunks stream through):
@@ -10,9 +11,9 @@ source bench/device_setup.sh "$@"
 end=$(( $(date +%s) + 570 ))
 spec=model_specs/deepseek-v4-flash.yaml
 cut="--override num_layers=20"
-timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_deepseek_v4_family.py tests/test_gpu.py \
+timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_deepseek_v4_family.py tests/test_gpu.py \
   -k "deepseek or device_step" 2>&1 | tee "$out/pytest_gpu.txt" \
-  | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
+  | grep -E "passed|failed|^FAILED|^ERROR|µs" | tail -20
 for args in "$cut --vram-budget 16GiB" "--target rtx-5090-server --vram-budget 32GiB"; do
   ftc inspect $spec --target h200 $args 2>&1 | tee -a "$out/dsv4_inspect.txt" | grep -E -A1 "expert slots|decode \(|prefill"
 done

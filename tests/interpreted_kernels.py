@@ -1,6 +1,7 @@
 """Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1 (Triton reads
 it when the kernels are defined): the decode plan's, the fills', the step counters', decode
-attention's, the router's and the engines' decode expert Triton kernels, interpreted on the CPU,
+attention's (GLM's sparse latent attention and DeepSeek-V4's with sinks too), the router's and the
+engines' decode expert Triton kernels, interpreted on the CPU,
 against the torch plan (`plan_layer`), a plain copy, sums of `MissPlanner.bound_s`, softmax
 attention over the tokens, torch's softmax top-k and float64 experts, on random routings, batch
 sizes, slot counts (up to several candidate blocks), rules, rates, head shapes, capacities,
@@ -45,6 +46,8 @@ from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
 from ftc_runtime.models.layers.rope import rope_cos_sin
 from ftc_runtime.models.layers.router import softmax_top_k
 from ftc_runtime.models.layers.router_kernel import softmax_top_k_gpu
+from ftc_runtime.models.layers.sink_attention import sink_attention
+from ftc_runtime.models.layers.sparse_mla_kernel import sparse_latent_attention_gpu
 from ftc_runtime.spec import ModelSpec
 
 PLAN_FIELDS = ("pair_slot", "fill_rows", "fill_slots", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "counts",
@@ -238,6 +241,26 @@ def check_sparse_latent_attention(rng: random.Random, g: torch.Generator) -> Non
         assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4), what
 
 
+def check_sink_attention(rng: random.Random, g: torch.Generator) -> None:
+    """DeepSeek-V4's decode attention (the sparse kernel with no rotary part and a sink logit per
+    head) over rows read in place, against `sink_attention` on those rows gathered (fp32): head
+    counts that fill part of a block of heads, widths below and above a tile, one span or several,
+    sinks that dominate the softmax or hardly count."""
+    for trial in range(4):
+        heads, d, capacity = rng.choice([3, 16, 20]), rng.choice([32, 48, 128]), rng.choice([40, 300])
+        k = rng.choice([5, 32, 200])
+        rows = torch.randn(capacity, d, generator=g)
+        columns = torch.randint(0, capacity, (k,), generator=g)
+        seen = torch.rand(k, generator=g) < rng.choice([0.3, 1.0])
+        seen[rng.randrange(k)] = True
+        q = torch.randn(1, heads, d, generator=g)
+        sinks = torch.randn(heads, generator=g) * rng.choice([1.0, 10.0])
+        want = sink_attention(q, rows[columns], seen[None], sinks, d ** -0.5)
+        got = sparse_latent_attention_gpu(q[0], rows, columns, seen, d, d ** -0.5, sinks)[None]
+        what = f"sink attention, trial {trial}: {heads} heads of {d}, {k} columns"
+        assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4), what
+
+
 def check_qk_rope(rng: random.Random, g: torch.Generator) -> None:
     for trial in range(6):
         n_kv, group, d = rng.choice([1, 2, 4]), rng.choice([1, 3, 8]), rng.choice([16, 24, 64, 128])
@@ -404,6 +427,7 @@ def main() -> None:
     check_expert_kernels(rng, g)
     check_qk_rope(rng, g)
     check_sparse_latent_attention(rng, g)
+    check_sink_attention(rng, g)
     check_deltanet_step(rng, g)
     check_replay(rng, g)
     print("ok")

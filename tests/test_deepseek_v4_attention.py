@@ -14,7 +14,8 @@ from transformers import DeepseekV4Config, DynamicCache
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
 
-from ftc_runtime.models.deepseek_v4.attention import AttentionShape, CompressorState, LayerState, attend
+from ftc_runtime.models.deepseek_v4.attention import AttentionShape, attend, new_state
+from ftc_runtime.models.deepseek_v4.state import LayerState
 
 KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 
@@ -33,18 +34,10 @@ def _config(rng: random.Random) -> DeepseekV4Config:
 
 
 def _state(cfg: DeepseekV4Config, kind: str) -> tuple[LayerState, AttentionShape]:
-    d = cfg.head_dim
     rate = 0 if kind == KINDS[0] else cfg.compress_rates[kind]
-    csa = kind == KINDS[1]
-    state = LayerState(torch.zeros(0, d))
-    if rate:
-        state.compressor = CompressorState.empty(d, 2 * d if csa else d, torch.float32, torch.device("cpu"))
-    if csa:
-        state.indexer = CompressorState.empty(cfg.index_head_dim, 2 * cfg.index_head_dim, torch.float32,
-                                              torch.device("cpu"))
-    shape = AttentionShape(cfg.num_attention_heads, d, cfg.sliding_window, cfg.o_groups, cfg.rms_norm_eps, rate,
-                           cfg.index_topk if csa else 0)
-    return state, shape
+    shape = AttentionShape(cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, cfg.o_groups, cfg.rms_norm_eps,
+                           rate, cfg.index_topk if kind == KINDS[1] else 0)
+    return new_state(shape, cfg.index_head_dim, torch.float32, "cpu"), shape
 
 
 @pytest.mark.parametrize("trial", range(3))

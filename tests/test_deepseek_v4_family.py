@@ -195,3 +195,30 @@ def test_the_gpu_engine_matches_the_cpu_engine(tmp_path, quant, seed):
     assert rel(steps, want[20:30]) < 8e-2, f"ids={ids}"
     batch = gpu.model.decode_batch([ids[30], ids[30]], caches).cpu()
     assert rel(batch, want[30:31].expand(2, -1)) < 8e-2, f"ids={ids}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,d,k,capacity,dtype", [(64, 512, 128 + 512, 20000, torch.bfloat16),
+                                                      (6, 48, 37, 300, torch.float32)])
+def test_the_decode_attention_kernel_matches_torch(heads, d, k, capacity, dtype, seed):
+    """One query's attention with sinks over rows read in place (`sink_attention_at` on the GPU: the
+    sparse kernel), at DeepSeek-V4-Flash's decode shape (64 heads of 512, the window's 128 rows and
+    the indexer's 512 entries of a long context's store, bf16) and an odd one, against
+    `sink_attention` in fp64 on the rows gathered on the CPU; the time of each, as a graph runs it."""
+    from ftc.bench.graph_timing import graph_us
+    from ftc_runtime.models.layers.sink_attention import sink_attention, sink_attention_at
+
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(capacity, d, generator=g).to(dtype)
+    columns = torch.randperm(capacity, generator=g)[:k]
+    seen = torch.rand(k, generator=g) < 0.9
+    seen[0] = True
+    q, sinks = torch.randn(1, heads, d, generator=g).to(dtype), torch.randn(heads, generator=g)
+    want = sink_attention(q.double(), rows[columns].double(), seen[None], sinks.double(), d ** -0.5)
+    args = (q.cuda(), rows.cuda(), columns.cuda(), seen.cuda(), sinks.cuda(), d ** -0.5)
+    got = sink_attention_at(*args).cpu()
+    err = rel(got.double(), want)
+    assert got.dtype == dtype and got.shape == want.shape and err < (1e-4 if dtype == torch.float32 else 2e-2), err
+    kernel = graph_us(lambda: sink_attention_at(*args))
+    gathered = graph_us(lambda: sink_attention(args[0], args[1][args[2]], args[3][None], args[4], args[5]))
+    print(f"{heads} heads of {d}, {k} rows: kernel {kernel:.2f} µs, gathered through torch {gathered:.2f} µs")

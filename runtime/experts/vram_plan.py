@@ -71,9 +71,9 @@ def kv_row_elements(spec: ModelSpec) -> int:
 
 def compressed_state_elements(spec: ModelSpec, tokens: int) -> int:
     """Elements of one sequence's state in compressed attention (DeepSeek-V4) after `tokens`
-    tokens: per layer its last sliding_window - 1 raw rows, and per compressor (a layer's own, a
-    CSA layer's indexer's) its entries so far, the source rows (keys and gates) of its open window
-    and, where windows overlap (CSA), the last closed one's first series with its gates."""
+    tokens: per layer the ring of its last sliding_window raw rows, and per compressor (a layer's
+    own, a CSA layer's indexer's) its entries so far, the source rows (keys and gates) of its open
+    window and, where windows overlap (CSA), the last closed one's first series with its gates."""
     c, d = spec.compressed, spec.attention.head_dim
 
     def compressor(rate: int, dim: int, overlap: bool) -> int:
@@ -82,7 +82,7 @@ def compressed_state_elements(spec: ModelSpec, tokens: int) -> int:
 
     total = 0
     for kind in c.layer_types:
-        total += (c.sliding_window - 1) * d
+        total += c.sliding_window * d
         if kind == "hca":
             total += compressor(c.hca_rate, d, False)
         elif kind == "csa":

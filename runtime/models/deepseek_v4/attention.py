@@ -1,21 +1,22 @@
-"""DeepSeek-V4's attention of one layer over a sequence's state, one prompt chunk or decode step at a
-time (the CPU path of the family's model). A layer's state is small and of fixed
-size but for its compressed entries: the last `sliding_window - 1` raw key/value rows, and per
-compressor (the layer's own, and for CSA its indexer's) the entries of the windows closed so far,
-the source rows of the window still open and, for overlapping windows, the first series of the
-last closed one, so that a prefix checkpoint can be that fixed part and the entries' count. The attention
-functions are in `models/layers/` (`sink_attention`, `window_compressor`, `compressed_indexer`).
+"""DeepSeek-V4's attention of one layer over a sequence's state (`deepseek_v4/state.py`), one prompt
+chunk or decode step at a time. A prompt chunk attends over the window's raw rows and its own, and
+the compressed entries each of its tokens may see; a decode step writes its raw row into the
+window's ring first and attends over the rows it sees where they lie in the layer's store
+(`sink_attention_at`: on a GPU one Triton kernel, the rows never gathered). The attention functions
+are in `models/layers/` (`sink_attention`, `window_compressor`, `compressed_indexer`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ftc_runtime.models.deepseek_v4.state import CompressorState, LayerState
 from ftc_runtime.models.layers.compressed_indexer import compressed_index_scores, select_entries
-from ftc_runtime.models.layers.sink_attention import grouped_out, shared_kv_in, sink_attention
+from ftc_runtime.models.layers.dsa_indexer import top_k_indices
+from ftc_runtime.models.layers.sink_attention import grouped_out, shared_kv_in, sink_attention, sink_attention_at
 from ftc_runtime.models.layers.window_compressor import (
     compress_overlapping_windows,
     compress_windows,
@@ -48,100 +49,34 @@ def layer_shapes(spec: ModelSpec) -> list[AttentionShape]:
                            c.index_top_k if kind == "csa" else 0) for kind in c.layer_types]
 
 
+def new_state(shape: AttentionShape, index_head_dim: int, dtype: torch.dtype, device: torch.device | str) -> LayerState:
+    return LayerState.empty(shape.window, shape.head_dim, shape.rate, shape.sparse, index_head_dim, dtype, device)
+
+
 def angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [T, rotary / 2] at `positions`: one angle per interleaved pair, in fp32."""
     freqs = positions.double()[:, None] * inv_freq.double()[None, :]
     return freqs.cos().float(), freqs.sin().float()
 
 
-@dataclass
-class CompressorState:
-    """A compressor's entries so far [n, d], the source rows (kv, gate) of its open window, and for
-    overlapping windows the last closed window's first series with its biased gate."""
-
-    entries: torch.Tensor
-    open_kv: torch.Tensor
-    open_gate: torch.Tensor
-    prior: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @classmethod
-    def empty(cls, d: int, width: int, dtype: torch.dtype, device: torch.device | str) -> CompressorState:
-        return cls(torch.zeros(0, d, dtype=dtype, device=device), torch.zeros(0, width, dtype=dtype, device=device),
-                   torch.zeros(0, width, dtype=dtype, device=device))
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.entries, self.open_kv, self.open_gate, *(self.prior or ())]
-
-    def moved(self, move) -> CompressorState:
-        """A copy whose tensors are `move(t)` (a clone, or a copy on another device)."""
-        return CompressorState(move(self.entries), move(self.open_kv), move(self.open_gate),
-                               None if self.prior is None else (move(self.prior[0]), move(self.prior[1])))
-
-    def add(self, kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, norm_w: torch.Tensor,
-            eps: float, inv_freq: torch.Tensor) -> None:
-        """Takes the next tokens' source rows; every window they close becomes an entry, rotated at
-        its first position."""
-        rate, d = position_bias.shape[0], self.entries.shape[1]
-        kv, gate = torch.cat([self.open_kv, kv]), torch.cat([self.open_gate, gate])
-        n = kv.shape[0] // rate
-        if n:
-            cos, sin = angles((torch.arange(n, device=kv.device) + self.entries.shape[0]) * rate, inv_freq)
-            closed_kv, closed_gate = kv[:n * rate], gate[:n * rate]
-            if kv.shape[1] == d:
-                new = compress_windows(closed_kv, closed_gate, position_bias, norm_w, eps, cos, sin)
-            else:
-                new = compress_overlapping_windows(closed_kv, closed_gate, position_bias, norm_w, eps, cos, sin,
-                                                   self.prior)
-                self.prior = (closed_kv[-rate:, :d].clone(), closed_gate[-rate:, :d] + position_bias[:, :d])
-            self.entries = torch.cat([self.entries, new.to(self.entries.dtype)])
-        # copies: views would keep the whole chunk's source rows alive
-        self.open_kv, self.open_gate = kv[n * rate:].clone(), gate[n * rate:].clone()
-
-
-@dataclass
-class LayerState:
-    """One layer's state for one sequence (`compressor` and `indexer` where the layer has them): a
-    `cache.base.RecurrentState`, which a prefix checkpoint copies whole. Its tensors grow by
-    concatenation, so no CUDA graph may hold them."""
-
-    window: torch.Tensor  # the last window - 1 raw rows [≤ window - 1, head_dim]
-    compressor: CompressorState | None = None
-    indexer: CompressorState | None = None
-    length: int = 0  # tokens seen
-
-    @classmethod
-    def empty(cls, shape: AttentionShape, index_head_dim: int, dtype: torch.dtype,
-              device: torch.device | str) -> LayerState:
-        """The state before the first token; a CSA compressor's source rows hold two series each."""
-        d = shape.head_dim
-        state = cls(torch.zeros(0, d, dtype=dtype, device=device))
-        if shape.rate:
-            state.compressor = CompressorState.empty(d, 2 * d if shape.sparse else d, dtype, device)
-        if shape.sparse:
-            state.indexer = CompressorState.empty(index_head_dim, 2 * index_head_dim, dtype, device)
-        return state
-
-    def _moved(self, move) -> LayerState:
-        return replace(self, window=move(self.window),
-                       compressor=None if self.compressor is None else self.compressor.moved(move),
-                       indexer=None if self.indexer is None else self.indexer.moved(move))
-
-    def clone(self) -> LayerState:
-        return self._moved(torch.clone)
-
-    def to(self, device: torch.device | str) -> LayerState:
-        return self._moved(lambda t: t.to(device))
-
-    def assign(self, other: LayerState) -> None:
-        """Takes `other`'s state (copied onto this state's device)."""
-        moved = other._moved(lambda t: t.to(self.window.device, copy=True))
-        for f in fields(self):
-            setattr(self, f.name, getattr(moved, f.name))
-
-    @property
-    def nbytes(self) -> int:
-        parts = [self.window, *(t for c in (self.compressor, self.indexer) if c is not None for t in c.tensors())]
-        return sum(t.numel() * t.element_size() for t in parts)
+def compress(c: CompressorState, kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor,
+             norm_w: torch.Tensor, eps: float, inv_freq: torch.Tensor) -> None:
+    """The compressor takes the next tokens' source rows; every window they close becomes an entry,
+    rotated at its first position."""
+    rate, d = position_bias.shape[0], c.store.data.shape[1]
+    kv, gate = torch.cat([c.open_kv, kv]), torch.cat([c.open_gate, gate])
+    n = kv.shape[0] // rate
+    if n:
+        cos, sin = angles((torch.arange(n, device=kv.device) + c.store.count) * rate, inv_freq)
+        closed_kv, closed_gate = kv[:n * rate], gate[:n * rate]
+        if kv.shape[1] == d:
+            new = compress_windows(closed_kv, closed_gate, position_bias, norm_w, eps, cos, sin)
+        else:
+            new = compress_overlapping_windows(closed_kv, closed_gate, position_bias, norm_w, eps, cos, sin, c.prior)
+            c.prior = (closed_kv[-rate:, :d].clone(), closed_gate[-rate:, :d] + position_bias[:, :d])
+        c.store.append(new.to(c.store.data.dtype))
+    # copies: views would keep the whole chunk's source rows alive
+    c.open_kv, c.open_gate = kv[n * rate:].clone(), gate[n * rate:].clone()
 
 
 def attend(w: dict[str, torch.Tensor], h: torch.Tensor, positions: torch.Tensor, state: LayerState,
@@ -155,31 +90,86 @@ def attend(w: dict[str, torch.Tensor], h: torch.Tensor, positions: torch.Tensor,
     cos, sin = angles(positions, rope)
     q, kv, q_residual = shared_kv_in(h, w["q_a_proj.weight"], w["q_a_norm.weight"], w["q_b_proj.weight"],
                                      w["kv_proj.weight"], w["kv_norm.weight"], cos, sin, s.eps, s.heads)
-    rows = torch.cat([state.window, kv])
-    near = positions[:, None] - (torch.arange(rows.shape[0], device=h.device) + state.length - state.window.shape[0])
-    entries, visible = rows, (near >= 0) & (near < s.window)
-    if s.rate:
-        compressed = _compressed(w, h, q_residual, positions, state, shape, compress_inv_freq)
-        entries, visible = torch.cat([rows, state.compressor.entries]), torch.cat([visible, compressed], dim=1)
-    attn = sink_attention(q, entries, visible, w["sinks"], s.head_dim ** -0.5)
-    state.window, state.length = rows[max(rows.shape[0] - (s.window - 1), 0):], state.length + h.shape[0]
+    step = _step_rows if h.shape[0] == 1 else _chunk_rows
+    attn = step(w, h, q, kv, q_residual, positions, state, shape, compress_inv_freq)
+    state.length += h.shape[0]
     return grouped_out(attn, cos, sin, w["o_a_proj.weight"], w["o_b_proj.weight"], s.o_groups)
+
+
+def _window_slots(state: LayerState, first: int, end: int) -> torch.Tensor:
+    """The ring's slots of positions [first, end)."""
+    return torch.arange(max(first, 0), end, device=state.rows.data.device) % state.window
+
+
+def _chunk_rows(w: dict[str, torch.Tensor], h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+                q_residual: torch.Tensor, positions: torch.Tensor, state: LayerState, shape: AttentionShape,
+                inv_freq: torch.Tensor) -> torch.Tensor:
+    """A prompt chunk: the window's rows before it and its own, masked to each query's window,
+    beside the compressed entries each query sees; its last rows go into the ring."""
+    start, ring = state.length, state.rows.data
+    rows = torch.cat([ring[_window_slots(state, start - shape.window + 1, start)], kv])
+    first = start - (rows.shape[0] - kv.shape[0])
+    near = positions[:, None] - (torch.arange(rows.shape[0], device=h.device) + first)
+    entries, visible = rows, (near >= 0) & (near < shape.window)
+    if shape.rate:
+        compressed = _compressed(w, h, q_residual, positions, state, shape, inv_freq)
+        entries, visible = torch.cat([rows, state.compressor.entries]), torch.cat([visible, compressed], dim=1)
+    attn = sink_attention(q, entries, visible, w["sinks"], shape.head_dim ** -0.5)
+    kept = kv[-shape.window:]
+    ring[_window_slots(state, start + kv.shape[0] - kept.shape[0], start + kv.shape[0])] = kept
+    return attn
+
+
+def _step_rows(w: dict[str, torch.Tensor], h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+               q_residual: torch.Tensor, positions: torch.Tensor, state: LayerState, shape: AttentionShape,
+               inv_freq: torch.Tensor) -> torch.Tensor:
+    """One token: its row written into the ring, then attention over the ring's rows of its window
+    and the compressed entries it sees (for CSA the indexer's choice), where they lie in the store."""
+    t = state.length
+    state.rows.data[t % state.window] = kv[0]
+    columns = _window_slots(state, t - shape.window + 1, t + 1)
+    seen = torch.ones_like(columns, dtype=torch.bool)
+    if shape.rate:
+        picked, chosen = _compressed_columns(w, h, q_residual, positions, state, shape, inv_freq)
+        columns, seen = torch.cat([columns, picked + state.window]), torch.cat([seen, chosen])
+    return sink_attention_at(q, state.rows.data, columns, seen, w["sinks"], shape.head_dim ** -0.5)
 
 
 def _compressed(w: dict[str, torch.Tensor], h: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
                 state: LayerState, shape: AttentionShape, inv_freq: torch.Tensor) -> torch.Tensor:
     """The compressed entries' state advanced past h's tokens, and which entries each token sees
     (bool [T, entries]): the causally closed ones, or for CSA the indexer's top_k of those."""
-    p = "compressor."
-    state.compressor.add(F.linear(h, w[p + "kv_proj.weight"]), F.linear(h, w[p + "gate_proj.weight"]),
-                         w[p + "position_bias"], w[p + "kv_norm.weight"], shape.eps, inv_freq)
-    n = state.compressor.entries.shape[0]
-    if not shape.top_k:
+    scores = _advance(w, h, q_residual, positions, state, shape, inv_freq)
+    n = state.compressor.store.count
+    if scores is None:
         return visible_entries(positions, n, shape.rate)
-    i = p + "indexer."
-    state.indexer.add(F.linear(h, w[i + "kv_proj.weight"]), F.linear(h, w[i + "gate_proj.weight"]),
-                      w[i + "position_bias"], w[i + "kv_norm.weight"], shape.eps, inv_freq)
-    cos, sin = angles(positions, inv_freq)
-    scores = compressed_index_scores(h, q_residual, w[i + "q_b_proj.weight"], w[i + "scorer.weights_proj.weight"],
-                                     state.indexer.entries, cos, sin)
     return select_entries(scores, positions, shape.rate, shape.top_k)
+
+
+def _compressed_columns(w: dict[str, torch.Tensor], h: torch.Tensor, q_residual: torch.Tensor,
+                        positions: torch.Tensor, state: LayerState, shape: AttentionShape,
+                        inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_compressed` for one token as the entries' columns and whether each is seen."""
+    scores = _advance(w, h, q_residual, positions, state, shape, inv_freq)
+    n = state.compressor.store.count
+    visible = visible_entries(positions, n, shape.rate)
+    if scores is None:
+        return torch.arange(n, device=h.device), visible[0]
+    columns, chosen = top_k_indices(scores, visible, shape.top_k)
+    return columns[0], chosen[0]
+
+
+def _advance(w: dict[str, torch.Tensor], h: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+             state: LayerState, shape: AttentionShape, inv_freq: torch.Tensor) -> torch.Tensor | None:
+    """The compressors past h's tokens; for CSA the indexer's scores [T, entries] (None for HCA)."""
+    p = "compressor."
+    compress(state.compressor, F.linear(h, w[p + "kv_proj.weight"]), F.linear(h, w[p + "gate_proj.weight"]),
+             w[p + "position_bias"], w[p + "kv_norm.weight"], shape.eps, inv_freq)
+    if not shape.sparse:
+        return None
+    i = p + "indexer."
+    compress(state.indexer, F.linear(h, w[i + "kv_proj.weight"]), F.linear(h, w[i + "gate_proj.weight"]),
+             w[i + "position_bias"], w[i + "kv_norm.weight"], shape.eps, inv_freq)
+    cos, sin = angles(positions, inv_freq)
+    return compressed_index_scores(h, q_residual, w[i + "q_b_proj.weight"], w[i + "scorer.weights_proj.weight"],
+                                   state.indexer.entries, cos, sin)

@@ -1,5 +1,5 @@
 """`CompressedCache`: one sequence's state in DeepSeek-V4, as the engine, the scheduler and the prefix
-cache see a sequence (`cache.base.SequenceState`). Each layer's state (`attention.LayerState`)
+cache see a sequence (`cache.base.SequenceState`). Each layer's state (`state.LayerState`)
 replaces the layer's past as a recurrent state does: a sliding window of raw rows, the open windows
 of its compressors, their entries so far. So the sequence resumes only where a checkpoint holds
 that state: the prefix cache takes the model as recurrent, and its nodes hold no keys or values
@@ -13,7 +13,7 @@ import torch
 from ftc_runtime.cache.base import RecurrentCheckpoint
 from ftc_runtime.cache.kv import KVCache
 from ftc_runtime.experts.vram_plan import sequence_state_bytes
-from ftc_runtime.models.deepseek_v4.attention import LayerState
+from ftc_runtime.models.deepseek_v4.state import LayerState
 from ftc_runtime.spec import ModelSpec
 
 

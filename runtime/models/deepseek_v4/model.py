@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ftc_runtime.experts.base import ExpertBackend
-from ftc_runtime.models.deepseek_v4.attention import LayerState, attend, layer_shapes
+from ftc_runtime.models.deepseek_v4.attention import attend, layer_shapes, new_state
 from ftc_runtime.models.deepseek_v4.cache import CompressedCache
 from ftc_runtime.models.layers.hyper_connections import hc_collapse, hc_expand, hc_weights, hyper_head
 from ftc_runtime.models.layers.mlp import dense_mlp
@@ -56,8 +56,7 @@ class DeepseekV4Model:
         return w.to(self.device, self.dtype if w.dtype in (torch.bfloat16, torch.float16) else w.dtype)
 
     def new_cache(self) -> CompressedCache:
-        layers = [LayerState.empty(s, self.spec.compressed.index_head_dim, self.dtype, self.device)
-                  for s in self.shapes]
+        layers = [new_state(s, self.spec.compressed.index_head_dim, self.dtype, self.device) for s in self.shapes]
         return CompressedCache(self.spec, layers, self.dtype, self.device)
 
     def is_moe(self, i: int) -> bool:

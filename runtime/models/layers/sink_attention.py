@@ -44,6 +44,19 @@ def sink_attention(q: torch.Tensor, entries: torch.Tensor, visible: torch.Tensor
     return torch.einsum("hts,sd->thd", probs.to(entries.dtype), entries)
 
 
+def sink_attention_at(q: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, seen: torch.Tensor,
+                      sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """`sink_attention` of one query q [1, heads, d] over the rows of a storage [C, d] at `columns`
+    (int64 [k]) that `seen` (bool [k], at least one true) marks: [1, heads, d]. On a GPU one
+    Triton kernel reads them in place (`sparse_mla_kernel`); elsewhere they are gathered."""
+    if rows.is_cuda:
+        from ftc_runtime.models.layers.sparse_mla_kernel import sparse_latent_attention_gpu
+
+        out = sparse_latent_attention_gpu(q[0], rows, columns, seen, rows.shape[1], scale, sinks)
+        return out[None].to(q.dtype)
+    return sink_attention(q, rows[columns], seen[None], sinks, scale)
+
+
 def grouped_out(attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, o_a_w: torch.Tensor,
                 o_b_w: torch.Tensor, groups: int) -> torch.Tensor:
     """attn [T, heads, d] → [T, hidden]: the rotary slice turned back at the query's position,

@@ -1,11 +1,14 @@
-"""Sparse latent attention of one query on the GPU (GLM-5.x's decode step): every head's absorbed
-query against the k latent rows the DSA indexer chose, read straight from the cache's storage by
-their columns, never gathered into a copy (`mla.attend_cached` on the CPU gathers, then runs torch).
+"""Sparse attention of one query on the GPU over chosen rows of a storage, read straight from it by
+their columns, never gathered into a copy: GLM-5.x's decode step (every head's absorbed query
+against the k latent rows the DSA indexer chose; `mla.attend_cached` on the CPU gathers, then runs
+torch) and DeepSeek-V4's (64 heads against the shared key/value rows of the window and the chosen
+compressed entries, beside a sink logit per head; `sink_attention.sink_attention_at`).
 
 - `_partial`, one program per (block of heads, span of the chosen columns): scores of the heads'
   queries [latent | rope] against the span's rows, masked to the columns the query sees, an online
   softmax in fp32 ("flash decoding"), the span's maximum, sum and weighted latents;
-- `_combine`, one program per block of heads: the spans rescaled to the global maximum and summed.
+- `_combine`, one program per block of heads: the spans (and each head's sink logit, where given:
+  a share of the softmax that adds no value) rescaled to the global maximum and summed.
 
 A span whose columns the query sees none of keeps a maximum of -inf and adds nothing.
 """
@@ -64,8 +67,8 @@ def _partial(q, rows, columns, seen, acc_out, max_out, sum_out, H, K, row_stride
 
 
 @triton.jit
-def _combine(acc_in, max_in, sum_in, out, H, R: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr,
-             SPANS: tl.constexpr, SPANS_P: tl.constexpr):
+def _combine(acc_in, max_in, sum_in, sinks, out, H, R: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr,
+             SPANS: tl.constexpr, SPANS_P: tl.constexpr, SINKS: tl.constexpr):
     hb = tl.program_id(0)
     h, r = hb * BH + tl.arange(0, BH), tl.arange(0, RP)
     s_all = tl.arange(0, SPANS_P)
@@ -74,6 +77,10 @@ def _combine(acc_in, max_in, sum_in, out, H, R: tl.constexpr, RP: tl.constexpr, 
     top = tl.max(maxima, 0)  # finite: the query sees at least one column
     num = tl.zeros([BH, RP], dtype=tl.float32)
     den = tl.zeros([BH], dtype=tl.float32)
+    if SINKS:
+        sink = tl.load(sinks + h, mask=h < H, other=float("-inf")).to(tl.float32)
+        top = tl.maximum(top, sink)
+        den = tl.exp(sink - top)
     for s in range(0, SPANS):
         at = (hb * SPANS + s) * BH + tl.arange(0, BH)
         w = tl.exp(tl.load(max_in + at) - top)
@@ -83,20 +90,21 @@ def _combine(acc_in, max_in, sum_in, out, H, R: tl.constexpr, RP: tl.constexpr, 
 
 
 def sparse_latent_attention_gpu(q: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, seen: torch.Tensor,
-                                kv_lora: int, scale: float) -> torch.Tensor:
+                                kv_lora: int, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of q [heads, kv_lora + rope] (each head's absorbed query, then its rotary
-    query) over the rows [C, kv_lora + rope] of the storage at `columns` (int64 [k]) that `seen`
-    (bool [k], at least one true) marks, the latent part of those rows as values: [heads, kv_lora]
-    fp32, before the values' up-projection."""
+    query; or rope 0: its query) over the rows [C, kv_lora + rope] of the storage at `columns`
+    (int64 [k]) that `seen` (bool [k], at least one true) marks, beside each head's logit in
+    `sinks` ([heads], where given), the first kv_lora channels of those rows as values:
+    [heads, kv_lora] fp32 (for latent attention, before the values' up-projection)."""
     heads, width = q.shape
     if rows.shape[1] != width or rows.stride(1) != 1 or columns.shape != seen.shape or columns.dim() != 1:
         raise ValueError(f"sparse latent attention: q {list(q.shape)}, rows {list(rows.shape)} (strides "
                          f"{list(rows.stride())}), columns {list(columns.shape)} and seen {list(seen.shape)}")
-    return launch(q, rows, columns, seen, kv_lora, scale, SPAN, BLOCK_N, 4)
+    return launch(q, rows, columns, seen, kv_lora, scale, SPAN, BLOCK_N, 4, sinks)
 
 
 def launch(q: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, seen: torch.Tensor, kv_lora: int,
-           scale: float, span: int, block_n: int, warps: int) -> torch.Tensor:
+           scale: float, span: int, block_n: int, warps: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The two kernels at a given tiling (`bench/dev/sparse_mla.py` sweeps it)."""
     heads, width = q.shape
     k, rope = columns.shape[0], width - kv_lora
@@ -109,6 +117,7 @@ def launch(q: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor, seen: tor
     _partial[(blocks, spans)](q.contiguous(), rows, columns, seen.to(torch.int8), partial, maxima, sums, heads, k,
                               rows.stride(0), spans, scale, R=kv_lora, P=rope, RP=rp, PP=pp, BH=HEADS,
                               BLOCK_N=block_n, SPAN=span, EXACT=rows.dtype == torch.float32, num_warps=warps)
-    _combine[(blocks,)](partial, maxima, sums, out, heads, R=kv_lora, RP=rp, BH=HEADS, SPANS=spans,
-                        SPANS_P=triton.next_power_of_2(spans))
+    _combine[(blocks,)](partial, maxima, sums, maxima if sinks is None else sinks.float().contiguous(), out, heads,
+                        R=kv_lora, RP=rp, BH=HEADS, SPANS=spans, SPANS_P=triton.next_power_of_2(spans),
+                        SINKS=sinks is not None)
     return out
