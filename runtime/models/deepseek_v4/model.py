@@ -22,6 +22,7 @@ from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm_fp32_weight
 from ftc_runtime.models.layers.rope import plain_inv_freq, yarn_inv_freq
 from ftc_runtime.models.layers.softplus_router import route_biased, route_hashed
+from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec
 
 # A run of tokens of one sequence within a pass: its cache and its rows of the pass's activations.
@@ -50,6 +51,10 @@ class DeepseekV4Model:
                                y.beta_slow, attention_factor=1.0)[0]).to(self.device)
         self.hash_layers = set(spec.moe.hash_layers)
         self.decode_graphs = None  # eager on every device
+        # The Sinkhorn steps are some eighty small kernels a block in eager torch; fused on a GPU.
+        self.hc_weights = hc_weights
+        if self.device.type == "cuda" and settings().torch_compile:
+            self.hc_weights = torch.compile(hc_weights, dynamic=True)
 
     def _placed(self, w: torch.Tensor) -> torch.Tensor:
         """On the model's device; 16-bit weights in the activations' dtype, the rest as stored."""
@@ -121,8 +126,8 @@ class DeepseekV4Model:
         """The streams after one block (attention or MoE) between its hyper-connection's collapse
         and expansion."""
         h = self.spec.hyper_connections
-        pre, post, comb = hc_weights(streams, self.w[hc + "fn"], self.w[hc + "base"], self.w[hc + "scale"],
-                                     self.spec.norm.eps, h.eps, h.sinkhorn_iters)
+        pre, post, comb = self.hc_weights(streams, self.w[hc + "fn"], self.w[hc + "base"], self.w[hc + "scale"],
+                                          self.spec.norm.eps, h.eps, h.sinkhorn_iters)
         return hc_expand(streams, block(hc_collapse(streams, pre)), post, comb)
 
     def _moe(self, i: int, h: torch.Tensor, ids: torch.Tensor, first_position: int) -> torch.Tensor:
