@@ -247,13 +247,18 @@ def router_margin(model: torch.nn.Module, ids: list[int]) -> float:
         top = scores.topk(k + 1, dim=-1).values
         gaps.append(float((top[:, -2] - top[:, -1]).min()))
 
-    hooks = [m.register_forward_hook(record) for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    forward_with_hooks(model, ids, [m for name, m in model.named_modules() if name.endswith("mlp.gate")], record)
+    return min(gaps, default=float("inf"))
+
+
+def forward_with_hooks(model: torch.nn.Module, ids: list[int], modules: list[torch.nn.Module], record) -> None:
+    """The reference's forward over `ids` with `record` hooked to the outputs of `modules`."""
+    hooks = [m.register_forward_hook(record) for m in modules]
     try:
         model(torch.tensor([ids]))
     finally:
         for hook in hooks:
             hook.remove()
-    return min(gaps, default=float("inf"))
 
 
 @torch.no_grad()

@@ -246,12 +246,21 @@ def test_streamed_tool_calls_agree_with_the_whole_text(parser, block, bad, seed)
     calls = [ToolCall(tools[i % 2]["function"]["name"], {_word(rng): _value(rng)}) for i in range(3)]
     blocks = [block(c) for c in calls]
     text = f"Looking. {blocks[0]}\n{blocks[1]} then {bad} and {blocks[2]} and <tool_call>cut off"
+    _check_streamed(parser, tools, text, calls, blocks, rng)
+
+
+def _check_streamed(parser: type[ToolParser], tools: list[dict], text: str, calls: list[ToolCall],
+                    blocks: list[str], rng: random.Random) -> None:
+    """The whole text parses into `calls`; so does every one of 200 random cuts of it, its content
+    the text without the good `blocks` (the rest passed through)."""
     whole_content, whole_calls = parser().parse(text, tools)
     assert whole_calls == calls
+    want = text
+    for b in blocks:
+        want = want.replace(b, "")
     for _ in range(200):
         streamed_calls, content = _streamed_calls(parser(), tools, text, rng)
-        assert streamed_calls == calls
-        assert content == text.replace(blocks[0], "").replace(blocks[1], "").replace(blocks[2], "")
+        assert streamed_calls == calls and content == want
         assert content.strip() == whole_content
 
 
@@ -423,13 +432,7 @@ def test_deepseek_streamed_calls_agree_with_the_whole_text(seed):
     blocks = [_dsml_block(calls[:2]), _dsml_block(calls[2:])]
     bad = _dsml_block([ToolCall("f", {"a": 1})]).replace('"false">1<', '"false">{bad}<')
     text = f'Looking. {blocks[0]}\n then {bad} and\n\n{blocks[1]} and <｜DSML｜tool_calls>\n<｜DSML｜invoke name="cut'
-    whole_content, whole_calls = DeepseekToolParser().parse(text, tools)
-    assert whole_calls == calls
-    for _ in range(200):
-        streamed_calls, content = _streamed_calls(DeepseekToolParser(), tools, text, rng)
-        assert streamed_calls == calls
-        assert content == text.replace(blocks[0], "").replace(blocks[1], "")
-        assert content.strip() == whole_content
+    _check_streamed(DeepseekToolParser, tools, text, calls, blocks, rng)
 
 
 _OPEN, _CLOSE, _END = "<｜DSML｜tool_calls>\n", "</｜DSML｜tool_calls>", "</｜DSML｜invoke>\n"

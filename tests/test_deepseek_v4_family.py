@@ -20,9 +20,10 @@ from ftc.compile.spec_loader import load_spec
 from ftc_runtime import Engine
 from ftc_runtime.experts.vram_plan import sequence_state_bytes
 from ftc_runtime.models.base import CheckpointError
+from ftc_runtime.models.deepseek_v4.state import INITIAL_ENTRIES
 
 from conftest import seed_for
-from families import MIN_ROUTER_MARGIN, reference_logits, rel, router_margin
+from families import MIN_ROUTER_MARGIN, forward_with_hooks, reference_logits, rel, router_margin
 from hf_deepseek_v4_models import (
     VOCAB,
     build_deepseek_v4,
@@ -87,6 +88,23 @@ def test_a_sequence_state_is_as_large_as_the_plan_counts(fused, seed):
     assert sum(layer.nbytes for layer in cache.layers) == sequence_state_bytes(engine.spec, n, 4) == cache.bytes_for(n)
 
 
+def test_a_store_that_grows_inside_a_chunk_keeps_its_window(fused, seed):
+    """Prompts long enough that a chunk's compressed entries outgrow the layers' first storage
+    (`state.INITIAL_ENTRIES` of them): whole, in uneven chunks and then in one-token steps, the
+    logits stay transformers' (a write into the storage before it grew would be lost)."""
+    engine, model = fused
+    rng = random.Random(seed)
+    rate = engine.spec.compressed.csa_rate
+    ids = [rng.randrange(VOCAB) for _ in range(INITIAL_ENTRIES * rate + rng.randrange(20, 120))]
+    want = reference_logits(model, ids)
+    chunked = Engine.load(engine.manifest.root, prefill_chunk=rng.randrange(90, 200))
+    assert rel(chunked.logits(ids), want) < 1e-4, f"ids={ids}"
+    cache = engine.model.new_cache()
+    engine.prefill(torch.tensor(ids[:-12]), cache)
+    steps = torch.stack([engine.model.forward(torch.tensor([t]), cache)[-1] for t in ids[-12:]])
+    assert rel(steps, want[-12:]) < 1e-3, f"ids={ids}"
+
+
 def test_a_restored_checkpoint_continues_as_an_uninterrupted_run(fused, seed):
     """The state taken at token p, restored after the sequence went elsewhere (a prompt chunk and a
     decode step), continues with the logits of a run that never left: the engine's and transformers'."""
@@ -121,12 +139,8 @@ def indexer_margin(model: torch.nn.Module, ids: list[int]) -> float:
                 top = visible.topk(k + 1).values
                 gaps.append(float(top[-2] - top[-1]))
 
-    hooks = [m.register_forward_hook(record) for m in model.modules() if type(m).__name__ == "DeepseekV4IndexerScorer"]
-    try:
-        model(torch.tensor([ids]))
-    finally:
-        for hook in hooks:
-            hook.remove()
+    forward_with_hooks(model, ids, [m for m in model.modules() if type(m).__name__ == "DeepseekV4IndexerScorer"],
+                       record)
     return min(gaps, default=float("inf"))
 
 

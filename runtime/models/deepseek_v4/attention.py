@@ -106,8 +106,8 @@ def _chunk_rows(w: dict[str, torch.Tensor], h: torch.Tensor, q: torch.Tensor, kv
                 inv_freq: torch.Tensor) -> torch.Tensor:
     """A prompt chunk: the window's rows before it and its own, masked to each query's window,
     beside the compressed entries each query sees; its last rows go into the ring."""
-    start, ring = state.length, state.rows.data
-    rows = torch.cat([ring[_window_slots(state, start - shape.window + 1, start)], kv])
+    start = state.length
+    rows = torch.cat([state.rows.data[_window_slots(state, start - shape.window + 1, start)], kv])
     first = start - (rows.shape[0] - kv.shape[0])
     near = positions[:, None] - (torch.arange(rows.shape[0], device=h.device) + first)
     entries, visible = rows, (near >= 0) & (near < shape.window)
@@ -115,8 +115,8 @@ def _chunk_rows(w: dict[str, torch.Tensor], h: torch.Tensor, q: torch.Tensor, kv
         compressed = _compressed(w, h, q_residual, positions, state, shape, inv_freq)
         entries, visible = torch.cat([rows, state.compressor.entries]), torch.cat([visible, compressed], dim=1)
     attn = sink_attention(q, entries, visible, w["sinks"], shape.head_dim ** -0.5)
-    kept = kv[-shape.window:]
-    ring[_window_slots(state, start + kv.shape[0] - kept.shape[0], start + kv.shape[0])] = kept
+    kept = kv[-shape.window:]  # into the store as it is now: the entries may have grown it
+    state.rows.data[_window_slots(state, start + kv.shape[0] - kept.shape[0], start + kv.shape[0])] = kept
     return attn
 
 
