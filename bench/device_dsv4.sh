@@ -7,14 +7,17 @@
 # the pool in slots); then the cut (a 64 GiB MXFP4 pool of random weights in memory) at that share
 # of its pool (16 GiB here: 682 slots, beyond the 2 × 256 that prompt chunks stream through):
 # decode with uniform routing against the bound, and a 2048-token prompt.
-# Part 2: where the eager decode step's time goes: the cut at 8 layers (13.6% of its pool in 7.7
-# GiB), the hyper-connections' weights compiled (a profile of its steps) and not.
+# Part 2: the family's GPU tests again (the hyper-connections compiled), then where the eager
+# decode step's time goes: the cut at 8 layers (13.6% of its pool in 7.7 GiB), the
+# hyper-connections' weights compiled (a profile of its steps) and not.
 source bench/device_setup.sh "$@"
 end=$(( $(date +%s) + 570 ))
 spec=model_specs/deepseek-v4-flash.yaml
 cut="--override num_layers=20"
 if [ "$part" = 2 ]; then
-  timeout 500 python3 bench/decode_matrix.py $spec --target h200 --vram-budget 7.7GiB --override num_layers=8 \
+  timeout 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_deepseek_v4_family.py 2>&1 \
+    | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|µs" | tail -20
+  timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $spec --target h200 --vram-budget 7.7GiB --override num_layers=8 \
     --policies adaptive --routings uniform --new-tokens 34 --profile --variant FTC_TORCH_COMPILE=1 \
     --variant FTC_TORCH_COMPILE=0 -o "$out/dsv4_8" > "$out/dsv4_8.log" 2>&1
   echo "dsv4 rc $?"; grep -E "tok/s|in memory" "$out/dsv4_8.log" || tail -c 2500 "$out/dsv4_8.log"
