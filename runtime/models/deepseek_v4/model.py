@@ -9,6 +9,7 @@ Tensor names follow transformers' model (`model.layers.L.self_attn.q_a_proj.weig
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -51,10 +52,25 @@ class DeepseekV4Model:
                                y.beta_slow, attention_factor=1.0)[0]).to(self.device)
         self.hash_layers = set(spec.moe.hash_layers)
         self.decode_graphs = None  # eager on every device
-        # The Sinkhorn steps are some eighty small kernels a block in eager torch; fused on a GPU.
-        self.hc_weights = hc_weights
-        if self.device.type == "cuda" and settings().torch_compile:
-            self.hc_weights = torch.compile(hc_weights, dynamic=True)
+        self.hc_weights = self._compiled_hc_weights() if self.device.type == "cuda" and settings().torch_compile \
+            else hc_weights
+
+    def _compiled_hc_weights(self) -> Callable:
+        """`hc_weights` fused by torch.compile (its Sinkhorn steps are some eighty small kernels a
+        block in eager torch), compiled now on the first layer's weights; a compiler failure leaves
+        it uncompiled."""
+        h, p = self.spec.hyper_connections, "model.layers.0.attn_hc."
+        streams = torch.zeros(1, h.streams, self.spec.hidden_size, dtype=self.dtype, device=self.device)
+        compiled = torch.compile(hc_weights, dynamic=True)
+        try:
+            with torch.inference_mode():
+                compiled(streams, self.w[p + "fn"], self.w[p + "base"], self.w[p + "scale"], self.spec.norm.eps,
+                         h.eps, h.sinkhorn_iters)
+        except Exception as e:  # noqa: BLE001 (any compiler failure: the function runs uncompiled)
+            print(f"ftc: torch.compile failed for the hyper-connections, running them uncompiled "
+                  f"({type(e).__name__}: {e})", file=sys.stderr)
+            return hc_weights
+        return compiled
 
     def _placed(self, w: torch.Tensor) -> torch.Tensor:
         """On the model's device; 16-bit weights in the activations' dtype, the rest as stored."""
