@@ -44,10 +44,10 @@ def stored_dense(spec: ModelSpec) -> StoredTensors:
     for name, shape in fam.dense_tensor_shapes(spec).items():
         if name in fp8:
             stored |= {name: (shape, "F8_E4M3"), scale_name(name): (scale_shape(shape), "F32")}
-        elif fam.expert_index_tensors and name.endswith(fam.expert_index_tensors):
+        elif name.endswith(fam.expert_index_tensors):
             stored[name] = (shape, "I64")
         else:
-            stored[name] = (shape, "F32" if fam.fp32_tensors and name.endswith(fam.fp32_tensors) else "BF16")
+            stored[name] = (shape, "F32" if name.endswith(fam.fp32_tensors) else "BF16")
     return stored
 
 

@@ -80,9 +80,6 @@ class DeepseekV4Model:
         layers = [new_state(s, self.spec.compressed.index_head_dim, self.dtype, self.device) for s in self.shapes]
         return CompressedCache(self.spec, layers, self.dtype, self.device)
 
-    def is_moe(self, i: int) -> bool:
-        return True
-
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: CompressedCache, all_logits: bool = False,
                 checkpoint_at: tuple[int, ...] = (), between_layers: Callable[[], None] | None = None) -> torch.Tensor:
