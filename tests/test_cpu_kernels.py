@@ -116,8 +116,12 @@ def _check(setup, rng: random.Random, ids: torch.Tensor, threads: int, backgroun
         kernel.run(*args)
     ref = _reference(expert_weights, x, ids + layer * e, weights, spec.moe.swiglu_limit)
     got = out.double() - start.double()
-    rel = float((got - ref).norm() / ref.norm())
-    assert rel < TOLERANCE[isa], f"{isa} tokens={n} ids={ids.tolist()}: relative error {rel:.2e}"
+    # Each expert's share is added into the fp32 `out` once, rounding it by up to half an ulp of
+    # |out|: that much is the output's storage, not the kernel (it dominates when the router's
+    # weights are small against the starting noise).
+    rounding = ids.shape[1] * torch.finfo(torch.float32).eps / 2 * out.double().norm()
+    rel = float(((got - ref).norm() - rounding).clamp(min=0) / ref.norm())
+    assert rel < TOLERANCE[isa], f"{isa} tokens={n} ids={ids.tolist()}: relative error {rel:.2e} beyond fp32 rounding"
     return x, ids + layer * e, weights, ref
 
 

@@ -91,11 +91,12 @@ def test_a_sequence_state_is_as_large_as_the_plan_counts(fused, seed):
 def test_a_store_that_grows_inside_a_chunk_keeps_its_window(fused, seed):
     """Prompts long enough that a chunk's compressed entries outgrow the layers' first storage
     (`state.INITIAL_ENTRIES` of them): whole, in uneven chunks and then in one-token steps, the
-    logits stay transformers' (a write into the storage before it grew would be lost)."""
+    logits stay transformers' (a write into the storage before it grew would be lost). A prompt
+    with a near tie in the indexer's or the router's choice is redrawn."""
     engine, model = fused
     rng = random.Random(seed)
     rate = engine.spec.compressed.csa_rate
-    ids = [rng.randrange(VOCAB) for _ in range(INITIAL_ENTRIES * rate + rng.randrange(20, 120))]
+    ids = untied_prompt(model, rng, INITIAL_ENTRIES * rate + 20, INITIAL_ENTRIES * rate + 120)
     want = reference_logits(model, ids)
     chunked = Engine.load(engine.manifest.root, prefill_chunk=rng.randrange(90, 200))
     assert rel(chunked.logits(ids), want) < 1e-4, f"ids={ids}"
@@ -144,6 +145,16 @@ def indexer_margin(model: torch.nn.Module, ids: list[int]) -> float:
     return min(gaps, default=float("inf"))
 
 
+def untied_prompt(model: torch.nn.Module, rng: random.Random, shortest: int, longest: int) -> list[int]:
+    """A prompt of `shortest` to `longest` tokens where neither the indexer's nor the router's
+    choice is a near tie (the first of up to 100 draws)."""
+    for _ in range(100):
+        ids = [rng.randrange(VOCAB) for _ in range(rng.randrange(shortest, longest))]
+        if min(indexer_margin(model, ids), router_margin(model, ids)) > MIN_ROUTER_MARGIN:
+            return ids
+    pytest.fail("100 prompts had a near tie in the indexer's or the router's choice")
+
+
 def test_the_indexer_picks_among_more_entries_than_it_keeps(tmp_path, seed):
     """A prompt that closes more CSA entries than the indexer keeps (top-k 2 of up to 20): the
     logits of the whole prompt, of uneven chunks and of one-token steps agree with each other and
@@ -153,12 +164,7 @@ def test_the_indexer_picks_among_more_entries_than_it_keeps(tmp_path, seed):
     model = random_model(deepseek_v4_fields(index_top_k=2), g)
     ckpt = save_deepseek_v4_checkpoint(model, tmp_path / "ckpt", "fused")
     engine_dir = compile_engine(CompileOptions(source=ckpt, target="cpu", output=tmp_path / "engine"))
-    for _ in range(100):
-        ids = [rng.randrange(VOCAB) for _ in range(rng.randrange(50, 80))]
-        if min(indexer_margin(model, ids), router_margin(model, ids)) > MIN_ROUTER_MARGIN:
-            break
-    else:
-        pytest.fail("100 prompts had a near tie in the indexer's or the router's choice")
+    ids = untied_prompt(model, rng, 50, 80)
     want = reference_logits(model, ids)
     whole = Engine.load(engine_dir).logits(ids)
     assert rel(whole, want) < 1e-4, f"ids={ids}"
