@@ -7,21 +7,24 @@
 # the pool in slots); then the cut (a 64 GiB MXFP4 pool of random weights in memory) at that share
 # of its pool (16 GiB here: 682 slots, beyond the 2 × 256 that prompt chunks stream through):
 # decode with uniform routing against the bound, and a 2048-token prompt.
-# Part 2: the family's GPU tests again (the hyper-connections compiled), then where the eager
-# decode step's time goes: the cut at 8 layers (13.6% of its pool in 7.7 GiB), the
-# hyper-connections' weights compiled (a profile of its steps) and not.
+# Part 2: the family's decode graphs: their GPU tests (against the eager step, across a store's
+# growth, a restored checkpoint and batches; bf16 and MXFP4) with the family's other GPU tests and
+# one other family's batched graphs; then the cut above decoding as one whole-step graph
+# (FTC_DEVICE_PLAN=1), the step's device timeline printed.
 source bench/device_setup.sh "$@"
-end=$(( $(date +%s) + 570 ))
+end=$(( $(date +%s) + ${FTC_CALL_S:-570} ))  # FTC_CALL_S: seconds this call may take
 spec=model_specs/deepseek-v4-flash.yaml
 cut="--override num_layers=20"
 if [ "$part" = 2 ]; then
-  timeout 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_deepseek_v4_family.py 2>&1 \
-    | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|µs" | tail -20
-  timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $spec --target h200 --vram-budget 7.7GiB --override num_layers=8 \
-    --policies adaptive --routings uniform --new-tokens 34 --profile --variant FTC_TORCH_COMPILE=1 \
-    --variant FTC_TORCH_COMPILE=0 -o "$out/dsv4_8" > "$out/dsv4_8.log" 2>&1
-  echo "dsv4 rc $?"; grep -E "tok/s|in memory" "$out/dsv4_8.log" || tail -c 2500 "$out/dsv4_8.log"
-  head -60 "$out/dsv4_8/profile.txt"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_deepseek_v4_family.py \
+    -k deepseek 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    "tests/test_gpu.py::test_batched_decode_graphs_equal_the_eager_batch[qwen3-moe-tiny-None-bf16]" 2>&1 \
+    | tee "$out/pytest_gpu_qwen.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -5
+  FTC_DEVICE_PLAN=1 timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $spec --target h200 \
+    --vram-budget 16GiB $cut --policies adaptive --routings uniform --new-tokens 34 -o "$out/dsv4g" \
+    > "$out/dsv4g.log" 2>&1
+  echo "dsv4 rc $?"; grep -E "tok/s|in memory|timeline|ms per" "$out/dsv4g.log" || tail -c 2500 "$out/dsv4g.log"
   exit 0
 fi
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_deepseek_v4_family.py tests/test_gpu.py \

@@ -15,6 +15,7 @@ from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.offload import OffloadedExperts
 from ftc_runtime.formats import FORMATS
+from ftc_runtime.models.deepseek_v4.state import INITIAL_ENTRIES
 
 from slot_checks import assert_graphs_match, check_slots_hold_their_rows, near_best_share, rel
 
@@ -414,6 +415,37 @@ def test_glm_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled,
     assert_graphs_match(got, want, lambda: session(Engine.load(engine)), compiled or device_plan)
 
 
+@pytest.mark.parametrize("compiled,device_plan,quant", [(False, False, None), (True, False, None), (False, True, None),
+                                                        (False, True, "mxfp4"), (True, True, "mxfp4")])
+def test_deepseek_v4_decode_graphs_equal_the_eager_step(tmp_path, monkeypatch, compiled, device_plan, quant, seed):
+    """DeepSeek-V4's layers in decode graphs (the hyper-connections' streams, the window's ring,
+    the compressors' open windows and entries written at the position held as data, the indexer's
+    top_k over the store's capacity, the hash layers routed by the token held as data) give the
+    eager path's logits: a prompt whose CSA entries then outgrow their first storage during the
+    steps (graphs captured again), a restored checkpoint, and a second sequence; compiled, or as
+    one whole-step graph, both are held to the fp32 CPU engine as the other families' graphs are,
+    in bf16 and MXFP4."""
+    engine, graphs, eager = _tiny_graphs_and_eager("deepseek-v4-tiny", tmp_path, monkeypatch, compiled, device_plan,
+                                                   quant, seed)
+    rate = graphs.spec.compressed.csa_rate
+
+    def session(e: Engine) -> list[torch.Tensor]:
+        rng = random.Random(seed)  # the same tokens for every engine
+        ids = [rng.randrange(2, 500) for _ in range(INITIAL_ENTRIES * rate + 12)]
+        cache = e.model.new_cache()
+        e.prefill(torch.tensor(ids[:-24]), cache)
+        checkpoint = cache.take()
+        out = [e.model.forward(torch.tensor([t]), cache)[-1].cpu() for t in ids[-24:-12]]
+        cache.restore(checkpoint)
+        out += [e.model.forward(torch.tensor([t]), cache)[-1].cpu() for t in ids[-24:]]
+        return out + _teacher_forced_logits(e, ids[::-1][:40], 20)
+
+    got, want = session(graphs), session(eager)
+    captured = list(graphs.model.decode_graphs.graphs)
+    assert captured == [("step", 0)] if device_plan else len(captured) > 1
+    assert_graphs_match(got, want, lambda: session(Engine.load(engine)), compiled or device_plan)
+
+
 # Which sequences decode together at each step: four of them (the second grows its KV storage
 # past its first 256 tokens at the fourth step, so the batch's graph is captured again), then one
 # leaves, then one alone (the one-sequence step), then two again.
@@ -437,7 +469,8 @@ def _batch_session(engine: Engine, seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("spec_name,quant,dense", [
     ("qwen3-moe-tiny", None, "bf16"), ("qwen3-moe-tiny", "mxfp4", "bf16"), ("qwen3.6-moe-tiny", None, "bf16"),
-    ("qwen3.6-moe-tiny", "nvfp4", "bf16"), ("glm-5-tiny", None, "bf16"), ("glm-5-tiny", "nvfp4", "fp8")])
+    ("qwen3.6-moe-tiny", "nvfp4", "bf16"), ("glm-5-tiny", None, "bf16"), ("glm-5-tiny", "nvfp4", "fp8"),
+    ("deepseek-v4-tiny", None, "bf16"), ("deepseek-v4-tiny", "mxfp4", "bf16")])
 def test_batched_decode_graphs_equal_the_eager_batch(tmp_path, monkeypatch, spec_name, quant, dense, seed):
     """Several sequences decoding together as one whole-step graph (`step_batch`: the projections,
     router, experts and head over the rows, each sequence's attention and recurrence on its own

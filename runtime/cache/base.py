@@ -13,8 +13,8 @@ from ftc_runtime.cache.kv import KVCache
 
 
 class RecurrentState(Protocol):
-    """One layer's recurrent state. Its storage never moves (CUDA graphs hold it): `assign` copies
-    into it."""
+    """One layer's recurrent state. Its storage moves only where the sequence's `generation` says
+    so (CUDA graphs hold it): `assign` copies into it."""
 
     def clone(self) -> RecurrentState: ...
 
@@ -58,6 +58,8 @@ class SequenceState(Protocol):
     def recurrent(self) -> bool: ...
 
     def reserve(self, n: int) -> None: ...
+
+    def stepped(self) -> None: ...
 
     def bytes_for(self, n: int) -> int: ...
 

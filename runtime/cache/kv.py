@@ -10,6 +10,12 @@ _GENERATIONS = itertools.count()
 INITIAL_CAPACITY = 256  # tokens per layer before the first doubling
 
 
+def new_generation() -> int:
+    """A number unique in the process, for a storage that was made or moved: what CUDA graphs
+    that hold the storage's addresses are keyed on."""
+    return next(_GENERATIONS)
+
+
 class KVCache:
     """Keys [capacity, kv heads, head_dim] and values [capacity, kv heads, value_dim] per layer
     (value_dim: head_dim unless given; latent attention keeps its latent row as the key and the
@@ -18,9 +24,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu", capacity: int = INITIAL_CAPACITY, value_dim: int | None = None):
         self.length = 0  # tokens whose keys and values every layer holds
-        # Unique in the process, renewed when the storage moves: what CUDA graphs that hold the
-        # storage's addresses are keyed on.
-        self.generation = next(_GENERATIONS)
+        self.generation = new_generation()  # renewed when the storage moves
         # Zeros, not empty: one-token decode graphs attend over the whole capacity with the tail
         # masked off, and a masked NaN would still poison the probabilities' product with values.
         v_shape = (capacity, num_kv_heads, head_dim if value_dim is None else value_dim)
@@ -53,7 +57,7 @@ class KVCache:
                 grown = old.new_zeros(cap, *old.shape[1:])
                 grown[: self.length] = old[: self.length]
                 store[layer] = grown
-        self.generation = next(_GENERATIONS)
+        self.generation = new_generation()
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores k/v [T, kv_heads, head_dim] after `length`; returns all keys and values so far."""

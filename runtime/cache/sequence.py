@@ -43,6 +43,11 @@ class SequenceCache:
     def reserve(self, n: int) -> None:
         self.kv.reserve(n)
 
+    def stepped(self) -> None:
+        """Counts a decode step's token, which a CUDA graph wrote into the state (its position as
+        data, the host's counts left to the host)."""
+        self.length += 1
+
     def bytes_for(self, n: int) -> int:
         """Device bytes once the sequence holds n tokens: its KV cache and its recurrent state."""
         return self.kv.bytes_for(n) + sum(s.nbytes for s in self.linear)

@@ -53,13 +53,14 @@ class DecodeGraphs(ABC):
     torch.compile), their warm-up and the body of one layer (`_layer`)."""
 
     eager_functions: tuple[str, ...] = EAGER_FUNCTIONS  # a family's functions that torch.compile leaves alone
+    streams = 0  # residual streams per row (hyper-connections); 0: one row of hidden_size
 
     def __init__(self, model, compile_fns: bool, fused_body: bool = True):
         if model.device.type != "cuda":
             raise ValueError("DecodeGraphs needs a CUDA device")
         self.model = model
         self.fused_body = fused_body  # the family's fused kernels at width 1, where it has them
-        self._buffers = {1: StepBuffers.make(model, 1)}
+        self._buffers = {1: StepBuffers.make(model, 1, self.streams)}
         self.io = self._buffers[1]  # the buffers of the step being run or captured
         self.fns = self.eager_fns = self.functions()
         if compile_fns:
@@ -137,7 +138,7 @@ class DecodeGraphs(ABC):
             if m.is_moe(i):
                 m.experts.launch_staged(m.moe_index[i], 1, m.spec.moe.top_k, position)
                 m.experts.finish_staged()
-        cache.length += 1
+        cache.stepped()
         self._run(captures, ("head", 0), self._head)
         captures.warm = True
         return self.io.logits.clone()
@@ -159,7 +160,7 @@ class DecodeGraphs(ABC):
         finally:
             m.experts.end_device_step()
         for cache in caches:
-            cache.length += 1
+            cache.stepped()
         captures.warm = True
         logits = self.io.logits.clone()
         # The thread sleeps until the step is done, rather than spinning in the caller's next
@@ -178,7 +179,7 @@ class DecodeGraphs(ABC):
         width keeps graphs besides the single sequence's."""
         n = len(caches)
         if n not in self._buffers:
-            self._buffers[n] = StepBuffers.make(self.model, n)
+            self._buffers[n] = StepBuffers.make(self.model, n, self.streams)
         self.io, self.f = self._buffers[n], self.fns if n == 1 else self.eager_fns
         storage = (*(c.generation for c in caches), self.model.experts.generation)
         captures = self.captures.get(n)

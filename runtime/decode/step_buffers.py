@@ -10,7 +10,8 @@ import torch
 
 @dataclass
 class StepBuffers:
-    """One row per sequence: the residual stream `x`, the previous layer's MLP output `mlp`, the
+    """One row per sequence: the residual stream `x` ([n, streams, hidden] where the family mixes
+    several), the previous layer's MLP output `mlp`, the
     rotary tables of the step's positions, the input tokens and positions (written by the host
     before each step through `staging`), the logits, a CPU part copied in (the host path) and a
     shared expert's output where the family has one."""
@@ -27,13 +28,14 @@ class StepBuffers:
     staging: torch.Tensor  # [2, n] int64 on the host (pinned): tokens, positions
 
     @classmethod
-    def make(cls, model, n: int) -> StepBuffers:
+    def make(cls, model, n: int, streams: int = 0) -> StepBuffers:
         spec, dev, dt = model.spec, model.device, model.dtype
         rows = torch.zeros(n, spec.hidden_size, dtype=dt, device=dev)
+        x = torch.zeros(n, streams, spec.hidden_size, dtype=dt, device=dev) if streams else torch.zeros_like(rows)
         rotary = torch.zeros(n, 1, model.inv_freq.numel() * 2, dtype=dt, device=dev)
         shared = torch.zeros_like(rows) if spec.moe is not None and spec.moe.num_shared_experts else None
         index = torch.zeros(n, dtype=torch.long, device=dev)
-        return cls(x=rows, mlp=torch.zeros_like(rows), cos=rotary, sin=torch.zeros_like(rotary),
+        return cls(x=x, mlp=rows, cos=rotary, sin=torch.zeros_like(rotary),
                    position=index, token=torch.zeros_like(index),
                    logits=torch.zeros(n, spec.vocab_size, dtype=torch.float32, device=dev),
                    cpu_part=torch.zeros(n, spec.hidden_size, dtype=torch.float32, device=dev), shared=shared,

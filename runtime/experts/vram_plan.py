@@ -69,20 +69,21 @@ def kv_row_elements(spec: ModelSpec) -> int:
     return ml.kv_lora_rank + ml.rope_dim + (ix.head_dim if ix is not None else 1)
 
 
-def compressed_state_elements(spec: ModelSpec, tokens: int) -> int:
-    """Elements of one sequence's state in compressed attention (DeepSeek-V4) after `tokens`
-    tokens: per layer the ring of its last sliding_window raw rows, and per compressor (a layer's
-    own, a CSA layer's indexer's) its entries so far, the source rows (keys and gates) of its open
-    window and, where windows overlap (CSA), the last closed one's first series with its gates."""
+def compressed_state_bytes(spec: ModelSpec, tokens: int, element_size: int) -> int:
+    """Bytes of one sequence's state in compressed attention (DeepSeek-V4) after `tokens` tokens:
+    per layer the ring of its last sliding_window raw rows, and per compressor (a layer's own, a
+    CSA layer's indexer's) its entries so far, the source rows (keys and gates) of one window and,
+    where windows overlap (CSA), the last closed one's first series with its gates in fp32."""
     c, d = spec.compressed, spec.attention.head_dim
 
     def compressor(rate: int, dim: int, overlap: bool) -> int:
         width = 2 * dim if overlap else dim
-        return tokens // rate * dim + 2 * (rate - 1) * width + (2 * rate * dim if overlap else 0)
+        own = (tokens // rate * dim + 2 * rate * width + (rate * dim if overlap else 0)) * element_size
+        return own + (rate * dim * 4 if overlap else 0)
 
     total = 0
     for kind in c.layer_types:
-        total += c.sliding_window * d
+        total += c.sliding_window * d * element_size
         if kind == "hca":
             total += compressor(c.hca_rate, d, False)
         elif kind == "csa":
@@ -94,7 +95,7 @@ def sequence_state_bytes(spec: ModelSpec, tokens: int, element_size: int = 2) ->
     """Device bytes of one sequence's attention and recurrent state at `tokens` tokens (16-bit
     caches; a Gated DeltaNet layer's recurrent part fp32)."""
     if spec.compressed is not None:
-        return compressed_state_elements(spec, tokens) * element_size
+        return compressed_state_bytes(spec, tokens, element_size)
     kv = tokens * len(spec.full_attention_layers) * kv_row_elements(spec) * element_size
     la = spec.linear_attention
     if la is not None:

@@ -1,11 +1,13 @@
 """DeepSeek-V4 (transformers' deepseek_v4): compressed sparse and heavily compressed attention beside
 a sliding window, hyper-connections, hash-routed first layers. The spec mapping, the checkpoint's
 tensors and its released layout's names (`loader`), the decoder (`model`) over each sequence's
-compressed state (`attention`, `cache`); the layers are in `models/layers/`. A checkpoint brings
-its own chat template; an engine without one writes DeepSeek's format (`deepseek_v4_tools.jinja`);
-tool calls are read in DeepSeek's DSML blocks either way."""
+compressed state (`attention`, `cache`), its decode step as CUDA graphs (`decode`); the layers
+are in `models/layers/`. A checkpoint brings its own chat template; an engine without one writes
+DeepSeek's format (`deepseek_v4_tools.jinja`); tool calls are read in DeepSeek's DSML blocks
+either way."""
 
 from ftc_runtime.models.base import Family
+from ftc_runtime.models.deepseek_v4.decode import HyperDecodeGraphs
 from ftc_runtime.models.deepseek_v4.loader import DeepseekV4Layout, check_spec, dense_tensor_shapes, spec_from_hf
 from ftc_runtime.models.deepseek_v4.model import DeepseekV4Model
 
@@ -16,6 +18,6 @@ FP32_TENSORS = ("hc.fn", "hc.base", "hc.scale", "hc_fn", "hc_base", "hc_scale", 
 
 FAMILIES = {
     "deepseek_v4": Family("deepseek_v4", DeepseekV4Model, check_spec, dense_tensor_shapes, spec_from_hf,
-                          DeepseekV4Layout, None, "deepseek_v4_tools.jinja", "deepseek",
+                          DeepseekV4Layout, HyperDecodeGraphs, "deepseek_v4_tools.jinja", "deepseek",
                           fp32_tensors=FP32_TENSORS, expert_index_tensors=("tid2eid",)),
 }

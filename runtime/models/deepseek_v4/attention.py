@@ -59,40 +59,87 @@ def angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tenso
     return freqs.cos().float(), freqs.sin().float()
 
 
-def compress(c: CompressorState, kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor,
+def compress(c: CompressorState, start: int, kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor,
              norm_w: torch.Tensor, eps: float, inv_freq: torch.Tensor) -> None:
-    """The compressor takes the next tokens' source rows; every window they close becomes an entry,
-    rotated at its first position."""
-    rate, d = position_bias.shape[0], c.store.data.shape[1]
-    kv, gate = torch.cat([c.open_kv, kv]), torch.cat([c.open_gate, gate])
+    """The compressor takes the source rows of the tokens from position `start` on; every window
+    they close becomes an entry, rotated at its first position."""
+    rate, d = c.rate, c.store.data.shape[1]
+    kv, gate = torch.cat([c.open_kv[:start % rate], kv]), torch.cat([c.open_gate[:start % rate], gate])
     n = kv.shape[0] // rate
     if n:
         cos, sin = angles((torch.arange(n, device=kv.device) + c.store.count) * rate, inv_freq)
         closed_kv, closed_gate = kv[:n * rate], gate[:n * rate]
-        if kv.shape[1] == d:
+        if c.prior is None:
             new = compress_windows(closed_kv, closed_gate, position_bias, norm_w, eps, cos, sin)
         else:
             new = compress_overlapping_windows(closed_kv, closed_gate, position_bias, norm_w, eps, cos, sin, c.prior)
-            c.prior = (closed_kv[-rate:, :d].clone(), closed_gate[-rate:, :d] + position_bias[:, :d])
+            c.prior[0].copy_(closed_kv[-rate:, :d])
+            c.prior[1].copy_(closed_gate[-rate:, :d] + position_bias[:, :d])
         c.store.append(new.to(c.store.data.dtype))
-    # copies: views would keep the whole chunk's source rows alive
-    c.open_kv, c.open_gate = kv[n * rate:].clone(), gate[n * rate:].clone()
+    rest = kv.shape[0] - n * rate
+    c.open_kv[:rest], c.open_gate[:rest] = kv[n * rate:], gate[n * rate:]
+
+
+def compress_step(c: CompressorState, position: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
+                  position_bias: torch.Tensor, norm_w: torch.Tensor, eps: float, inv_freq: torch.Tensor) -> None:
+    """One token's source rows (kv, gate [1, width]) at `position` (int64 [1], on the device), with
+    shapes and addresses that do not depend on it: the rows go into their slot of the window, and
+    the window's entry is written at its index in the store, closed or not (an open window's
+    entry is seen by no query until its last token writes it again); where the token closes an
+    overlapping window, that window's first series becomes the prior."""
+    rate, d = c.rate, c.store.data.shape[1]
+    c.open_kv.index_copy_(0, position % rate, kv.to(c.open_kv.dtype))
+    c.open_gate.index_copy_(0, position % rate, gate.to(c.open_gate.dtype))
+    window = position // rate
+    cos, sin = angles(window * rate, inv_freq)
+    if c.prior is None:
+        entry = compress_windows(c.open_kv, c.open_gate, position_bias, norm_w, eps, cos, sin)
+    else:
+        entry = compress_overlapping_windows(c.open_kv, c.open_gate, position_bias, norm_w, eps, cos, sin, c.prior)
+        closes = (position + 1) % rate == 0
+        c.prior[0].copy_(torch.where(closes, c.open_kv[:, :d], c.prior[0]))
+        c.prior[1].copy_(torch.where(closes, c.open_gate[:, :d] + position_bias[:, :d], c.prior[1]))
+    c.store.data.index_copy_(0, window + c.store.fixed, entry.to(c.store.data.dtype))
 
 
 def attend(w: dict[str, torch.Tensor], h: torch.Tensor, positions: torch.Tensor, state: LayerState,
            shape: AttentionShape, inv_freq: torch.Tensor, compress_inv_freq: torch.Tensor) -> torch.Tensor:
     """The layer's attention output [T, hidden] for h [T, hidden] at `positions` (the state's next
     tokens), its weights in `w` by their names under `self_attn.`; the state moves on past them.
-    Compressed layers rotate their queries and raw rows at the compressed base, sliding ones at
-    the main one."""
+    One token goes through `attend_step`."""
+    if h.shape[0] == 1:
+        state.reserve(state.length + 1)
+        out = attend_step(w, h, positions, state, shape, inv_freq, compress_inv_freq)
+        state.stepped()
+        return out
     s = shape
-    rope = compress_inv_freq if s.rate else inv_freq
-    cos, sin = angles(positions, rope)
+    cos, sin = angles(positions, compress_inv_freq if s.rate else inv_freq)
     q, kv, q_residual = shared_kv_in(h, w["q_a_proj.weight"], w["q_a_norm.weight"], w["q_b_proj.weight"],
                                      w["kv_proj.weight"], w["kv_norm.weight"], cos, sin, s.eps, s.heads)
-    step = _step_rows if h.shape[0] == 1 else _chunk_rows
-    attn = step(w, h, q, kv, q_residual, positions, state, shape, compress_inv_freq)
+    attn = _chunk_rows(w, h, q, kv, q_residual, positions, state, shape, compress_inv_freq)
     state.length += h.shape[0]
+    return grouped_out(attn, cos, sin, w["o_a_proj.weight"], w["o_b_proj.weight"], s.o_groups)
+
+
+def attend_step(w: dict[str, torch.Tensor], h: torch.Tensor, position: torch.Tensor, state: LayerState,
+                shape: AttentionShape, inv_freq: torch.Tensor, compress_inv_freq: torch.Tensor) -> torch.Tensor:
+    """`attend` of one token h [1, hidden] at `position` (int64 [1] on the device: the state's
+    next token, whose room `state.reserve` made), as a CUDA graph can hold it: its raw row written
+    into the ring, every compressor stepped, then attention over the ring's rows of its window and
+    the compressed entries it sees (for CSA the indexer's choice), where they lie in the store.
+    Shapes follow the store's capacity, not the position; the caller counts the token
+    (`state.stepped`)."""
+    s = shape
+    cos, sin = angles(position, compress_inv_freq if s.rate else inv_freq)
+    q, kv, q_residual = shared_kv_in(h, w["q_a_proj.weight"], w["q_a_norm.weight"], w["q_b_proj.weight"],
+                                     w["kv_proj.weight"], w["kv_norm.weight"], cos, sin, s.eps, s.heads)
+    state.rows.data.index_copy_(0, position % state.window, kv.to(state.rows.data.dtype))
+    columns = torch.arange(state.window, device=h.device)
+    seen = columns <= position  # the ring's slots past the position are unwritten before it wraps
+    if s.rate:
+        picked, chosen = _step_entries(w, h, q_residual, position, state, shape, compress_inv_freq)
+        columns, seen = torch.cat([columns, picked + state.window]), torch.cat([seen, chosen])
+    attn = sink_attention_at(q, state.rows.data, columns, seen, w["sinks"], s.head_dim ** -0.5)
     return grouped_out(attn, cos, sin, w["o_a_proj.weight"], w["o_b_proj.weight"], s.o_groups)
 
 
@@ -120,56 +167,41 @@ def _chunk_rows(w: dict[str, torch.Tensor], h: torch.Tensor, q: torch.Tensor, kv
     return attn
 
 
-def _step_rows(w: dict[str, torch.Tensor], h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
-               q_residual: torch.Tensor, positions: torch.Tensor, state: LayerState, shape: AttentionShape,
-               inv_freq: torch.Tensor) -> torch.Tensor:
-    """One token: its row written into the ring, then attention over the ring's rows of its window
-    and the compressed entries it sees (for CSA the indexer's choice), where they lie in the store."""
-    t = state.length
-    state.rows.data[t % state.window] = kv[0]
-    columns = _window_slots(state, t - shape.window + 1, t + 1)
-    seen = torch.ones_like(columns, dtype=torch.bool)
-    if shape.rate:
-        picked, chosen = _compressed_columns(w, h, q_residual, positions, state, shape, inv_freq)
-        columns, seen = torch.cat([columns, picked + state.window]), torch.cat([seen, chosen])
-    return sink_attention_at(q, state.rows.data, columns, seen, w["sinks"], shape.head_dim ** -0.5)
-
-
 def _compressed(w: dict[str, torch.Tensor], h: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
                 state: LayerState, shape: AttentionShape, inv_freq: torch.Tensor) -> torch.Tensor:
-    """The compressed entries' state advanced past h's tokens, and which entries each token sees
-    (bool [T, entries]): the causally closed ones, or for CSA the indexer's top_k of those."""
-    scores = _advance(w, h, q_residual, positions, state, shape, inv_freq)
+    """The compressed entries' state advanced past a chunk's tokens, and which entries each token
+    sees (bool [T, entries]): the causally closed ones, or for CSA the indexer's top_k of those."""
+    p, i, start = "compressor.", "compressor.indexer.", state.length
+    compress(state.compressor, start, F.linear(h, w[p + "kv_proj.weight"]), F.linear(h, w[p + "gate_proj.weight"]),
+             w[p + "position_bias"], w[p + "kv_norm.weight"], shape.eps, inv_freq)
     n = state.compressor.store.count
-    if scores is None:
+    if not shape.sparse:
         return visible_entries(positions, n, shape.rate)
+    compress(state.indexer, start, F.linear(h, w[i + "kv_proj.weight"]), F.linear(h, w[i + "gate_proj.weight"]),
+             w[i + "position_bias"], w[i + "kv_norm.weight"], shape.eps, inv_freq)
+    cos, sin = angles(positions, inv_freq)
+    scores = compressed_index_scores(h, q_residual, w[i + "q_b_proj.weight"], w[i + "scorer.weights_proj.weight"],
+                                     state.indexer.entries, cos, sin)
     return select_entries(scores, positions, shape.rate, shape.top_k)
 
 
-def _compressed_columns(w: dict[str, torch.Tensor], h: torch.Tensor, q_residual: torch.Tensor,
-                        positions: torch.Tensor, state: LayerState, shape: AttentionShape,
-                        inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_compressed` for one token as the entries' columns and whether each is seen."""
-    scores = _advance(w, h, q_residual, positions, state, shape, inv_freq)
-    n = state.compressor.store.count
-    visible = visible_entries(positions, n, shape.rate)
-    if scores is None:
-        return torch.arange(n, device=h.device), visible[0]
-    columns, chosen = top_k_indices(scores, visible, shape.top_k)
-    return columns[0], chosen[0]
-
-
-def _advance(w: dict[str, torch.Tensor], h: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-             state: LayerState, shape: AttentionShape, inv_freq: torch.Tensor) -> torch.Tensor | None:
-    """The compressors past h's tokens; for CSA the indexer's scores [T, entries] (None for HCA)."""
-    p = "compressor."
-    compress(state.compressor, F.linear(h, w[p + "kv_proj.weight"]), F.linear(h, w[p + "gate_proj.weight"]),
-             w[p + "position_bias"], w[p + "kv_norm.weight"], shape.eps, inv_freq)
+def _step_entries(w: dict[str, torch.Tensor], h: torch.Tensor, q_residual: torch.Tensor, position: torch.Tensor,
+                  state: LayerState, shape: AttentionShape,
+                  inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressors stepped past one token, and the entries it sees as (columns of the entries,
+    seen): every closed one over the store's capacity, or for CSA the indexer's top_k of those."""
+    p, i = "compressor.", "compressor.indexer."
+    compress_step(state.compressor, position, F.linear(h, w[p + "kv_proj.weight"]),
+                  F.linear(h, w[p + "gate_proj.weight"]), w[p + "position_bias"], w[p + "kv_norm.weight"],
+                  shape.eps, inv_freq)
     if not shape.sparse:
-        return None
-    i = p + "indexer."
-    compress(state.indexer, F.linear(h, w[i + "kv_proj.weight"]), F.linear(h, w[i + "gate_proj.weight"]),
-             w[i + "position_bias"], w[i + "kv_norm.weight"], shape.eps, inv_freq)
-    cos, sin = angles(positions, inv_freq)
-    return compressed_index_scores(h, q_residual, w[i + "q_b_proj.weight"], w[i + "scorer.weights_proj.weight"],
-                                   state.indexer.entries, cos, sin)
+        columns = torch.arange(state.compressor.store.capacity, device=h.device)
+        return columns, visible_entries(position, columns.numel(), shape.rate)[0]
+    compress_step(state.indexer, position, F.linear(h, w[i + "kv_proj.weight"]), F.linear(h, w[i + "gate_proj.weight"]),
+                  w[i + "position_bias"], w[i + "kv_norm.weight"], shape.eps, inv_freq)
+    cos, sin = angles(position, inv_freq)
+    keys = state.indexer.store.data[:state.compressor.store.capacity]  # both stores grow alike; never beyond
+    scores = compressed_index_scores(h, q_residual, w[i + "q_b_proj.weight"], w[i + "scorer.weights_proj.weight"],
+                                     keys, cos, sin)
+    columns, chosen = top_k_indices(scores, visible_entries(position, keys.shape[0], shape.rate), shape.top_k)
+    return columns[0], chosen[0]

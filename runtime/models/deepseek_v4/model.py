@@ -51,7 +51,8 @@ class DeepseekV4Model:
             else yarn_inv_freq(c.compress_theta, c.rope_dim, y.factor, y.original_max_position, y.beta_fast,
                                y.beta_slow, attention_factor=1.0)[0]).to(self.device)
         self.hash_layers = set(spec.moe.hash_layers)
-        self.decode_graphs = None  # eager on every device
+        self.moe_index = {layer: layer for layer in range(spec.num_layers)}  # every layer has experts
+        self.decode_graphs = None  # HyperDecodeGraphs, set by the engine on a GPU
         self.hc_weights = self._compiled_hc_weights() if self.device.type == "cuda" and settings().torch_compile \
             else hc_weights
 
@@ -88,6 +89,8 @@ class DeepseekV4Model:
         `cache.checkpoints` (the chunk runs in parts cut there). `between_layers` is called after
         each layer and may raise to abandon the pass (the state is then part-way: the sequence
         must end)."""
+        if self.decode_graphs is not None and ids.numel() == 1 and not checkpoint_at:
+            return self.decode_graphs.step(ids, cache)
         ends = [a + 1 for a in checkpoint_at if a + 1 < ids.numel()] + [ids.numel()]
         outs, begin = [], 0
         for end in ends:
@@ -102,9 +105,14 @@ class DeepseekV4Model:
     def decode_batch(self, tokens: list[int], caches: list[CompressedCache]) -> torch.Tensor:
         """One new token for each of several sequences, each after its own tokens: logits [B, vocab]
         fp32. Hyper-connections, router, experts and head run once over the batch; attention runs
-        per sequence on its own state."""
+        per sequence on its own state. On a GPU whose experts run a step on the device, the whole
+        step is one CUDA graph (`step_batch`)."""
         if len(tokens) != len(caches) or not tokens:
             raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
+        if self.decode_graphs is not None and self.decode_graphs.batch_ready(len(tokens)):
+            return self.decode_graphs.step_batch(tokens, caches)
+        if len(tokens) == 1:
+            return self.forward(torch.tensor(tokens), caches[0])
         return self._pass(torch.tensor(tokens), [(c, slice(j, j + 1)) for j, c in enumerate(caches)], None,
                           prompt=False)
 
@@ -129,7 +137,7 @@ class DeepseekV4Model:
                 between_layers()
         for cache, rows in runs:
             cache.length += rows.stop - rows.start
-        return self._head(streams)
+        return self.head(streams)
 
     def _attention(self, i: int, h: torch.Tensor, runs: list[Run], positions: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([attend(self.attention_w[i], h[rows], at, cache.layers[i], self.shapes[i], self.inv_freq,
@@ -157,7 +165,11 @@ class DeepseekV4Model:
                            limit=m.swiglu_limit)
         return routed.to(h.dtype) + shared
 
-    def _head(self, streams: torch.Tensor) -> torch.Tensor:
+    def is_moe(self, i: int) -> bool:
+        return True
+
+    def head(self, streams: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] fp32 of the streams [T, streams, hidden]."""
         h = self.spec.hyper_connections
         x = hyper_head(streams, self.w["model.hc_head.hc_fn"], self.w["model.hc_head.hc_base"],
                        self.w["model.hc_head.hc_scale"], self.spec.norm.eps, h.eps)

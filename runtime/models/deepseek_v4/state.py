@@ -3,8 +3,12 @@ entries. A layer's `RowStore` holds a ring of its last `sliding_window` raw key/
 of position p in slot p % window) and after it the entries its compressor has closed so far, so
 that a decode step reads every row it attends to from one tensor, in place. A compressor (the
 layer's own, and for CSA its indexer's, whose entries have a store of their own) keeps the source
-rows of the window still open and, for overlapping windows, the first series of the last closed
-one. A prefix checkpoint copies the rows in use and the small parts."""
+rows of its open window (position p's in slot p % rate) and, for overlapping windows, the first
+series of the last closed one. Every part but the entries has a fixed size and never moves, and
+the entries' storage moves only when it grows (`RowStore.moves`), so that a CUDA graph of a decode
+step holds its addresses with the position as data. A prefix checkpoint copies the rows in use
+and the fixed parts.
+"""
 
 from __future__ import annotations
 
@@ -17,28 +21,36 @@ INITIAL_ENTRIES = 64  # entries a store holds before its first doubling
 
 class RowStore:
     """Rows [fixed + capacity, d]: `fixed` rows first (a ring of raw rows; none for an indexer),
-    then `count` entries, appended; the storage doubles when they outgrow it."""
+    then `count` entries, appended; the entries' capacity doubles when they outgrow it."""
 
     def __init__(self, data: torch.Tensor, fixed: int, count: int = 0):
         self.data, self.fixed, self.count = data, fixed, count
+        self.moves = 0  # times the storage moved (grew)
 
     @classmethod
     def empty(cls, fixed: int, d: int, dtype: torch.dtype, device: torch.device | str) -> RowStore:
         return cls(torch.zeros(fixed + INITIAL_ENTRIES, d, dtype=dtype, device=device), fixed)
 
     @property
+    def capacity(self) -> int:
+        """Entries the storage holds without growing."""
+        return self.data.shape[0] - self.fixed
+
+    @property
     def entries(self) -> torch.Tensor:
         return self.data[self.fixed:self.fixed + self.count]
 
-    def _room(self, rows: int) -> None:
-        if rows > self.data.shape[0]:
-            grown = self.data.new_zeros(max(rows, 2 * self.data.shape[0]), self.data.shape[1])
+    def reserve(self, entries: int) -> None:
+        """Room for `entries` entries: the capacity doubled (or more) when it falls short."""
+        if entries > self.capacity:
+            grown = self.data.new_zeros(self.fixed + max(entries, 2 * self.capacity), self.data.shape[1])
             grown[:self.fixed + self.count] = self.data[:self.fixed + self.count]
             self.data = grown
+            self.moves += 1
 
     def append(self, rows: torch.Tensor) -> None:
         end = self.fixed + self.count + rows.shape[0]
-        self._room(end)
+        self.reserve(self.count + rows.shape[0])
         self.data[end - rows.shape[0]:end] = rows
         self.count += rows.shape[0]
 
@@ -51,7 +63,7 @@ class RowStore:
 
     def assign(self, other: RowStore) -> None:
         """Takes `other`'s rows into this storage (grown if they do not fit)."""
-        self._room(other.fixed + other.count)
+        self.reserve(other.count)
         self.count = other.count
         self.data[:self.fixed + self.count] = other.used().to(self.data.device)
 
@@ -59,8 +71,10 @@ class RowStore:
 @dataclass
 class CompressorState:
     """A compressor's entries (in `store`, after its fixed rows), the source rows (kv, gate) of its
-    open window, and for overlapping windows the last closed window's first series with its biased
-    gate."""
+    window, position p's in row p % rate (the rows past the open window's last token are the
+    previous window's, never read), and for overlapping windows `prior`: the last closed window's
+    first series and its biased gate (fp32), before the first window zeros with gates of -inf
+    (no weight)."""
 
     store: RowStore
     open_kv: torch.Tensor
@@ -68,21 +82,32 @@ class CompressorState:
     prior: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def empty(cls, store: RowStore, width: int) -> CompressorState:
-        data = store.data
-        return cls(store, data.new_zeros(0, width), data.new_zeros(0, width))
+    def empty(cls, store: RowStore, rate: int, overlap: bool) -> CompressorState:
+        data, d = store.data, store.data.shape[1]
+        width = 2 * d if overlap else d
+        prior = (data.new_zeros(rate, d), torch.full((rate, d), float("-inf"), device=data.device)) if overlap else None
+        return cls(store, data.new_zeros(rate, width), data.new_zeros(rate, width), prior)
+
+    @property
+    def rate(self) -> int:
+        return self.open_kv.shape[0]
 
     @property
     def entries(self) -> torch.Tensor:
         return self.store.entries
 
-    def small(self) -> list[torch.Tensor]:
+    def fixed_parts(self) -> list[torch.Tensor]:
         return [self.open_kv, self.open_gate, *(self.prior or ())]
 
     def moved(self, move, store: RowStore) -> CompressorState:
-        """A copy on `store` (the moved store), its small parts `move`d."""
+        """A copy on `store` (the moved store), its fixed parts `move`d."""
         return CompressorState(store, move(self.open_kv), move(self.open_gate),
                                None if self.prior is None else (move(self.prior[0]), move(self.prior[1])))
+
+    def assign(self, other: CompressorState) -> None:
+        """Takes `other`'s fixed parts into this one's tensors (its store is assigned apart)."""
+        for mine, theirs in zip(self.fixed_parts(), other.fixed_parts(), strict=True):
+            mine.copy_(theirs)
 
 
 @dataclass
@@ -102,15 +127,35 @@ class LayerState:
         """The state before the first token; a CSA compressor's source rows hold two series each."""
         state = cls(RowStore.empty(window, d, dtype, device))
         if rate:
-            state.compressor = CompressorState.empty(state.rows, 2 * d if sparse else d)
+            state.compressor = CompressorState.empty(state.rows, rate, sparse)
         if sparse:
-            state.indexer = CompressorState.empty(RowStore.empty(0, index_head_dim, dtype, device),
-                                                  2 * index_head_dim)
+            state.indexer = CompressorState.empty(RowStore.empty(0, index_head_dim, dtype, device), rate, True)
         return state
 
     @property
     def window(self) -> int:
         return self.rows.fixed
+
+    @property
+    def compressors(self) -> list[CompressorState]:
+        return [c for c in (self.compressor, self.indexer) if c is not None]
+
+    @property
+    def moves(self) -> int:
+        """Times the layer's storage moved: a graph that holds its addresses is stale after one."""
+        return self.rows.moves + (self.indexer.store.moves if self.indexer is not None else 0)
+
+    def reserve(self, tokens: int) -> None:
+        """Room for a decode step at token `tokens - 1`, which writes the entry of the window that
+        token is in (closed or still open) in place."""
+        for c in self.compressors:
+            c.store.reserve((tokens - 1) // c.rate + 1)
+
+    def stepped(self) -> None:
+        """Counts a decode step's token, whose rows a `step` wrote (position as data)."""
+        self.length += 1
+        for c in self.compressors:
+            c.store.count = self.length // c.rate
 
     def _moved(self, move) -> LayerState:
         rows, c, i = self.rows.moved(move), self.compressor, self.indexer
@@ -126,17 +171,15 @@ class LayerState:
     def assign(self, other: LayerState) -> None:
         """Takes `other`'s state into this one's storage (copied onto its device)."""
         self.rows.assign(other.rows)
-        for mine, theirs in ((self.compressor, other.compressor), (self.indexer, other.indexer)):
-            if mine is not None:
-                if mine.store is not self.rows:
-                    mine.store.assign(theirs.store)
-                moved = theirs.moved(lambda t: t.to(self.rows.data.device, copy=True), mine.store)
-                mine.open_kv, mine.open_gate, mine.prior = moved.open_kv, moved.open_gate, moved.prior
+        if self.indexer is not None:
+            self.indexer.store.assign(other.indexer.store)
+        for mine, theirs in zip(self.compressors, other.compressors, strict=True):
+            mine.assign(theirs)
         self.length = other.length
 
     @property
     def nbytes(self) -> int:
-        parts = [self.rows.used(), *(t for c in (self.compressor, self.indexer) if c is not None for t in c.small())]
+        parts = [self.rows.used(), *(t for c in self.compressors for t in c.fixed_parts())]
         if self.indexer is not None:
             parts.append(self.indexer.store.used())
         return sum(t.numel() * t.element_size() for t in parts)

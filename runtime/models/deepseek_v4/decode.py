@@ -1,0 +1,106 @@
+"""DeepSeek-V4's layer in a decode graph (`ftc_runtime.decode.graphs`): the residual is the
+hyper-connections' streams ([n, streams, hidden] in the step's `x`); each block (attention, MoE)
+collapses them into its input and spreads its output back. Attention is `attention.attend_step`
+on each sequence's state, with the step's position as data: the raw row into the window's ring,
+the compressors' open windows and entries written in place, the indexer's top_k over the store's
+capacity with the entries not yet closed masked off. The MoE block stages its routed experts
+(chosen by token id in the hash layers, the step's token being data too) beside the shared
+expert; its output joins the streams at the next layer's start, with the mixing its collapse
+computed. Shapes follow the stores' capacities, so a graph stays valid until a store grows (the
+sequence's `generation`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ftc_runtime.cache.sequence import SequenceCache
+from ftc_runtime.decode.graphs import EAGER_FUNCTIONS, DecodeGraphs
+from ftc_runtime.models.deepseek_v4.attention import attend_step
+from ftc_runtime.models.layers.hyper_connections import hc_collapse, hc_expand, hc_weights
+from ftc_runtime.models.layers.mlp import dense_mlp
+from ftc_runtime.models.layers.norm import rms_norm_fp32_weight
+from ftc_runtime.models.layers.softplus_router import route_biased, route_hashed
+
+
+def block_in(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+             norm_w: torch.Tensor, eps: float, hc_eps: float, sinkhorn_iters: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's normalized input [n, hidden] from the streams, and the (post, comb) that spread
+    its output back (`hc_expand`)."""
+    pre, post, comb = hc_weights(streams, fn, base, scale, eps, hc_eps, sinkhorn_iters)
+    return rms_norm_fp32_weight(hc_collapse(streams, pre), norm_w, eps), post, comb
+
+
+class HyperDecodeGraphs(DecodeGraphs):
+    """DeepSeek-V4's layers. The MoE block's (post, comb) of layer i are kept for the join at
+    layer i + 1 (or the head), in tensors that live as long as the graphs that read them."""
+
+    eager_functions = (*EAGER_FUNCTIONS, "route_biased", "route_hashed")
+
+    def __init__(self, model, compile_fns: bool, fused_body: bool = True):
+        self.streams = model.spec.hyper_connections.streams
+        self._mix: tuple[torch.Tensor, torch.Tensor] | None = None  # the last MoE block's (post, comb)
+        super().__init__(model, compile_fns, fused_body)
+
+    def functions(self) -> dict[str, Callable]:
+        return {f.__name__: f for f in (block_in, hc_expand, dense_mlp, route_biased, route_hashed)}
+
+    def _warm_up(self) -> None:
+        m, f, io = self.model, self.fns, self.io
+        h, post, comb = self._block_in(0, "attn_hc.", "input_layernorm.weight", f)
+        f["hc_expand"](io.x, h, post, comb)
+        f["dense_mlp"](h, *self._shared_weights(0), limit=m.spec.moe.swiglu_limit)
+
+    def _block_in(self, i: int, hc: str, norm: str, f: dict[str, Callable]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        m, h, p = self.model, self.model.spec.hyper_connections, f"model.layers.{i}."
+        return f["block_in"](self.io.x, m.w[p + hc + "fn"], m.w[p + hc + "base"], m.w[p + hc + "scale"],
+                             m.w[p + norm], m.spec.norm.eps, h.eps, h.sinkhorn_iters)
+
+    def _shared_weights(self, i: int) -> tuple[torch.Tensor, ...]:
+        p = f"model.layers.{i}.mlp.shared_experts."
+        return tuple(self.model.w[p + n + "_proj.weight"] for n in ("gate", "up", "down"))
+
+    def _prologue(self, tokens: torch.Tensor) -> None:
+        m = self.model
+        self.io.x.copy_(m.w["model.embed_tokens.weight"][tokens][:, None, :].expand_as(self.io.x))
+
+    def _layer(self, i: int, caches: list[SequenceCache]) -> None:
+        m, f, io = self.model, self.f, self.io
+        self._join_previous(i)
+        h, post, comb = self._block_in(i, "attn_hc.", "input_layernorm.weight", f)
+        out = self.per_sequence(lambda r, cache: attend_step(
+            m.attention_w[i], h[r:r + 1], io.position[r:r + 1], cache.layers[i], m.shapes[i], m.inv_freq,
+            m.compress_inv_freq), caches)
+        io.x.copy_(f["hc_expand"](io.x, out, post, comb))
+        h, post, comb = self._block_in(i, "ffn_hc.", "post_attention_layernorm.weight", f)
+        self._mix = post, comb
+        moe, p = m.spec.moe, f"model.layers.{i}.mlp."
+        if i in m.hash_layers:
+            ids, weights = f["route_hashed"](h, io.token, m.w[p + "gate.weight"], m.w[p + "gate.tid2eid"],
+                                             moe.routed_scaling_factor)
+        else:
+            ids, weights = f["route_biased"](h, m.w[p + "gate.weight"], m.w[p + "gate.e_score_correction_bias"],
+                                             moe.top_k, moe.routed_scaling_factor)
+        m.experts.stage(h.float(), ids, weights)
+        io.shared.copy_(f["dense_mlp"](h, *self._shared_weights(i), limit=moe.swiglu_limit))
+
+    def _join_previous(self, i: int) -> None:
+        """The streams after layer i - 1's MoE block: its routed experts' output (the device's part
+        and the CPU's) and the shared expert's, spread back by the block's (post, comb)."""
+        if i == 0:
+            return
+        m, io = self.model, self.io
+        on_device, on_host = m.experts.token_outputs(io.width)
+        if on_host is not None:  # the host path: the CPU's part copied in
+            io.cpu_part.copy_(on_host, non_blocking=True)
+            on_device = on_device + io.cpu_part
+        io.mlp.copy_(on_device)
+        io.x.copy_(self.f["hc_expand"](io.x, io.mlp + io.shared, *self._mix))
+
+    def _head(self) -> None:
+        self._join_previous(self.model.spec.num_layers)
+        self.io.logits.copy_(self.model.head(self.io.x))
