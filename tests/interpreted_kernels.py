@@ -1,6 +1,7 @@
 """Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1 (Triton reads
 it when the kernels are defined): the decode plan's, the fills', the step counters', decode
-attention's (GLM's sparse latent attention and DeepSeek-V4's with sinks too), the router's and the
+attention's (GLM's sparse latent attention and DeepSeek-V4's with sinks too), DeepSeek-V4's
+hyper-connection weights, the router's and the
 engines' decode expert Triton kernels, interpreted on the CPU,
 against the torch plan (`plan_layer`), a plain copy, sums of `MissPlanner.bound_s`, softmax
 attention over the tokens, torch's softmax top-k and float64 experts, on random routings, batch
@@ -39,6 +40,8 @@ from ftc_runtime.models.layers.fp8_linear import BlockFp8
 from ftc_runtime.models.layers.gated_attention import gated_attention_out
 from ftc_runtime.models.layers.gated_deltanet import DeltaNetShape, delta_rule, finish, project
 from ftc_runtime.models.layers.gemv_kernel import linear_gpu
+from ftc_runtime.models.layers.hc_mix_kernel import hc_mix_gpu
+from ftc_runtime.models.layers.hyper_connections import hc_mix
 from ftc_runtime.models.layers.mla import MlaShape, _sparse_attention_gpu, mla_attention
 from ftc_runtime.models.layers.mlp import shared_expert
 from ftc_runtime.models.layers.norm import rms_norm
@@ -261,6 +264,21 @@ def check_sink_attention(rng: random.Random, g: torch.Generator) -> None:
         assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4), what
 
 
+def check_hc_mix(rng: random.Random, g: torch.Generator) -> None:
+    """DeepSeek-V4's hyper-connection weights (sigmoids, row softmax and Sinkhorn steps in one
+    program per token) against the torch op in float64: stream counts that fill a power of two
+    and that leave padding, one Sinkhorn step or many, mixes mild and large."""
+    for trial in range(4):
+        hc, tokens, iters = rng.choice([2, 3, 4, 5]), rng.randrange(1, 9), rng.choice([1, 3, 20])
+        mixes = torch.randn(tokens, (2 + hc) * hc, generator=g) * rng.choice([0.5, 8.0])
+        base, scale = torch.randn((2 + hc) * hc, generator=g), torch.rand(3, generator=g) * 2
+        want = hc_mix(mixes.double(), base.double(), scale.double(), 1e-6, iters)
+        got = hc_mix_gpu(mixes, base, scale, 1e-6, iters)
+        for name, a, b in zip(("pre", "post", "comb"), got, want, strict=True):
+            what = f"hc_mix, trial {trial}: {hc} streams, {tokens} tokens, {iters} steps: {name}"
+            assert a.shape == b.shape and torch.allclose(a.double(), b, rtol=1e-5, atol=1e-6), what
+
+
 def check_qk_rope(rng: random.Random, g: torch.Generator) -> None:
     for trial in range(6):
         n_kv, group, d = rng.choice([1, 2, 4]), rng.choice([1, 3, 8]), rng.choice([16, 24, 64, 128])
@@ -428,6 +446,7 @@ def main() -> None:
     check_qk_rope(rng, g)
     check_sparse_latent_attention(rng, g)
     check_sink_attention(rng, g)
+    check_hc_mix(rng, g)
     check_deltanet_step(rng, g)
     check_replay(rng, g)
     print("ok")

@@ -20,19 +20,46 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
                hc_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, hc, hidden] → (pre [T, hc], post [T, hc], comb [T, hc, hc]), fp32; `fn`
     [(2 + hc) · hc, hc · hidden], `base` [(2 + hc) · hc] and `scale` [3] are the block's."""
-    hc = streams.shape[1]
     mixes = F.linear(unweighted_rms_norm(streams.flatten(1).float(), eps), fn.float())
+    return hc_mix(mixes, base.float(), scale.float(), hc_eps, sinkhorn_iters)
+
+
+# An op of its own, opaque to torch.compile: on a GPU one Triton kernel (`hc_mix_kernel`) where
+# torch would launch a reduction for every half-step of Sinkhorn.
+@torch.library.custom_op("ftc::hc_mix", mutates_args=())
+def hc_mix(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+           sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block's mixing weights from its linear map of the streams, mixes [T, (2 + hc) · hc]
+    fp32: pre and post by their sigmoids, comb by a row softmax made doubly stochastic by Sinkhorn
+    steps (columns first, then rows and columns)."""
+    hc = round((mixes.shape[1] + 1) ** 0.5) - 1  # width = hc² + 2 · hc
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-    pre_s, post_s, comb_s = scale.float().unbind(0)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre_s, post_s, comb_s = scale.unbind(0)
     pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * post_s + post_b)
     comb = torch.softmax(comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)  # Sinkhorn: columns first, then rows and columns
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     return pre, post, comb
+
+
+@hc_mix.register_kernel("cuda")
+def _hc_mix_cuda(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+                 sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ftc_runtime.models.layers.hc_mix_kernel import hc_mix_gpu
+
+    return hc_mix_gpu(mixes, base, scale, hc_eps, sinkhorn_iters)
+
+
+@hc_mix.register_fake
+def _hc_mix_shape(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+                  sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hc = round((mixes.shape[1] + 1) ** 0.5) - 1
+    return mixes.new_empty(mixes.shape[0], hc), mixes.new_empty(mixes.shape[0], hc), \
+        mixes.new_empty(mixes.shape[0], hc, hc)
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
