@@ -61,6 +61,40 @@ def test_the_multi_token_prediction_tensors_are_named_and_not_read(tmp_path, see
     assert rel(Engine.load(engine_dir).logits(ids), reference_logits(model, ids)) < 1e-4
 
 
+def test_the_release_keeps_its_fp8_projections_and_matches_transformers(tmp_path, seed):
+    """The release's FP8 projections (the attention's own and the shared expert's) stay in the
+    engine as stored: the same e4m3 codes, their e8m0 scales as the fp32 powers of two; the
+    compressors' and indexer's linears stay 16-bit. The logits of a prompt (whole), of one-token
+    steps and of a batch of two (the output projection's groups through the whole FP8 weight)
+    equal transformers' on the dequantized weights, as the bf16 engine's do."""
+    model = build_deepseek_v4(seed, intermediate=64)
+    ckpt = save_deepseek_v4_checkpoint(model, tmp_path / "ckpt", "released")
+    assert load_spec(ckpt)[0].dense_format == "fp8"
+    engine_dir = compile_engine(CompileOptions(source=ckpt, target="cpu", output=tmp_path / "engine"))
+    dense, stored = load_file(engine_dir / "dense.safetensors"), load_file(ckpt / "model.safetensors")
+    layer = "model.layers.2."
+    for released, name in (("layers.2.attn.wo_a.weight", "self_attn.o_a_proj.weight"),
+                           ("layers.2.ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight")):
+        assert dense[layer + name].dtype == torch.float8_e4m3fn
+        assert torch.equal(dense[layer + name].view(torch.uint8), stored[released].view(torch.uint8)), name
+        scale = dense[layer + name.removesuffix(".weight") + ".weight_scale_inv"]
+        exponents = stored[released.removesuffix("weight") + "scale"].view(torch.uint8).float() - 127
+        assert torch.equal(scale, torch.ldexp(torch.ones(1), exponents)), name
+    assert dense[layer + "self_attn.compressor.kv_proj.weight"].dtype == torch.bfloat16
+    rng = random.Random(seed)
+    ids = [rng.randrange(VOCAB) for _ in range(rng.randrange(20, 50))]
+    want = reference_logits(model, ids)
+    engine = Engine.load(engine_dir)
+    assert rel(engine.logits(ids), want) < 1e-4, f"ids={ids}"
+    caches = [engine.model.new_cache() for _ in range(2)]
+    for cache in caches:
+        engine.prefill(torch.tensor(ids[:-3]), cache)
+    steps = torch.cat([engine.model.forward(torch.tensor([t]), caches[0]) for t in ids[-3:-1]])
+    assert rel(steps, want[-3:-1]) < 1e-4, f"ids={ids}"
+    batch = engine.model.decode_batch([ids[-3], ids[-1]], [caches[1], caches[0]])
+    assert rel(batch, torch.stack([want[-3], want[-1]])) < 1e-4, f"ids={ids}"
+
+
 def test_a_table_of_experts_outside_the_layer_is_refused(tmp_path, seed):
     model = build_deepseek_v4(seed)
     ckpt = save_deepseek_v4_checkpoint(model, tmp_path / "ckpt", "fused")

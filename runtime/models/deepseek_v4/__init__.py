@@ -8,7 +8,13 @@ either way."""
 
 from ftc_runtime.models.base import Family
 from ftc_runtime.models.deepseek_v4.decode import HyperDecodeGraphs
-from ftc_runtime.models.deepseek_v4.loader import DeepseekV4Layout, check_spec, dense_tensor_shapes, spec_from_hf
+from ftc_runtime.models.deepseek_v4.loader import (
+    FP8_LINEARS,
+    DeepseekV4Layout,
+    check_spec,
+    dense_tensor_shapes,
+    spec_from_hf,
+)
 from ftc_runtime.models.deepseek_v4.model import DeepseekV4Model
 
 # The tensors DeepSeek's checkpoints keep in fp32: the hyper-connections' maps (per block, and the
@@ -24,6 +30,6 @@ DECODE_FIXED_MS = 0.66
 FAMILIES = {
     "deepseek_v4": Family("deepseek_v4", DeepseekV4Model, check_spec, dense_tensor_shapes, spec_from_hf,
                           DeepseekV4Layout, HyperDecodeGraphs, "deepseek_v4_tools.jinja", "deepseek",
-                          decode_fixed_ms=DECODE_FIXED_MS, fp32_tensors=FP32_TENSORS,
+                          fp8_linears=FP8_LINEARS, decode_fixed_ms=DECODE_FIXED_MS, fp32_tensors=FP32_TENSORS,
                           expert_index_tensors=("tid2eid",)),
 }

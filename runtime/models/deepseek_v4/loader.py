@@ -33,6 +33,10 @@ RELEASED_RENAMES = tuple((re.compile(a), b) for a, b in (
     (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias", ".gate.e_score_correction_bias"),
     (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
     (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."), (r"\.shared_experts\.w3\.", ".shared_experts.up_proj.")))
+# The linears the release stores as block-scaled FP8 (the attention's own, not its compressors'
+# or indexer's, and the shared expert's): an engine whose dense_format is fp8 keeps them so.
+FP8_LINEARS = tuple(f"self_attn.{n}_proj.weight" for n in ("q_a", "q_b", "kv", "o_a", "o_b")) + tuple(
+    f"shared_experts.{n}_proj.weight" for n in ("gate", "up", "down"))
 DEFAULT_HASH_LAYERS = 3
 DEFAULT_ROTARY = 64 / 512
 

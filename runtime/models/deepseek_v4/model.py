@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ftc_runtime.experts.base import ExpertBackend
 from ftc_runtime.models.deepseek_v4.attention import attend, layer_shapes, new_state
 from ftc_runtime.models.deepseek_v4.cache import CompressedCache
+from ftc_runtime.models.layers.fp8_linear import BlockFp8
 from ftc_runtime.models.layers.hyper_connections import hc_collapse, hc_expand, hc_weights, hyper_head
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm_fp32_weight
@@ -73,8 +74,11 @@ class DeepseekV4Model:
             return hc_weights
         return compiled
 
-    def _placed(self, w: torch.Tensor) -> torch.Tensor:
-        """On the model's device; 16-bit weights in the activations' dtype, the rest as stored."""
+    def _placed(self, w: torch.Tensor | BlockFp8) -> torch.Tensor | BlockFp8:
+        """On the model's device; FP8 blocks and 32- and 64-bit tensors as stored, 16-bit weights in
+        the activations' dtype."""
+        if isinstance(w, BlockFp8):
+            return w.to(self.device)
         return w.to(self.device, self.dtype if w.dtype in (torch.bfloat16, torch.float16) else w.dtype)
 
     def new_cache(self) -> CompressedCache:

@@ -11,23 +11,23 @@ query sees.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ftc_runtime.models.layers.fp8_linear import GEMV_ROWS, BlockFp8, Weight, linear
 from ftc_runtime.models.layers.hyper_connections import unweighted_rms_norm
 from ftc_runtime.models.layers.norm import rms_norm_fp32_weight
 from ftc_runtime.models.layers.window_compressor import rotate_interleaved_tail
 
 
-def shared_kv_in(h: torch.Tensor, q_a_w: torch.Tensor, q_a_norm_w: torch.Tensor, q_b_w: torch.Tensor,
-                 kv_w: torch.Tensor, kv_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+def shared_kv_in(h: torch.Tensor, q_a_w: Weight, q_a_norm_w: torch.Tensor, q_b_w: Weight,
+                 kv_w: Weight, kv_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                  heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [T, hidden] → q [T, heads, d], the key/value row [T, d] (both rotated at the tokens'
     positions: cos, sin [T, r]) and the query's low-rank residual [T, q_lora] (the indexer's input)."""
     t = h.shape[0]
-    q_residual = rms_norm_fp32_weight(F.linear(h, q_a_w), q_a_norm_w, eps)
-    q = unweighted_rms_norm(F.linear(q_residual, q_b_w).view(t, heads, -1), eps)
+    q_residual = rms_norm_fp32_weight(linear(h, q_a_w), q_a_norm_w, eps)
+    q = unweighted_rms_norm(linear(q_residual, q_b_w).view(t, heads, -1), eps)
     q = rotate_interleaved_tail(q, cos[:, None], sin[:, None])
-    kv = rotate_interleaved_tail(rms_norm_fp32_weight(F.linear(h, kv_w), kv_norm_w, eps), cos, sin)
+    kv = rotate_interleaved_tail(rms_norm_fp32_weight(linear(h, kv_w), kv_norm_w, eps), cos, sin)
     return q, kv, q_residual
 
 
@@ -57,11 +57,18 @@ def sink_attention_at(q: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor
     return sink_attention(q, rows[columns], seen[None], sinks, scale)
 
 
-def grouped_out(attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, o_a_w: torch.Tensor,
-                o_b_w: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_out(attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, o_a_w: Weight, o_b_w: Weight,
+                groups: int) -> torch.Tensor:
     """attn [T, heads, d] → [T, hidden]: the rotary slice turned back at the query's position,
-    each group of heads projected by its block of `o_a` [groups · rank, heads · d / groups], then `o_b`."""
+    each group of heads projected by its block of `o_a` [groups · rank, heads · d / groups], then
+    `o_b`. An FP8 `o_a` takes a decode step's groups as rows through the whole weight (one read
+    of its codes, each group's own block of the product kept); a prompt's rows use it dequantized."""
     t = attn.shape[0]
     attn = rotate_interleaved_tail(attn, cos[:, None], -sin[:, None]).reshape(t, groups, -1)
-    w = o_a_w.view(groups, -1, attn.shape[-1])
-    return F.linear(torch.einsum("tgi,gri->tgr", attn, w).reshape(t, -1), o_b_w)
+    if isinstance(o_a_w, BlockFp8) and t * groups <= GEMV_ROWS:
+        every = linear(attn.reshape(t * groups, -1), o_a_w).view(t, groups, groups, -1)
+        low = every.diagonal(dim1=1, dim2=2).transpose(1, 2)
+    else:
+        w = o_a_w.dequantize(attn.dtype) if isinstance(o_a_w, BlockFp8) else o_a_w
+        low = torch.einsum("tgi,gri->tgr", attn, w.view(groups, -1, attn.shape[-1]))
+    return linear(low.reshape(t, -1), o_b_w)
