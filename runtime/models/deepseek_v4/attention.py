@@ -8,6 +8,7 @@ are in `models/layers/` (`sink_attention`, `window_compressor`, `compressed_inde
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,26 +81,47 @@ def compress(c: CompressorState, start: int, kv: torch.Tensor, gate: torch.Tenso
     c.open_kv[:rest], c.open_gate[:rest] = kv[n * rate:], gate[n * rate:]
 
 
+def window_entry(open_kv: torch.Tensor, open_gate: torch.Tensor, prior: tuple[torch.Tensor, torch.Tensor] | None,
+                 position: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor,
+                 norm_w: torch.Tensor, eps: float, inv_freq: torch.Tensor) -> torch.Tensor:
+    """One token's source rows (kv, gate [1, width]) at `position` (int64 [1], on the device) into
+    their row of the window's (open_kv, open_gate [rate, width], in place), and the entry [1, d]
+    of the window the token is in, closed or not; where the token closes an overlapping window,
+    that window's first series becomes `prior` (in place). Shapes do not depend on the position."""
+    rate = open_kv.shape[0]
+    open_kv.index_copy_(0, position % rate, kv.to(open_kv.dtype))
+    open_gate.index_copy_(0, position % rate, gate.to(open_gate.dtype))
+    cos, sin = angles(position // rate * rate, inv_freq)
+    if prior is None:
+        return compress_windows(open_kv, open_gate, position_bias, norm_w, eps, cos, sin)
+    d = prior[0].shape[1]
+    entry = compress_overlapping_windows(open_kv, open_gate, position_bias, norm_w, eps, cos, sin, prior)
+    closes = (position + 1) % rate == 0
+    prior[0].copy_(torch.where(closes, open_kv[:, :d], prior[0]))
+    prior[1].copy_(torch.where(closes, open_gate[:, :d] + position_bias[:, :d], prior[1]))
+    return entry
+
+
+@dataclass(frozen=True)
+class StepFunctions:
+    """The pure functions of a decode step's attention, which a decode graph replaces by their
+    torch.compile'd versions (`deepseek_v4/decode.py`)."""
+
+    kv_in: Callable = shared_kv_in
+    out: Callable = grouped_out
+    entry: Callable = window_entry
+
+
+EAGER_STEP = StepFunctions()
+
+
 def compress_step(c: CompressorState, position: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
-                  position_bias: torch.Tensor, norm_w: torch.Tensor, eps: float, inv_freq: torch.Tensor) -> None:
-    """One token's source rows (kv, gate [1, width]) at `position` (int64 [1], on the device), with
-    shapes and addresses that do not depend on it: the rows go into their slot of the window, and
-    the window's entry is written at its index in the store, closed or not (an open window's
-    entry is seen by no query until its last token writes it again); where the token closes an
-    overlapping window, that window's first series becomes the prior."""
-    rate, d = c.rate, c.store.data.shape[1]
-    c.open_kv.index_copy_(0, position % rate, kv.to(c.open_kv.dtype))
-    c.open_gate.index_copy_(0, position % rate, gate.to(c.open_gate.dtype))
-    window = position // rate
-    cos, sin = angles(window * rate, inv_freq)
-    if c.prior is None:
-        entry = compress_windows(c.open_kv, c.open_gate, position_bias, norm_w, eps, cos, sin)
-    else:
-        entry = compress_overlapping_windows(c.open_kv, c.open_gate, position_bias, norm_w, eps, cos, sin, c.prior)
-        closes = (position + 1) % rate == 0
-        c.prior[0].copy_(torch.where(closes, c.open_kv[:, :d], c.prior[0]))
-        c.prior[1].copy_(torch.where(closes, c.open_gate[:, :d] + position_bias[:, :d], c.prior[1]))
-    c.store.data.index_copy_(0, window + c.store.fixed, entry.to(c.store.data.dtype))
+                  position_bias: torch.Tensor, norm_w: torch.Tensor, eps: float, inv_freq: torch.Tensor,
+                  entry: Callable = window_entry) -> None:
+    """`window_entry` on the compressor's state, its entry written at the window's index in the
+    store (an open window's entry is seen by no query until its last token writes it again)."""
+    new = entry(c.open_kv, c.open_gate, c.prior, position, kv, gate, position_bias, norm_w, eps, inv_freq)
+    c.store.data.index_copy_(0, position // c.rate + c.store.fixed, new.to(c.store.data.dtype))
 
 
 def attend(w: dict[str, torch.Tensor], h: torch.Tensor, positions: torch.Tensor, state: LayerState,
@@ -122,7 +144,8 @@ def attend(w: dict[str, torch.Tensor], h: torch.Tensor, positions: torch.Tensor,
 
 
 def attend_step(w: dict[str, torch.Tensor], h: torch.Tensor, position: torch.Tensor, state: LayerState,
-                shape: AttentionShape, inv_freq: torch.Tensor, compress_inv_freq: torch.Tensor) -> torch.Tensor:
+                shape: AttentionShape, inv_freq: torch.Tensor, compress_inv_freq: torch.Tensor,
+                fns: StepFunctions = EAGER_STEP) -> torch.Tensor:
     """`attend` of one token h [1, hidden] at `position` (int64 [1] on the device: the state's
     next token, whose room `state.reserve` made), as a CUDA graph can hold it: its raw row written
     into the ring, every compressor stepped, then attention over the ring's rows of its window and
@@ -131,16 +154,16 @@ def attend_step(w: dict[str, torch.Tensor], h: torch.Tensor, position: torch.Ten
     (`state.stepped`)."""
     s = shape
     cos, sin = angles(position, compress_inv_freq if s.rate else inv_freq)
-    q, kv, q_residual = shared_kv_in(h, w["q_a_proj.weight"], w["q_a_norm.weight"], w["q_b_proj.weight"],
-                                     w["kv_proj.weight"], w["kv_norm.weight"], cos, sin, s.eps, s.heads)
+    q, kv, q_residual = fns.kv_in(h, w["q_a_proj.weight"], w["q_a_norm.weight"], w["q_b_proj.weight"],
+                                  w["kv_proj.weight"], w["kv_norm.weight"], cos, sin, s.eps, s.heads)
     state.rows.data.index_copy_(0, position % state.window, kv.to(state.rows.data.dtype))
     columns = torch.arange(state.window, device=h.device)
     seen = columns <= position  # the ring's slots past the position are unwritten before it wraps
     if s.rate:
-        picked, chosen = _step_entries(w, h, q_residual, position, state, shape, compress_inv_freq)
+        picked, chosen = _step_entries(w, h, q_residual, position, state, shape, compress_inv_freq, fns.entry)
         columns, seen = torch.cat([columns, picked + state.window]), torch.cat([seen, chosen])
     attn = sink_attention_at(q, state.rows.data, columns, seen, w["sinks"], s.head_dim ** -0.5)
-    return grouped_out(attn, cos, sin, w["o_a_proj.weight"], w["o_b_proj.weight"], s.o_groups)
+    return fns.out(attn, cos, sin, w["o_a_proj.weight"], w["o_b_proj.weight"], s.o_groups)
 
 
 def _window_slots(state: LayerState, first: int, end: int) -> torch.Tensor:
@@ -186,19 +209,19 @@ def _compressed(w: dict[str, torch.Tensor], h: torch.Tensor, q_residual: torch.T
 
 
 def _step_entries(w: dict[str, torch.Tensor], h: torch.Tensor, q_residual: torch.Tensor, position: torch.Tensor,
-                  state: LayerState, shape: AttentionShape,
-                  inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  state: LayerState, shape: AttentionShape, inv_freq: torch.Tensor,
+                  entry: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressors stepped past one token, and the entries it sees as (columns of the entries,
     seen): every closed one over the store's capacity, or for CSA the indexer's top_k of those."""
     p, i = "compressor.", "compressor.indexer."
     compress_step(state.compressor, position, F.linear(h, w[p + "kv_proj.weight"]),
                   F.linear(h, w[p + "gate_proj.weight"]), w[p + "position_bias"], w[p + "kv_norm.weight"],
-                  shape.eps, inv_freq)
+                  shape.eps, inv_freq, entry)
     if not shape.sparse:
         columns = torch.arange(state.compressor.store.capacity, device=h.device)
         return columns, visible_entries(position, columns.numel(), shape.rate)[0]
     compress_step(state.indexer, position, F.linear(h, w[i + "kv_proj.weight"]), F.linear(h, w[i + "gate_proj.weight"]),
-                  w[i + "position_bias"], w[i + "kv_norm.weight"], shape.eps, inv_freq)
+                  w[i + "position_bias"], w[i + "kv_norm.weight"], shape.eps, inv_freq, entry)
     cos, sin = angles(position, inv_freq)
     keys = state.indexer.store.data[:state.compressor.store.capacity]  # both stores grow alike; never beyond
     scores = compressed_index_scores(h, q_residual, w[i + "q_b_proj.weight"], w[i + "scorer.weights_proj.weight"],

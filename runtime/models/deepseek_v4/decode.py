@@ -1,13 +1,17 @@
 """DeepSeek-V4's layer in a decode graph (`ftc_runtime.decode.graphs`): the residual is the
 hyper-connections' streams ([n, streams, hidden] in the step's `x`); each block (attention, MoE)
-collapses them into its input and spreads its output back. Attention is `attention.attend_step`
+collapses them into its input and spreads its output back (the mixing weights one kernel a
+block: `hyper_connections.hc_mix`). Attention is `attention.attend_step`
 on each sequence's state, with the step's position as data: the raw row into the window's ring,
 the compressors' open windows and entries written in place, the indexer's top_k over the store's
 capacity with the entries not yet closed masked off. The MoE block stages its routed experts
 (chosen by token id in the hash layers, the step's token being data too) beside the shared
 expert; its output joins the streams at the next layer's start, with the mixing its collapse
 computed. Shapes follow the stores' capacities, so a graph stays valid until a store grows (the
-sequence's `generation`).
+sequence's `generation`). torch.compile fuses the functions of fixed shapes (the blocks' input and
+output, the shared expert, the attention's input and output projections, a compressor's step);
+those whose shapes follow a store's capacity (the indexer's scores and choice, the attention
+kernel) and the routers run as they are.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import torch
 
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.decode.graphs import EAGER_FUNCTIONS, DecodeGraphs
-from ftc_runtime.models.deepseek_v4.attention import attend_step
+from ftc_runtime.models.deepseek_v4.attention import StepFunctions, angles, attend_step, window_entry
 from ftc_runtime.models.layers.hyper_connections import hc_collapse, hc_expand, hc_weights
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm_fp32_weight
+from ftc_runtime.models.layers.sink_attention import grouped_out, shared_kv_in
 from ftc_runtime.models.layers.softplus_router import route_biased, route_hashed
 
 
@@ -46,13 +51,37 @@ class HyperDecodeGraphs(DecodeGraphs):
         super().__init__(model, compile_fns, fused_body)
 
     def functions(self) -> dict[str, Callable]:
-        return {f.__name__: f for f in (block_in, hc_expand, dense_mlp, route_biased, route_hashed)}
+        return {f.__name__: f for f in (block_in, hc_expand, dense_mlp, route_biased, route_hashed, shared_kv_in,
+                                        grouped_out, window_entry)}
 
     def _warm_up(self) -> None:
         m, f, io = self.model, self.fns, self.io
         h, post, comb = self._block_in(0, "attn_hc.", "input_layernorm.weight", f)
         f["hc_expand"](io.x, h, post, comb)
         f["dense_mlp"](h, *self._shared_weights(0), limit=m.spec.moe.swiglu_limit)
+        s, w = m.shapes[0], m.attention_w[0]
+        cos, sin = angles(io.position, m.inv_freq)
+        q, _, _ = f["shared_kv_in"](h, w["q_a_proj.weight"], w["q_a_norm.weight"], w["q_b_proj.weight"],
+                                    w["kv_proj.weight"], w["kv_norm.weight"], cos, sin, s.eps, s.heads)
+        f["grouped_out"](q, cos, sin, w["o_a_proj.weight"], w["o_b_proj.weight"], s.o_groups)
+        self._warm_up_compressors()
+
+    def _warm_up_compressors(self) -> None:
+        """`window_entry` once per kind of compressor (each layer kind's own, a CSA layer's
+        indexer's), on copies of a fresh state's buffers."""
+        m, io, seen = self.model, self.io, set()
+        for i, state in enumerate(m.new_cache().layers):
+            parts = (("compressor.", state.compressor), ("compressor.indexer.", state.indexer))
+            for p, c in ((p, c) for p, c in parts if c is not None):
+                kind = (c.rate, tuple(c.open_kv.shape), c.prior is None)
+                if kind in seen:
+                    continue
+                seen.add(kind)
+                w, row = m.attention_w[i], c.open_kv[:1].clone()
+                prior = None if c.prior is None else tuple(t.clone() for t in c.prior)
+                self.fns["window_entry"](c.open_kv.clone(), c.open_gate.clone(), prior, io.position, row, row,
+                                         w[p + "position_bias"], w[p + "kv_norm.weight"], m.spec.norm.eps,
+                                         m.compress_inv_freq)
 
     def _block_in(self, i: int, hc: str, norm: str, f: dict[str, Callable]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,9 +101,10 @@ class HyperDecodeGraphs(DecodeGraphs):
         m, f, io = self.model, self.f, self.io
         self._join_previous(i)
         h, post, comb = self._block_in(i, "attn_hc.", "input_layernorm.weight", f)
+        fns = StepFunctions(f["shared_kv_in"], f["grouped_out"], f["window_entry"])
         out = self.per_sequence(lambda r, cache: attend_step(
             m.attention_w[i], h[r:r + 1], io.position[r:r + 1], cache.layers[i], m.shapes[i], m.inv_freq,
-            m.compress_inv_freq), caches)
+            m.compress_inv_freq, fns), caches)
         io.x.copy_(f["hc_expand"](io.x, out, post, comb))
         h, post, comb = self._block_in(i, "ffn_hc.", "post_attention_layernorm.weight", f)
         self._mix = post, comb
