@@ -11,10 +11,24 @@
 # growth, a restored checkpoint and batches; bf16 and MXFP4) with the family's other GPU tests and
 # one other family's batched graphs; then the cut above decoding as one whole-step graph
 # (FTC_DEVICE_PLAN=1), the step's device timeline printed.
+# Part 3: the family's GPU tests after the fused step (the hyper-connections' kernel, the compiled
+# attention projections and compressor steps, FP8 projections), then the cut with FP8 projections
+# at the share of its pool that a 32 GB card caches of the whole model with them (16 GiB here:
+# 17.1%), decode (profiled) and a 2048-token prompt.
 source bench/device_setup.sh "$@"
 end=$(( $(date +%s) + ${FTC_CALL_S:-570} ))  # FTC_CALL_S: seconds this call may take
 spec=model_specs/deepseek-v4-flash.yaml
 cut="--override num_layers=20"
+if [ "$part" = 3 ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_deepseek_v4_family.py \
+    -k deepseek 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
+  FTC_DEVICE_PLAN=1 timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $spec --target h200 \
+    --vram-budget 16GiB $cut --override dense_format=fp8 --policies adaptive --routings uniform --new-tokens 34 \
+    --profile --prefill-lengths 2048 -o "$out/dsv4f" > "$out/dsv4f.log" 2>&1
+  echo "dsv4 rc $?"; grep -E "tok/s|in memory|VRAM" "$out/dsv4f.log" || tail -c 2500 "$out/dsv4f.log"
+  sed -n 48,80p "$out/dsv4f/profile.txt"  # the table by CUDA time
+  exit 0
+fi
 if [ "$part" = 2 ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_deepseek_v4_family.py \
     -k deepseek 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
