@@ -20,7 +20,9 @@ from ftc.compile.spec_loader import load_spec
 from ftc_runtime import Engine
 from ftc_runtime.experts.vram_plan import sequence_state_bytes
 from ftc_runtime.models.base import CheckpointError
+from ftc_runtime.models.deepseek_v4.attention import EAGER_STEP, StepFunctions, attend_step, window_entry
 from ftc_runtime.models.deepseek_v4.state import INITIAL_ENTRIES
+from ftc_runtime.models.layers.sink_attention import grouped_out, shared_kv_in
 
 from conftest import seed_for
 from families import MIN_ROUTER_MARGIN, forward_with_hooks, reference_logits, rel, router_margin
@@ -93,6 +95,46 @@ def test_the_release_keeps_its_fp8_projections_and_matches_transformers(tmp_path
     assert rel(steps, want[-3:-1]) < 1e-4, f"ids={ids}"
     batch = engine.model.decode_batch([ids[-3], ids[-1]], [caches[1], caches[0]])
     assert rel(batch, torch.stack([want[-3], want[-1]])) < 1e-4, f"ids={ids}"
+
+
+@pytest.mark.parametrize("dense", ["bf16", "fp8"])
+def test_the_decode_steps_functions_compile_whole_and_keep_their_results(tmp_path, dense, seed):
+    """The functions a decode graph compiles (`StepFunctions`: the attention's projections, FP8 or
+    not, and a compressor's window step, whose buffers it updates in place) compile as whole
+    graphs, as `HyperDecodeGraphs` asks of them, and a step through them leaves the state and
+    gives the output that the plain functions do, at positions that close a window and not."""
+    engine_dir = compile_engine(CompileOptions(source=SPECS / "deepseek-v4-tiny.yaml", target="cpu",
+                                               random_weights=True, seed=seed % 1000,
+                                               overrides=(f"dense_format={dense}",), output=tmp_path / "engine"))
+    model, rng = Engine.load(engine_dir).model, random.Random(seed)
+    compiled = StepFunctions(*(torch.compile(f, dynamic=False, fullgraph=True)
+                               for f in (shared_kv_in, grouped_out, window_entry)))
+    ids = torch.tensor([rng.randrange(2, 500) for _ in range(rng.randrange(30, 60))])
+    caches = [model.new_cache() for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            model.forward(ids, cache)
+        for step in range(2 * model.spec.compressed.csa_rate):
+            h = torch.randn(1, model.spec.hidden_size, generator=torch.Generator().manual_seed(seed + step))
+            position = torch.tensor([caches[0].length])
+            for cache in caches:
+                cache.reserve(cache.length + 1)
+            for i, shape in enumerate(model.shapes):
+                outs = [attend_step(model.attention_w[i], h, position, cache.layers[i], shape, model.inv_freq,
+                                    model.compress_inv_freq, fns)
+                        for cache, fns in zip(caches, (EAGER_STEP, compiled), strict=True)]
+                assert rel(outs[1], outs[0]) < 1e-5, f"layer {i}, position {int(position)}"
+            for cache in caches:
+                cache.stepped()
+        for mine, theirs in zip(*(c.take().states for c in caches), strict=True):
+            for a, b in zip(state_tensors(mine), state_tensors(theirs), strict=True):
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def state_tensors(state) -> list[torch.Tensor]:
+    """Every tensor of a layer's state: its rows in use and its compressors' fixed parts and entries."""
+    parts = [state.rows.used()] + [t for c in state.compressors for t in c.fixed_parts()]
+    return parts + ([state.indexer.store.used()] if state.indexer is not None else [])
 
 
 def test_a_table_of_experts_outside_the_layer_is_refused(tmp_path, seed):
