@@ -23,6 +23,7 @@ from ftc_runtime.models.base import CheckpointError
 from ftc_runtime.models.deepseek_v4.attention import EAGER_STEP, StepFunctions, attend_step, window_entry
 from ftc_runtime.models.deepseek_v4.state import INITIAL_ENTRIES
 from ftc_runtime.models.layers.sink_attention import grouped_out, shared_kv_in
+from ftc_runtime.models.layers.softplus_router import route_biased, route_hashed
 
 from conftest import seed_for
 from families import MIN_ROUTER_MARGIN, forward_with_hooks, reference_logits, rel, router_margin
@@ -100,9 +101,10 @@ def test_the_release_keeps_its_fp8_projections_and_matches_transformers(tmp_path
 @pytest.mark.parametrize("dense", ["bf16", "fp8"])
 def test_the_decode_steps_functions_compile_whole_and_keep_their_results(tmp_path, dense, seed):
     """The functions a decode graph compiles (`StepFunctions`: the attention's projections, FP8 or
-    not, and a compressor's window step, whose buffers it updates in place) compile as whole
-    graphs, as `HyperDecodeGraphs` asks of them, and a step through them leaves the state and
-    gives the output that the plain functions do, at positions that close a window and not."""
+    not, and a compressor's window step, whose buffers it updates in place; the routers) compile
+    as whole graphs, as `HyperDecodeGraphs` asks of them, and a step through them leaves the state
+    and gives the output that the plain functions do, at positions that close a window and not;
+    the routers choose the same experts with the same weights."""
     engine_dir = compile_engine(CompileOptions(source=SPECS / "deepseek-v4-tiny.yaml", target="cpu",
                                                random_weights=True, seed=seed % 1000,
                                                overrides=(f"dense_format={dense}",), output=tmp_path / "engine"))
@@ -129,6 +131,15 @@ def test_the_decode_steps_functions_compile_whole_and_keep_their_results(tmp_pat
         for mine, theirs in zip(*(c.take().states for c in caches), strict=True):
             for a, b in zip(state_tensors(mine), state_tensors(theirs), strict=True):
                 assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        moe, w, tokens = model.spec.moe, model.w, ids[-2:]
+        h = torch.randn(2, model.spec.hidden_size, generator=torch.Generator().manual_seed(seed))
+        for route, args in ((route_hashed, (h, tokens, w["model.layers.0.mlp.gate.weight"],
+                                            w["model.layers.0.mlp.gate.tid2eid"], moe.routed_scaling_factor)),
+                            (route_biased, (h, w["model.layers.3.mlp.gate.weight"],
+                                            w["model.layers.3.mlp.gate.e_score_correction_bias"], moe.top_k,
+                                            moe.routed_scaling_factor))):
+            (ids_a, w_a), (ids_b, w_b) = route(*args), torch.compile(route, dynamic=False, fullgraph=True)(*args)
+            assert torch.equal(ids_a, ids_b) and torch.allclose(w_a, w_b, rtol=1e-6), route.__name__
 
 
 def state_tensors(state) -> list[torch.Tensor]:

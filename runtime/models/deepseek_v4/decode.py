@@ -9,9 +9,9 @@ capacity with the entries not yet closed masked off. The MoE block stages its ro
 expert; its output joins the streams at the next layer's start, with the mixing its collapse
 computed. Shapes follow the stores' capacities, so a graph stays valid until a store grows (the
 sequence's `generation`). torch.compile fuses the functions of fixed shapes (the blocks' input and
-output, the shared expert, the attention's input and output projections, a compressor's step);
-those whose shapes follow a store's capacity (the indexer's scores and choice, the attention
-kernel) and the routers run as they are.
+output, the routers, the shared expert, the attention's input and output projections, a
+compressor's step); those whose shapes follow a store's capacity (the indexer's scores and choice,
+the attention kernel) run as they are.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ftc_runtime.cache.sequence import SequenceCache
-from ftc_runtime.decode.graphs import EAGER_FUNCTIONS, DecodeGraphs
+from ftc_runtime.decode.graphs import DecodeGraphs
 from ftc_runtime.models.deepseek_v4.attention import StepFunctions, angles, attend_step, window_entry
 from ftc_runtime.models.layers.hyper_connections import hc_collapse, hc_expand, hc_weights
 from ftc_runtime.models.layers.mlp import dense_mlp
@@ -43,8 +43,6 @@ class HyperDecodeGraphs(DecodeGraphs):
     """DeepSeek-V4's layers. The MoE block's (post, comb) of layer i are kept for the join at
     layer i + 1 (or the head), in tensors that live as long as the graphs that read them."""
 
-    eager_functions = (*EAGER_FUNCTIONS, "route_biased", "route_hashed")
-
     def __init__(self, model, compile_fns: bool, fused_body: bool = True):
         self.streams = model.spec.hyper_connections.streams
         self._mix: tuple[torch.Tensor, torch.Tensor] | None = None  # the last MoE block's (post, comb)
@@ -59,6 +57,9 @@ class HyperDecodeGraphs(DecodeGraphs):
         h, post, comb = self._block_in(0, "attn_hc.", "input_layernorm.weight", f)
         f["hc_expand"](io.x, h, post, comb)
         f["dense_mlp"](h, *self._shared_weights(0), limit=m.spec.moe.swiglu_limit)
+        learned = [i for i in range(m.spec.num_layers) if i not in m.hash_layers]
+        for i in sorted(m.hash_layers)[:1] + learned[:1]:
+            self._route(i, h, f)
         s, w = m.shapes[0], m.attention_w[0]
         cos, sin = angles(io.position, m.inv_freq)
         q, _, _ = f["shared_kv_in"](h, w["q_a_proj.weight"], w["q_a_norm.weight"], w["q_b_proj.weight"],
@@ -108,15 +109,19 @@ class HyperDecodeGraphs(DecodeGraphs):
         io.x.copy_(f["hc_expand"](io.x, out, post, comb))
         h, post, comb = self._block_in(i, "ffn_hc.", "post_attention_layernorm.weight", f)
         self._mix = post, comb
-        moe, p = m.spec.moe, f"model.layers.{i}.mlp."
+        m.experts.stage(h.float(), *self._route(i, h, f))
+        io.shared.copy_(f["dense_mlp"](h, *self._shared_weights(i), limit=m.spec.moe.swiglu_limit))
+
+    def _route(self, i: int, h: torch.Tensor, f: dict[str, Callable]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's experts for the rows of h and their weights: by the step's tokens in a hash
+        layer, by the router's scores elsewhere."""
+        m, p = self.model, f"model.layers.{i}.mlp."
+        moe = m.spec.moe
         if i in m.hash_layers:
-            ids, weights = f["route_hashed"](h, io.token, m.w[p + "gate.weight"], m.w[p + "gate.tid2eid"],
-                                             moe.routed_scaling_factor)
-        else:
-            ids, weights = f["route_biased"](h, m.w[p + "gate.weight"], m.w[p + "gate.e_score_correction_bias"],
-                                             moe.top_k, moe.routed_scaling_factor)
-        m.experts.stage(h.float(), ids, weights)
-        io.shared.copy_(f["dense_mlp"](h, *self._shared_weights(i), limit=moe.swiglu_limit))
+            return f["route_hashed"](h, self.io.token, m.w[p + "gate.weight"], m.w[p + "gate.tid2eid"],
+                                     moe.routed_scaling_factor)
+        return f["route_biased"](h, m.w[p + "gate.weight"], m.w[p + "gate.e_score_correction_bias"], moe.top_k,
+                                 moe.routed_scaling_factor)
 
     def _join_previous(self, i: int) -> None:
         """The streams after layer i - 1's MoE block: its routed experts' output (the device's part
