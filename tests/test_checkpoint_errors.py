@@ -372,3 +372,51 @@ def test_unreadable_tokenizer_is_refused_naming_it(tmp_path, route, content, see
     (ckpt / "tokenizer.json").write_bytes(content)
     line = _refused(args, tmp_path / "build" / "engine")
     assert line.startswith(f"error: {ckpt / 'tokenizer.json'}: not a readable tokenizer ("), line
+
+
+@pytest.mark.parametrize("route", ROUTES[1:])
+def test_a_special_token_at_another_id_is_refused_naming_it(tmp_path, route, seed):
+    """A spec whose special token the checkpoint's tokenizer holds at another id (or not as one
+    token) is refused before any weight is read, naming the token and both ids."""
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng)
+    args = _compile_args(ckpt, route, tmp_path)
+    spec_file = Path(args[0])
+    data = yaml.safe_load(spec_file.read_text())
+    name = rng.choice(sorted(data["tokens"]["special"]))
+    wrong = rng.choice([i for i in range(256) if i != data["tokens"]["special"][name]])
+    data["tokens"]["special"][name] = wrong
+    spec_file.write_text(yaml.safe_dump(data))
+    (ckpt / "model.safetensors").write_bytes(b"not read")
+    line = _refused(args, tmp_path / "build" / "engine")
+    assert f"error: {ckpt / 'tokenizer.json'}: special token {name!r} is id " in line, line
+    assert f"tokens.special gives it id {wrong}" in line, line
+
+
+def test_the_engine_marks_the_specs_special_tokens_special(tmp_path, seed):
+    """A release whose turn marker is an added token marked `"special": false` (DeepSeek's
+    `<｜User｜>`): the spec lists it as special, so the engine's tokenizer marks it special, and a
+    client's text holding it encodes as text, not as the marker, where the checkpoint's tokenizer
+    would make it the marker."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from ftc_runtime.chat.tokenizer import Tokenizer as EngineTokenizer
+
+    rng = random.Random(seed)
+    ckpt = _checkpoint(tmp_path, rng)
+    marker = "<｜User｜>"
+    source = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    source.add_tokens([AddedToken(marker, special=False, normalized=False)])
+    source.save(str(ckpt / "tokenizer.json"))
+    marker_id = source.token_to_id(marker)
+    args = _compile_args(ckpt, "spec_naming_the_checkpoint", tmp_path)
+    data = yaml.safe_load(Path(args[0]).read_text())
+    data["tokens"]["special"][marker] = marker_id
+    Path(args[0]).write_text(yaml.safe_dump(data, allow_unicode=True))
+    text = f"{'ab' * rng.randrange(1, 4)}{marker}cd"
+    assert marker_id in EngineTokenizer(ckpt / "tokenizer.json").encode_text(text)  # the premise
+    engine = compile_engine(CompileOptions(source=Path(args[0]), target="auto", output=tmp_path / "engine"))
+    tokenizer = EngineTokenizer(engine / "tokenizer.json")
+    assert tokenizer.special_tokens[marker] == marker_id
+    assert marker_id not in tokenizer.encode_text(text) and tokenizer.decode(tokenizer.encode_text(text)) == text
+    assert tokenizer.encode(text).count(marker_id) == 1

@@ -37,7 +37,7 @@ from ftc import __version__
 from ftc.codegen.build import build_kernels
 from ftc.codegen.kernel_check import check_expert_kernel
 from ftc.codegen.render import render_cpu_kernels, render_triton_kernels
-from ftc.compile.checkpoint_tokenizer import check_checkpoint_tokenizer
+from ftc.compile.checkpoint_tokenizer import check_checkpoint_tokenizer, control_tokenizer
 from ftc.compile.fp8_checkpoint import quantize_fp8_blocks
 from ftc.compile.ftw_writer import FtwWriter
 from ftc.compile.hub import Source, hub_repo_name, resolve_source
@@ -289,9 +289,10 @@ def _experts_in_memory(weights: WeightSource, spec: ModelSpec, progress: Progres
 
 
 def _write_tokenizer(spec: ModelSpec, checkpoint: Path | None, staging: Path) -> None:
-    """The checkpoint's tokenizer.json (checked when the compile began); random weights get a byte-level one."""
+    """The checkpoint's tokenizer.json (checked when the compile began) with the spec's special
+    tokens marked special; random weights get a byte-level one."""
     if checkpoint is not None:
-        shutil.copyfile(checkpoint / TOKENIZER_FILE, staging / TOKENIZER_FILE)
+        control_tokenizer(spec, checkpoint / TOKENIZER_FILE, staging / TOKENIZER_FILE)
     else:
         build_byte_tokenizer(spec, staging / TOKENIZER_FILE)
 
