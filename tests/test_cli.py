@@ -198,7 +198,9 @@ def chat_text() -> str:
 
 
 def test_chat_turn_equals_the_servers_answer(engine, loaded):
-    """`ftc run --prompt` is one chat turn: the template's prompt, the answer the API gives."""
+    """`ftc run --prompt` is one chat turn: the template's prompt, the answer the API gives (its
+    non-streamed message trims the whitespace around the answer and the reasoning; `--json` keeps
+    the text as streamed, so that a stop string cuts it exactly)."""
     text, n = chat_text(), random.randint(4, 16)
     out = parse_json(ftc("run", engine, "--prompt", text, "--max-new-tokens", n, "--json"))
     ids = loaded.chat_template.render_ids(loaded.tokenizer, [{"role": "user", "content": text}])
@@ -209,8 +211,8 @@ def test_chat_turn_equals_the_servers_answer(engine, loaded):
             "model": loaded.spec.name, "messages": [{"role": "user", "content": text}], "max_tokens": n,
             "temperature": 0})
     message = r.json()["choices"][0]["message"]
-    assert out["text"] == (message["content"] or "")
-    assert out["reasoning"] == message.get("reasoning_content")
+    assert out["text"].strip() == (message["content"] or "")
+    assert (out["reasoning"] or "").strip() == (message.get("reasoning_content") or "")
 
 
 def test_a_chat_turn_loads_no_server(engine):
