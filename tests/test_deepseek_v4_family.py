@@ -111,7 +111,8 @@ def test_the_decode_steps_functions_compile_whole_and_keep_their_results(tmp_pat
     model, rng = Engine.load(engine_dir).model, random.Random(seed)
     compiled = StepFunctions(*(torch.compile(f, dynamic=False, fullgraph=True)
                                for f in (shared_kv_in, grouped_out, window_entry)))
-    ids = torch.tensor([rng.randrange(2, 500) for _ in range(rng.randrange(30, 60))])
+    # at most top_k CSA entries after the steps: no indexer choice that a rounding could flip
+    ids = torch.tensor([rng.randrange(2, 500) for _ in range(rng.randrange(30, 50))])
     caches = [model.new_cache() for _ in range(2)]
     with torch.inference_mode():
         for cache in caches:
