@@ -273,7 +273,7 @@ def check_hc_mix(rng: random.Random, g: torch.Generator) -> None:
         mixes = torch.randn(tokens, (2 + hc) * hc, generator=g) * rng.choice([0.5, 8.0])
         base, scale = torch.randn((2 + hc) * hc, generator=g), torch.rand(3, generator=g) * 2
         want = hc_mix(mixes.double(), base.double(), scale.double(), 1e-6, iters)
-        got = hc_mix_gpu(mixes, base, scale, 1e-6, iters)
+        got = hc_mix_gpu(mixes, hc, base, scale, 1e-6, iters)
         for name, a, b in zip(("pre", "post", "comb"), got, want, strict=True):
             what = f"hc_mix, trial {trial}: {hc} streams, {tokens} tokens, {iters} steps: {name}"
             assert a.shape == b.shape and torch.allclose(a.double(), b, rtol=1e-5, atol=1e-6), what

@@ -130,7 +130,7 @@ def test_the_decode_steps_functions_compile_whole_and_keep_their_results(tmp_pat
             for cache in caches:
                 cache.stepped()
         for mine, theirs in zip(*(c.take().states for c in caches), strict=True):
-            for a, b in zip(state_tensors(mine), state_tensors(theirs), strict=True):
+            for a, b in zip(mine.parts(), theirs.parts(), strict=True):
                 assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
         moe, w, tokens = model.spec.moe, model.w, ids[-2:]
         h = torch.randn(2, model.spec.hidden_size, generator=torch.Generator().manual_seed(seed))
@@ -141,12 +141,6 @@ def test_the_decode_steps_functions_compile_whole_and_keep_their_results(tmp_pat
                                             moe.routed_scaling_factor))):
             (ids_a, w_a), (ids_b, w_b) = route(*args), torch.compile(route, dynamic=False, fullgraph=True)(*args)
             assert torch.equal(ids_a, ids_b) and torch.allclose(w_a, w_b, rtol=1e-6), route.__name__
-
-
-def state_tensors(state) -> list[torch.Tensor]:
-    """Every tensor of a layer's state: its rows in use and its compressors' fixed parts and entries."""
-    parts = [state.rows.used()] + [t for c in state.compressors for t in c.fixed_parts()]
-    return parts + ([state.indexer.store.used()] if state.indexer is not None else [])
 
 
 def test_a_table_of_experts_outside_the_layer_is_refused(tmp_path, seed):

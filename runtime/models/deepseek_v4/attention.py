@@ -190,18 +190,23 @@ def _chunk_rows(w: dict[str, torch.Tensor], h: torch.Tensor, q: torch.Tensor, kv
     return attn
 
 
+def _compressor_inputs(w: dict[str, torch.Tensor], h: torch.Tensor,
+                       p: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compressor under `p`'s source rows of h (kv, gate), its position terms and norm weight."""
+    return (F.linear(h, w[p + "kv_proj.weight"]), F.linear(h, w[p + "gate_proj.weight"]), w[p + "position_bias"],
+            w[p + "kv_norm.weight"])
+
+
 def _compressed(w: dict[str, torch.Tensor], h: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
                 state: LayerState, shape: AttentionShape, inv_freq: torch.Tensor) -> torch.Tensor:
     """The compressed entries' state advanced past a chunk's tokens, and which entries each token
     sees (bool [T, entries]): the causally closed ones, or for CSA the indexer's top_k of those."""
     p, i, start = "compressor.", "compressor.indexer.", state.length
-    compress(state.compressor, start, F.linear(h, w[p + "kv_proj.weight"]), F.linear(h, w[p + "gate_proj.weight"]),
-             w[p + "position_bias"], w[p + "kv_norm.weight"], shape.eps, inv_freq)
+    compress(state.compressor, start, *_compressor_inputs(w, h, p), shape.eps, inv_freq)
     n = state.compressor.store.count
     if not shape.sparse:
         return visible_entries(positions, n, shape.rate)
-    compress(state.indexer, start, F.linear(h, w[i + "kv_proj.weight"]), F.linear(h, w[i + "gate_proj.weight"]),
-             w[i + "position_bias"], w[i + "kv_norm.weight"], shape.eps, inv_freq)
+    compress(state.indexer, start, *_compressor_inputs(w, h, i), shape.eps, inv_freq)
     cos, sin = angles(positions, inv_freq)
     scores = compressed_index_scores(h, q_residual, w[i + "q_b_proj.weight"], w[i + "scorer.weights_proj.weight"],
                                      state.indexer.entries, cos, sin)
@@ -214,14 +219,11 @@ def _step_entries(w: dict[str, torch.Tensor], h: torch.Tensor, q_residual: torch
     """The compressors stepped past one token, and the entries it sees as (columns of the entries,
     seen): every closed one over the store's capacity, or for CSA the indexer's top_k of those."""
     p, i = "compressor.", "compressor.indexer."
-    compress_step(state.compressor, position, F.linear(h, w[p + "kv_proj.weight"]),
-                  F.linear(h, w[p + "gate_proj.weight"]), w[p + "position_bias"], w[p + "kv_norm.weight"],
-                  shape.eps, inv_freq, entry)
+    compress_step(state.compressor, position, *_compressor_inputs(w, h, p), shape.eps, inv_freq, entry)
     if not shape.sparse:
         columns = torch.arange(state.compressor.store.capacity, device=h.device)
         return columns, visible_entries(position, columns.numel(), shape.rate)[0]
-    compress_step(state.indexer, position, F.linear(h, w[i + "kv_proj.weight"]), F.linear(h, w[i + "gate_proj.weight"]),
-                  w[i + "position_bias"], w[i + "kv_norm.weight"], shape.eps, inv_freq, entry)
+    compress_step(state.indexer, position, *_compressor_inputs(w, h, i), shape.eps, inv_freq, entry)
     cos, sin = angles(position, inv_freq)
     keys = state.indexer.store.data[:state.compressor.store.capacity]  # both stores grow alike; never beyond
     scores = compressed_index_scores(h, q_residual, w[i + "q_b_proj.weight"], w[i + "scorer.weights_proj.weight"],

@@ -23,20 +23,10 @@ import torch
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.decode.graphs import DecodeGraphs
 from ftc_runtime.models.deepseek_v4.attention import StepFunctions, angles, attend_step, window_entry
-from ftc_runtime.models.layers.hyper_connections import hc_collapse, hc_expand, hc_weights
+from ftc_runtime.models.layers.hyper_connections import block_input, hc_expand
 from ftc_runtime.models.layers.mlp import dense_mlp
-from ftc_runtime.models.layers.norm import rms_norm_fp32_weight
 from ftc_runtime.models.layers.sink_attention import grouped_out, shared_kv_in
 from ftc_runtime.models.layers.softplus_router import route_biased, route_hashed
-
-
-def block_in(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-             norm_w: torch.Tensor, eps: float, hc_eps: float, sinkhorn_iters: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A block's normalized input [n, hidden] from the streams, and the (post, comb) that spread
-    its output back (`hc_expand`)."""
-    pre, post, comb = hc_weights(streams, fn, base, scale, eps, hc_eps, sinkhorn_iters)
-    return rms_norm_fp32_weight(hc_collapse(streams, pre), norm_w, eps), post, comb
 
 
 class HyperDecodeGraphs(DecodeGraphs):
@@ -49,7 +39,7 @@ class HyperDecodeGraphs(DecodeGraphs):
         super().__init__(model, compile_fns, fused_body)
 
     def functions(self) -> dict[str, Callable]:
-        return {f.__name__: f for f in (block_in, hc_expand, dense_mlp, route_biased, route_hashed, shared_kv_in,
+        return {f.__name__: f for f in (block_input, hc_expand, dense_mlp, route_biased, route_hashed, shared_kv_in,
                                         grouped_out, window_entry)}
 
     def _warm_up(self) -> None:
@@ -87,7 +77,7 @@ class HyperDecodeGraphs(DecodeGraphs):
     def _block_in(self, i: int, hc: str, norm: str, f: dict[str, Callable]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         m, h, p = self.model, self.model.spec.hyper_connections, f"model.layers.{i}."
-        return f["block_in"](self.io.x, m.w[p + hc + "fn"], m.w[p + hc + "base"], m.w[p + hc + "scale"],
+        return f["block_input"](self.io.x, m.w[p + hc + "fn"], m.w[p + hc + "base"], m.w[p + hc + "scale"],
                              m.w[p + norm], m.spec.norm.eps, h.eps, h.sinkhorn_iters)
 
     def _shared_weights(self, i: int) -> tuple[torch.Tensor, ...]:

@@ -9,7 +9,6 @@ Tensor names follow transformers' model (`model.layers.L.self_attn.q_a_proj.weig
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
@@ -19,12 +18,11 @@ from ftc_runtime.experts.base import ExpertBackend
 from ftc_runtime.models.deepseek_v4.attention import attend, layer_shapes, new_state
 from ftc_runtime.models.deepseek_v4.cache import CompressedCache
 from ftc_runtime.models.layers.fp8_linear import BlockFp8
-from ftc_runtime.models.layers.hyper_connections import hc_collapse, hc_expand, hc_weights, hyper_head
+from ftc_runtime.models.layers.hyper_connections import block_input, hc_expand, hyper_head
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm_fp32_weight
 from ftc_runtime.models.layers.rope import plain_inv_freq, yarn_inv_freq
 from ftc_runtime.models.layers.softplus_router import route_biased, route_hashed
-from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec
 
 # A run of tokens of one sequence within a pass: its cache and its rows of the pass's activations.
@@ -54,25 +52,6 @@ class DeepseekV4Model:
         self.hash_layers = set(spec.moe.hash_layers)
         self.moe_index = {layer: layer for layer in range(spec.num_layers)}  # every layer has experts
         self.decode_graphs = None  # HyperDecodeGraphs, set by the engine on a GPU
-        self.hc_weights = self._compiled_hc_weights() if self.device.type == "cuda" and settings().torch_compile \
-            else hc_weights
-
-    def _compiled_hc_weights(self) -> Callable:
-        """`hc_weights` fused by torch.compile (its Sinkhorn steps are some eighty small kernels a
-        block in eager torch), compiled now on the first layer's weights; a compiler failure leaves
-        it uncompiled."""
-        h, p = self.spec.hyper_connections, "model.layers.0.attn_hc."
-        streams = torch.zeros(1, h.streams, self.spec.hidden_size, dtype=self.dtype, device=self.device)
-        compiled = torch.compile(hc_weights, dynamic=True)
-        try:
-            with torch.inference_mode():
-                compiled(streams, self.w[p + "fn"], self.w[p + "base"], self.w[p + "scale"], self.spec.norm.eps,
-                         h.eps, h.sinkhorn_iters)
-        except Exception as e:  # noqa: BLE001 (any compiler failure: the function runs uncompiled)
-            print(f"ftc: torch.compile failed for the hyper-connections, running them uncompiled "
-                  f"({type(e).__name__}: {e})", file=sys.stderr)
-            return hc_weights
-        return compiled
 
     def _placed(self, w: torch.Tensor | BlockFp8) -> torch.Tensor | BlockFp8:
         """On the model's device; FP8 blocks and 32- and 64-bit tensors as stored, 16-bit weights in
@@ -130,13 +109,11 @@ class DeepseekV4Model:
         positions = [torch.arange(c.length, c.length + rows.stop - rows.start, device=self.device) for c, rows in runs]
         x = self.w["model.embed_tokens.weight"][ids]
         streams = x[:, None, :].expand(-1, self.spec.hyper_connections.streams, -1).contiguous()
-        eps = self.spec.norm.eps
         for i in range(self.spec.num_layers):
-            p = f"model.layers.{i}."
-            streams = self._block(streams, p + "attn_hc.", lambda h, i=i, p=p: self._attention(
-                i, rms_norm_fp32_weight(h, self.w[p + "input_layernorm.weight"], eps), runs, positions))
-            streams = self._block(streams, p + "ffn_hc.", lambda h, i=i, p=p: self._moe(
-                i, rms_norm_fp32_weight(h, self.w[p + "post_attention_layernorm.weight"], eps), ids, first))
+            streams = self._block(streams, i, "attn_hc.", "input_layernorm.weight",
+                                  lambda h, i=i: self._attention(i, h, runs, positions))
+            streams = self._block(streams, i, "ffn_hc.", "post_attention_layernorm.weight",
+                                  lambda h, i=i: self._moe(i, h, ids, first))
             if between_layers is not None:
                 between_layers()
         for cache, rows in runs:
@@ -147,13 +124,14 @@ class DeepseekV4Model:
         return torch.cat([attend(self.attention_w[i], h[rows], at, cache.layers[i], self.shapes[i], self.inv_freq,
                                  self.compress_inv_freq) for (cache, rows), at in zip(runs, positions, strict=True)])
 
-    def _block(self, streams: torch.Tensor, hc: str, block: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The streams after one block (attention or MoE) between its hyper-connection's collapse
-        and expansion."""
-        h = self.spec.hyper_connections
-        pre, post, comb = self.hc_weights(streams, self.w[hc + "fn"], self.w[hc + "base"], self.w[hc + "scale"],
-                                          self.spec.norm.eps, h.eps, h.sinkhorn_iters)
-        return hc_expand(streams, block(hc_collapse(streams, pre)), post, comb)
+    def _block(self, streams: torch.Tensor, i: int, hc: str, norm: str,
+               block: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The streams after layer i's block (attention or MoE) on its normalized input, between its
+        hyper-connection's collapse and expansion."""
+        h, p = self.spec.hyper_connections, f"model.layers.{i}."
+        x, post, comb = block_input(streams, self.w[p + hc + "fn"], self.w[p + hc + "base"], self.w[p + hc + "scale"],
+                                    self.w[p + norm], self.spec.norm.eps, h.eps, h.sinkhorn_iters)
+        return hc_expand(streams, block(x), post, comb)
 
     def _moe(self, i: int, h: torch.Tensor, ids: torch.Tensor, first_position: int) -> torch.Tensor:
         """The routed experts (chosen by token id in a hash layer) and the shared expert."""

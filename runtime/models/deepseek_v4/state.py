@@ -177,9 +177,12 @@ class LayerState:
             mine.assign(theirs)
         self.length = other.length
 
+    def parts(self) -> list[torch.Tensor]:
+        """Every tensor of the state in use: the rows (ring and entries), the compressors' fixed
+        parts, the indexer's entries."""
+        parts = [self.rows.used(), *(t for c in self.compressors for t in c.fixed_parts())]
+        return parts + ([self.indexer.store.used()] if self.indexer is not None else [])
+
     @property
     def nbytes(self) -> int:
-        parts = [self.rows.used(), *(t for c in self.compressors for t in c.fixed_parts())]
-        if self.indexer is not None:
-            parts.append(self.indexer.store.used())
-        return sum(t.numel() * t.element_size() for t in parts)
+        return sum(t.numel() * t.element_size() for t in self.parts())

@@ -41,12 +41,11 @@ def _hc_mix(mixes, base, scale, pre_out, post_out, comb_out, hc_eps, HC: tl.cons
     tl.store(comb_out + t * HC * HC + r * HC + c, comb, mask=inside)
 
 
-def hc_mix_gpu(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+def hc_mix_gpu(mixes: torch.Tensor, hc: int, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
                sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mixes [T, (2 + hc) · hc] fp32, base [(2 + hc) · hc] and scale [3] → (pre [T, hc], post
-    [T, hc], comb [T, hc, hc]) fp32, as `hyper_connections.hc_mix`."""
+    """mixes [T, (2 + hc) · hc] fp32 of `hc` streams, base [(2 + hc) · hc] and scale [3] → (pre
+    [T, hc], post [T, hc], comb [T, hc, hc]) fp32, as `hyper_connections.hc_mix`."""
     t, width = mixes.shape
-    hc = round((width + 1) ** 0.5) - 1  # width = hc² + 2 · hc
     if (2 + hc) * hc != width or sinkhorn_iters < 1:
         raise ValueError(f"hc_mix: mixes of width {width} (not hc² + 2 · hc), {sinkhorn_iters} Sinkhorn steps")
     pre = torch.empty(t, hc, dtype=torch.float32, device=mixes.device)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ftc_runtime.models.layers.norm import rms_norm_fp32_weight
+
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
@@ -24,6 +26,11 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     return hc_mix(mixes, base.float(), scale.float(), hc_eps, sinkhorn_iters)
 
 
+def mixed_streams(mixes: torch.Tensor) -> int:
+    """The streams hc of a block's map to mixes [T, (2 + hc) · hc] (hc² + 2 · hc = (hc + 1)² - 1)."""
+    return round((mixes.shape[1] + 1) ** 0.5) - 1
+
+
 # An op of its own, opaque to torch.compile: on a GPU one Triton kernel (`hc_mix_kernel`) where
 # torch would launch a reduction for every half-step of Sinkhorn.
 @torch.library.custom_op("ftc::hc_mix", mutates_args=())
@@ -32,7 +39,7 @@ def hc_mix(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps:
     """The block's mixing weights from its linear map of the streams, mixes [T, (2 + hc) · hc]
     fp32: pre and post by their sigmoids, comb by a row softmax made doubly stochastic by Sinkhorn
     steps (columns first, then rows and columns)."""
-    hc = round((mixes.shape[1] + 1) ** 0.5) - 1  # width = hc² + 2 · hc
+    hc = mixed_streams(mixes)
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
     pre_s, post_s, comb_s = scale.unbind(0)
@@ -51,13 +58,13 @@ def _hc_mix_cuda(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, h
                  sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from ftc_runtime.models.layers.hc_mix_kernel import hc_mix_gpu
 
-    return hc_mix_gpu(mixes, base, scale, hc_eps, sinkhorn_iters)
+    return hc_mix_gpu(mixes, mixed_streams(mixes), base, scale, hc_eps, sinkhorn_iters)
 
 
 @hc_mix.register_fake
 def _hc_mix_shape(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
                   sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    hc = round((mixes.shape[1] + 1) ** 0.5) - 1
+    hc = mixed_streams(mixes)
     return mixes.new_empty(mixes.shape[0], hc), mixes.new_empty(mixes.shape[0], hc), \
         mixes.new_empty(mixes.shape[0], hc, hc)
 
@@ -65,6 +72,15 @@ def _hc_mix_shape(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """The block's input [T, hidden]: the streams weighted by `pre`, summed in fp32."""
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def block_input(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                norm_w: torch.Tensor, eps: float, hc_eps: float, sinkhorn_iters: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's input [T, hidden]: the streams collapsed by the block's `pre`, RMSNorm'd with its
+    fp32 norm weight `norm_w`; and the (post, comb) that spread its output back (`hc_expand`)."""
+    pre, post, comb = hc_weights(streams, fn, base, scale, eps, hc_eps, sinkhorn_iters)
+    return rms_norm_fp32_weight(hc_collapse(streams, pre), norm_w, eps), post, comb
 
 
 def hc_expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
