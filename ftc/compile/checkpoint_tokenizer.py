@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken
 
 from ftc_runtime.artifact import TOKENIZER_FILE
 from ftc_runtime.models.base import CheckpointError
@@ -46,6 +46,6 @@ def check_checkpoint_tokenizer(spec: ModelSpec, checkpoint: Path) -> None:
 def control_tokenizer(spec: ModelSpec, source: Path, out: Path) -> None:
     """The checkpoint's tokenizer (`source`, checked) written to `out` with every token of the
     spec's tokens.special marked special, at its id."""
-    tokenizer = Tokenizer.from_file(str(source))
+    tokenizer = read_tokenizer(source)
     tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in spec.tokens.special])
     tokenizer.save(str(out))
