@@ -16,6 +16,9 @@
 #   bash bench/device_body.sh OUT_DIR 7   the trace row's adaptive against gpu twice over, with the driving
 #                                         thread left to the scheduler and pinned (its host time doubled once)
 #   bash bench/device_body.sh OUT_DIR 8   part 7 once per setting (it shares a call with another script)
+#   bash bench/device_body.sh OUT_DIR 9   the step's join summing the pairs' rows and the LRU candidates computed
+#                                         a layer ahead: the GPU tests of the step, the doorbell and the graphs
+#                                         (one batched case per family kind), the qwen3-30b-a3b matrices
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -69,6 +72,16 @@ elif [ "$part" = 6 ]; then
     --policies adaptive,cpu --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
   timeout 220 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \
     --policies adaptive --routings uniform --new-tokens 34 --profile -o "$out/q36_nvfp4" 2>&1 | grep "tok/s"
+elif [ "$part" = 9 ]; then
+  timeout 210 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
+    -k "gpu_rings or wait_tunes or device_step or test_decode_graphs_equal or triton_expert or gpu_engine_matches \
+    or (batched and (qwen3-moe-tiny-None or qwen3.6-moe-tiny-nvfp4 or deepseek-v4-tiny-mxfp4))" 2>&1 \
+    | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
+  export FTC_DEVICE_PLAN=1
+  timeout 200 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
+    --policies adaptive,gpu --routings $trace,uniform --new-tokens 66 -o "$out/q30_bf16" 2>&1 | grep "tok/s"
+  timeout 120 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
+    --policies adaptive --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
 elif [ "$part" = 7 ] || [ "$part" = 8 ]; then
   export FTC_DEVICE_PLAN=1
   for pin in 0 1; do

@@ -39,6 +39,7 @@ from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.experts.elastic_vram import ElasticVram, cuda_memory_info
 from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.offload import OffloadedExperts
+from ftc_runtime.experts.slots import GpuExpertKernels
 from ftc_runtime.experts.vram_plan import VramPlan, plan_vram
 from ftc_runtime.io import ftw
 from ftc_runtime.models import family
@@ -143,11 +144,11 @@ class Engine:
                   file=sys.stderr)
             vram = dataclasses.replace(vram, n_slots=0)
         planner = _miss_planner(manifest, offload)
-        device_kernel, grouped_kernel = _gpu_expert_kernels(manifest, offload.device)
+        gpu_kernels = _gpu_expert_kernels(manifest, offload.device)
         stream_min = offload.stream_min_tokens or plan.prefill_stream_min_tokens
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
-                                   offload.cache_policy, device_kernel, stream_min, offload.prefill_overlap,
-                                   grouped_kernel, offload.device_plan or settings().device_plan,
+                                   offload.cache_policy, gpu_kernels, stream_min, offload.prefill_overlap,
+                                   offload.device_plan or settings().device_plan,
                                    spec.moe.swiglu_limit)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, fam.decode_graphs, settings().decode_graphs,
@@ -343,20 +344,20 @@ def _load_pool(manifest: EngineManifest, show_progress: bool) -> ftw.ExpertPool:
         return ftw.load(manifest.path(EXPERTS_FILE), on_bytes=lambda n: bar.advance(task, n))
 
 
-def _gpu_expert_kernels(manifest: EngineManifest, device: str) -> tuple:
-    """The engine's generated Triton expert kernels on a CUDA device, for a few tokens per expert
-    and grouped for many; (None, None) elsewhere (torch then)."""
+def _gpu_expert_kernels(manifest: EngineManifest, device: str) -> GpuExpertKernels | None:
+    """The engine's generated Triton expert kernels on a CUDA device; None elsewhere (torch then)."""
     if torch.device(device).type != "cuda":
-        return None, None
+        return None
     # Through the manifest: the source it runs must be a listed (so hashed) file inside the engine.
     source = manifest.path(TRITON_EXPERT_FILE)
     spec = importlib.util.spec_from_file_location("ftc_engine_expert_ffn", source)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    missing = [name for name in ("expert_ffn", "grouped_expert_ffn") if not callable(getattr(module, name, None))]
+    names = ("expert_ffn", "expert_pair_outputs", "grouped_expert_ffn")
+    missing = [name for name in names if not callable(getattr(module, name, None))]
     if missing:
         raise ArtifactError(f"{source}: defines no function {missing[0]}")
-    return module.expert_ffn, module.grouped_expert_ffn
+    return GpuExpertKernels(*(getattr(module, name) for name in names))
 
 
 def _vram_plan(manifest: EngineManifest, cfg: OffloadConfig, stored: StoredTensors, pool: ftw.ExpertPool) -> VramPlan:

@@ -1,5 +1,5 @@
 """Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1 (Triton reads
-it when the kernels are defined): the decode plan's, the fills', the step counters', decode
+it when the kernels are defined): the decode plan's, the fills', the step counters', the join's, decode
 attention's (GLM's sparse latent attention and DeepSeek-V4's with sinks too), DeepSeek-V4's
 hyper-connection weights, the router's and the
 engines' decode expert Triton kernels, interpreted on the CPU,
@@ -23,8 +23,9 @@ import torch
 
 from ftc.codegen.render import render_triton_kernels
 from ftc_runtime.decode.device_plan import TUNE_STEP, CacheTables, LayerPlan, PlanRule, plan_layer
+from ftc_runtime.decode.doorbell_kernels import DoorbellKernels
 from ftc_runtime.decode.gather_fills import gather_fills
-from ftc_runtime.decode.plan_kernel import plan_layer_triton
+from ftc_runtime.decode.plan_kernel import candidates_buffer, lru_candidates, plan_layer_triton
 from ftc_runtime.decode.step_counts import StepCounts
 from ftc_runtime.experts.cache import ExpertCache
 from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
@@ -83,7 +84,10 @@ def check_plans(rng: random.Random, g: torch.Generator, runs: int, steps: int) -
             base = rng.randrange(layers) * e
             staged_ids, staged_w = staged(ids, w) if rng.random() < 0.5 else (ids, w)
             want = plan_layer(want_t, rule, base, ids, w)
-            got = plan_layer_triton(got_t, rule, base, staged_ids, staged_w)
+            cands = None
+            if rng.random() < 0.5:  # computed ahead, as a decode step's next call takes them
+                lru_candidates(got_t, t * k, cands := candidates_buffer(got_t, t * k, "cpu"))
+            got = plan_layer_triton(got_t, rule, base, staged_ids, staged_w, cands)
             what = (f"run {run} step {step}: {t} tokens, {n_slots} slots, {planner.policy}, bias {float(rule.bias)}, "
                     f"ids {staged_ids.dtype}")
             for name in PLAN_FIELDS:
@@ -130,6 +134,35 @@ def check_counts(rng: random.Random) -> None:
         assert got == want, f"counts, trial {trial}: {got} != {want}"
         assert abs(got_bound - bound) <= 1e-12 * max(bound, 1e-9), f"bound, trial {trial}: {got_bound} != {bound}"
         assert counts.take() == ([0, 0, 0, 0], 0.0), "take resets the counters"
+
+
+def check_join(rng: random.Random, g: torch.Generator) -> None:
+    """The step's join without a CPU job (its wait is the device's inline PTX, which the
+    interpreter cannot run: the GPU tests hold that part): every token's row is the sum of the
+    pairs' rows that their phase gave a slot, whatever the other rows hold; the bias tuned."""
+    for trial in range(12):
+        t, k = rng.choice([1, 1, 2, 5, 16]), rng.choice([1, 4, 8])
+        n, hidden = t * k, rng.choice([64, 100, 2048])
+        where = torch.tensor([rng.choice([0, 1, 2]) for _ in range(n)])  # hit, fill, CPU
+        phase_pairs = torch.full((2, 3, n), -1, dtype=torch.int32)
+        for phase in range(2):
+            phase_pairs[phase, 0] = torch.where(where == phase, torch.randint(0, 50, (n,), generator=g), -1)
+            phase_pairs[phase, 1] = torch.arange(n, dtype=torch.int32) // k
+        hits, fills = torch.randn(n, hidden, generator=g), torch.randn(n, hidden, generator=g)
+        rows = torch.where((where == 0)[:, None], hits, torch.where((where == 1)[:, None], fills, 0.0))
+        want = torch.zeros(t, hidden, dtype=torch.float64).index_add_(0, phase_pairs[0, 1].long(), rows.double())
+        fills_n = int((where == 1).sum())
+        counts = torch.tensor([int((where == 0).sum()), fills_n, 0, fills_n])
+        plan = LayerPlan(*(None,) * 7, counts, phase_pairs[0], phase_pairs)
+        rule = PlanRule.of(MissPlanner("adaptive", 25.0, 50.0), n, 0, True, "cpu")
+        kernels = DoorbellKernels.__new__(DoorbellKernels)  # its device side alone: no mailbox
+        kernels.done = kernels.counter = torch.zeros(1, dtype=torch.int64)
+        kernels.status, kernels.box = torch.zeros(1, dtype=torch.int64), {"out": torch.full((t, hidden), float("nan"))}
+        out = torch.full((t, hidden), float("nan"))
+        kernels.wait_and_join(out, plan, rule, hits, fills)
+        what = f"join, trial {trial}: {t} tokens of {k}, hidden {hidden}"
+        assert torch.allclose(out.double(), want, rtol=1e-6, atol=1e-5), what
+        assert float(rule.bias) == (-TUNE_STEP if fills_n >= 2 else 0.0), f"{what}: bias {float(rule.bias)}"
 
 
 def check_decode_attention(rng: random.Random, g: torch.Generator) -> None:
@@ -437,6 +470,7 @@ def main() -> None:
     check_plans(rng, g, runs, steps)
     check_fills(rng, g)
     check_counts(rng)
+    check_join(rng, g)
     check_decode_attention(rng, g)
     check_router(rng, g)
     check_gemv(rng, g)

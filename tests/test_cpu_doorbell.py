@@ -120,12 +120,14 @@ def test_the_gpu_rings_and_joins_the_cpu_job_also_in_a_graph(cpu_engine, seed):
     rule = PlanRule.of(MissPlanner("cpu"), 4 * k, 0, True, "cuda")
     ids, w = torch.zeros(4, k, dtype=torch.long, device="cuda"), torch.zeros(4, k, device="cuda")
     x, out = torch.zeros(4, hidden, device="cuda"), torch.zeros(4, hidden, device="cuda")
+    # no slots, so no pair has a device row: the join must not read these
+    hits, fills = (torch.full((4 * k, hidden), float("nan"), device="cuda") for _ in range(2))
 
     def step() -> None:
-        out.zero_()
+        out.fill_(float("nan"))  # the join writes every row
         plan = plan_layer_triton(tables, rule, 0, ids, w)
         device.post_job(plan, x)
-        device.wait_and_join(out, plan, rule)
+        device.wait_and_join(out, plan, rule, hits, fills)
 
     def check(what: str) -> None:
         torch.cuda.synchronize()
@@ -159,46 +161,57 @@ def test_the_gpu_rings_and_joins_the_cpu_job_also_in_a_graph(cpu_engine, seed):
 
 @pytest.mark.gpu
 def test_the_wait_tunes_the_split_towards_the_side_that_finished_last(seed):
-    """`_wait_and_join` on a mailbox answered by this thread: an answer already there moves the
+    """The join on a mailbox answered by this thread: an answer already there moves the
     adaptive split's bias down one step (the GPU's share took longer), an answer that comes while
-    the device spins moves it up; a layer without a choice (under two misses, or no CPU job while
-    the split itself chose fewer fills than misses) and an untuned rule leave it; the CPU's result
-    is added where the call had CPU experts (a call without them posted no job: no wait, and
-    the split chose every fill, the bias moves down as for an answer already there)."""
+    the device spins moves it up, once however many of its programs waited; a layer without a
+    choice (under two misses, or no CPU job while the split itself chose fewer fills than misses)
+    and an untuned rule leave it; the output is the pairs' rows that have a slot plus the CPU's
+    result where the call had CPU experts (a call without them posted no job: no wait, and the
+    split chose every fill, the bias moves down as for an answer already there)."""
     import threading
     import time
 
-    from ftc_runtime.decode.device_plan import TUNE_STEP
-    from ftc_runtime.decode.doorbell_kernels import SPINS, XBLOCK, Mapped, _wait_and_join
+    from ftc_runtime.decode.device_plan import TUNE_STEP, LayerPlan, PlanRule
+    from ftc_runtime.decode.doorbell_kernels import DoorbellKernels, Mapped
+    from ftc_runtime.experts.miss_planner import MissPlanner
 
     rng = random.Random(seed)
-    hidden, seq = 64, rng.randrange(2, 1000)
+    g = torch.Generator().manual_seed(seed)
+    hidden, seq, k = rng.choice([64, 1100]), rng.randrange(2, 1000), 8  # one program, or three that all wait
     done = torch.zeros(1, dtype=torch.int64).pin_memory()
-    box_out = torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed)).pin_memory()
-    counter = torch.tensor([seq], device="cuda")
-    status = torch.zeros(1, dtype=torch.int64, device="cuda")
+    box_out = torch.randn(1, hidden, generator=g).pin_memory()
+    kernels = DoorbellKernels.__new__(DoorbellKernels)  # its device side over this test's mailbox
+    kernels.done, kernels.box = Mapped.of(done), {"out": Mapped.of(box_out)}
+    kernels.counter = torch.tensor([seq], device="cuda")
+    kernels.status = torch.zeros(1, dtype=torch.int64, device="cuda")
 
     def wait(counts: list[int], answer_after_s: float | None, tune: bool) -> float:
         """The bias after one wait from `start`; answer_after_s None: answered before it."""
+        rule = PlanRule.of(MissPlanner("adaptive" if tune else "gpu", 25.0, 50.0), k, 0, True, "cuda")
         start = rng.randrange(-32, 33) * TUNE_STEP
-        bias = torch.tensor([start], device="cuda")
-        out = torch.randn(1, hidden, device="cuda")
-        also = torch.randn(1, hidden, device="cuda") if rng.random() < 0.5 else None  # the hits' output
-        # in the kernel's order; a call without CPU experts posted no job, so none is added
-        want = out.cpu() + (box_out if counts[2] else 0) + (0 if also is None else also.cpu())
+        rule.bias.fill_(start)
+        # each entry a hit, a fill or the CPU's; the pairs' rows as the experts left them
+        where = torch.tensor([rng.choice([0, 1, 2]) for _ in range(k)])
+        phase_pairs = torch.stack([torch.stack([torch.where(where == phase, 3, -1), torch.zeros(k, dtype=torch.long),
+                                                torch.zeros(k, dtype=torch.long)]) for phase in range(2)])
+        plan = LayerPlan(*(None,) * 7, torch.tensor(counts, device="cuda"), phase_pairs[0].int().cuda(),
+                         phase_pairs.int().cuda())
+        hits, fills = torch.randn(k, hidden, generator=g), torch.randn(k, hidden, generator=g)
+        rows = torch.where((where == 0)[:, None], hits, torch.where((where == 1)[:, None], fills, 0.0))
+        # a call without CPU experts posted no job, so none is added
+        want = rows.sum(0, keepdim=True) + (box_out if counts[2] else 0)
+        out = torch.full((1, hidden), float("nan"), device="cuda")
         done[0] = seq if answer_after_s is None else seq - 1
         answer = threading.Timer(answer_after_s or 0.0, lambda: done.fill_(seq))
         if answer_after_s is not None:
             answer.start()
-        _wait_and_join[(1,)](Mapped.of(done), counter, Mapped.of(box_out), out, out if also is None else also, hidden,
-                             status, torch.tensor(counts, device="cuda"), bias, TUNE_STEP if tune else 0.0,
-                             SPINS=SPINS, XBLOCK=XBLOCK, TUNE=tune, ALSO=also is not None, num_warps=4)
+        kernels.wait_and_join(out, plan, rule, hits.cuda(), fills.cuda())
         torch.cuda.synchronize()
         if answer_after_s is not None:
             answer.join()
-        assert int(status[0]) == 0
-        assert torch.allclose(out.cpu(), want, atol=1e-6), "the CPU's result (where it had a job) and the hits'"
-        return float(bias[0]) - start
+        assert int(kernels.status[0]) == 0
+        assert torch.allclose(out.cpu(), want, atol=1e-5), "the CPU's result (where it had a job) and the pairs'"
+        return float(rule.bias[0]) - start
 
     m = rng.randrange(2, 9)
     q = rng.randrange(0, m)  # a CPU job of m - q experts

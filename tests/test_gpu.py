@@ -84,7 +84,7 @@ def test_triton_expert_kernel_matches_the_torch_path(engine_dir, seed):
     planner = MissPlanner("gpu", 25.0, 50.0)
     n_slots = rng.randrange(8, 64)
     fast = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), n_slots, planner,
-                            device_kernel=_gpu_expert_kernels(loaded.manifest, "cuda")[0])
+                            kernels=_gpu_expert_kernels(loaded.manifest, "cuda"))
     ref = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), n_slots, planner)
     for t in (1, 1, 2, 1, 3, 1, 9, 1, 33, 1):  # one-token calls: eager, then captured, then replayed
         layer = rng.randrange(cpu.pool.header.num_moe_layers)

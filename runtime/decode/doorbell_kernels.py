@@ -5,17 +5,20 @@ graph to hold:
   device mapping, then, after a barrier and a system-scope fence, rings with the next job number
   (kept on the device, so that replays of one graph number their jobs on); a call without CPU
   experts posts nothing, and costs no round trip to the CPU;
-- `wait_and_join`: where a job was posted, spins until the CPU answers its number, then adds the
-  CPU's result, read through the mapping, into the layer's device output (and the output of the
-  hits, which the step computes beside the fills). Under the adaptive policy it also moves
-  the split's bias (`PlanRule`) by whether it had to wait: the GPU reaches the wait when its
-  fills and its own experts are done, so a wait means the CPU's share took longer (more fills
-  next), an answer already there means the GPU's did (fewer). Layers without a choice are left
-  out: fewer than two misses, or no CPU job because the recent misses took every fill.
+- `wait_and_join`: where a job was posted, spins until the CPU answers its number, then writes
+  the layer's output: the CPU's result, read through the mapping, plus the rows the device's
+  experts left per (token, expert) pair (the hits', computed beside the fills, and the fills'),
+  summed per token, so that no kernel of its own sums them or zeroes an output first. Under the
+  adaptive policy it also moves the split's bias (`PlanRule`) by whether it had to wait: the GPU
+  reaches the wait when its fills and its own experts are done, so a wait means the CPU's share
+  took longer (more fills next), an answer already there means the GPU's did (fewer). Layers
+  without a choice are left out: fewer than two misses, or no CPU job because the recent misses
+  took every fill.
 
-Both are one program: a decode call's job is at most 16 tokens and 16·k entries. The flags are
-read and written with `ld.acquire.sys` / `st.release.sys` (inline PTX): plain loads could be
-served from a stale line, and system-scope atomics would need PCIe atomics from the host bridge.
+`post_job` is one program (a decode call's job is at most 16 tokens and 16·k entries); the join
+one per block of columns, each spinning on the answer itself. The flags are read and written with
+`ld.acquire.sys` / `st.release.sys` (inline PTX): plain loads could be served from a stale line,
+and system-scope atomics would need PCIe atomics from the host bridge.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from ftc_runtime.decode.cpu_doorbell import DONE, RING, CpuDoorbell, DoorbellErr
 from ftc_runtime.decode.device_plan import LayerPlan, PlanRule
 from ftc_runtime.io.host_memory import mapped_address
 
-XBLOCK = 4096  # elements of x or out a step moves
+XBLOCK = 4096  # elements of x a step of `post_job` moves
+JOIN_ELEMENTS = 8192  # (pair entry, column) elements a program of the join holds at once
 SPINS = 1 << 24  # looks at the answer flag before a wait gives up (each crosses PCIe: seconds in all)
 
 
@@ -99,8 +103,10 @@ def _tune(counts, bias, waited, step):
 
 
 @triton.jit
-def _wait_and_join(done, counter, box_out, out, also, size, status, counts, bias, step, SPINS: tl.constexpr,
-                   XBLOCK: tl.constexpr, TUNE: tl.constexpr, ALSO: tl.constexpr):
+def _wait_and_join(done, counter, box_out, out, hits, fills, phase_pairs, n, hidden, status, counts, bias, step,
+                   SPINS: tl.constexpr, T: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, TUNE: tl.constexpr):
+    """out[t, cols] = the CPU's rows + Σ of the call's device pairs of token t (each entry's row of
+    `hits` or `fills`, where its phase gave it a slot), for this program's BLOCK columns."""
     seq = tl.load(counter)
     job = tl.load(counts + 2) > 0  # `post_job` rang for this call
     spins = 0
@@ -112,16 +118,22 @@ def _wait_and_join(done, counter, box_out, out, also, size, status, counts, bias
         if answered < seq:  # no answer: the step's result is wrong, and the host is told
             tl.store(status, 1)
             spins = -1
-    if spins >= 0:
-        if TUNE:
+    if TUNE:
+        if (tl.program_id(0) == 0) & (spins >= 0):
             _tune(counts, bias, spins > 0, step)
-        for start in range(0, size, XBLOCK):
-            offs = start + tl.arange(0, XBLOCK)
-            mask = offs < size
-            y = tl.load(out + offs, mask=mask) + tl.load(box_out + offs, mask=mask & job, other=0.0)
-            if ALSO:
-                y += tl.load(also + offs, mask=mask)
-            tl.store(out + offs, y, mask=mask)
+    e = tl.arange(0, NP)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    emask, cmask = e < n, cols < hidden
+    on_hit = tl.load(phase_pairs + e, mask=emask, other=-1) >= 0
+    on_fill = tl.load(phase_pairs + 3 * n + e, mask=emask, other=-1) >= 0
+    tok = tl.load(phase_pairs + n + e, mask=emask, other=-1)
+    rows = e[:, None] * hidden + cols[None, :]
+    pair_rows = (tl.load(hits + rows, mask=on_hit[:, None] & cmask[None, :], other=0.0)
+                 + tl.load(fills + rows, mask=on_fill[:, None] & cmask[None, :], other=0.0))
+    for t in tl.static_range(T):
+        y = tl.load(box_out + t * hidden + cols, mask=cmask & job & (spins >= 0), other=0.0)
+        y += tl.sum(tl.where((tok == t)[:, None], pair_rows, 0.0), axis=0)
+        tl.store(out + t * hidden + cols, y, mask=cmask)
 
 
 class DoorbellKernels:
@@ -145,14 +157,19 @@ class DoorbellKernels:
                         b["cpu_tok"], b["cpu_w"], b["x"], self.counter, self.ring,
                         NP=max(16, triton.next_power_of_2(n + 1)), XBLOCK=XBLOCK, num_warps=4)
 
-    def wait_and_join(self, out: torch.Tensor, plan: LayerPlan, rule: PlanRule,
-                      also: torch.Tensor | None = None) -> None:
-        """out ([T, hidden] fp32, contiguous) += the CPU's result (and `also`, of out's shape, where
-        given), once the CPU has answered; the rule's bias tuned by the wait where it has a
-        `tune_step`."""
-        _wait_and_join[(1,)](self.done, self.counter, self.box["out"], out, out if also is None else also,
-                             out.numel(), self.status, plan.counts, rule.bias, rule.tune_step, SPINS=SPINS,
-                             XBLOCK=XBLOCK, TUNE=rule.tune_step > 0, ALSO=also is not None, num_warps=4)
+    def wait_and_join(self, out: torch.Tensor, plan: LayerPlan, rule: PlanRule, hits: torch.Tensor,
+                      fills: torch.Tensor) -> None:
+        """out ([T, hidden] fp32) = the CPU's result, once the CPU has answered, plus the call's
+        device experts: the rows of `hits` and `fills` ([T·k, hidden] fp32, each pair's output)
+        that `plan.phase_pairs` gave a slot, summed per token in entry order. The rule's bias is
+        tuned by the wait where it has a `tune_step`."""
+        (t, hidden), n = out.shape, plan.pairs.shape[1]
+        np2 = max(16, triton.next_power_of_2(n))
+        block = max(16, min(triton.next_power_of_2(hidden), JOIN_ELEMENTS // np2))
+        _wait_and_join[(triton.cdiv(hidden, block),)](
+            self.done, self.counter, self.box["out"], out, hits, fills, plan.phase_pairs, n, hidden, self.status,
+            plan.counts, rule.bias, rule.tune_step, SPINS=SPINS, T=t, NP=np2, BLOCK=block, TUNE=rule.tune_step > 0,
+            num_warps=4)
 
     def check(self) -> None:
         """Raises if a wait gave up since the last check (reads a device flag: a safe point only)."""

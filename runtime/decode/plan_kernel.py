@@ -141,18 +141,36 @@ def _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_
     tl.store(step_ptr, step + 1)
 
 
+def candidates_buffer(t: CacheTables, n: int, device: torch.device) -> torch.Tensor:
+    """The buffer `lru_candidates` fills for a call of n routed entries (int64)."""
+    return torch.empty(max(triton.cdiv(t.n_slots, BLOCK), 1) * _entries(n), dtype=torch.int64, device=device)
+
+
+def lru_candidates(t: CacheTables, n: int, cands: torch.Tensor) -> None:
+    """Writes into `cands` (`candidates_buffer`'s) the slots among which a call of n routed entries
+    takes its victims: each block of BLOCK slots' n least recently used, as LRU keys. They depend
+    on `last_used` alone, so a decode step computes the next call's beside the rest of a layer."""
+    blocks = triton.cdiv(t.n_slots, BLOCK)
+    if blocks:
+        _lru_candidates[(blocks,)](t.last_used, t.n_slots, cands, NP=_entries(n), BLOCK=BLOCK)
+
+
+def _entries(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
 def plan_layer_triton(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.Tensor,
-                      weights: torch.Tensor) -> LayerPlan:
+                      weights: torch.Tensor, cands: torch.Tensor | None = None) -> LayerPlan:
     """`device_plan.plan_layer` on the GPU: the same arguments, plan and table updates. `ids` and
     `weights` [T, k] are read in place (rows of any stride, unit stride within one): the ids may
-    be integers or exact floats (as `OffloadedExperts.stage` packs them beside x)."""
+    be integers or exact floats (as `OffloadedExperts.stage` packs them beside x). `cands`: the
+    call's `lru_candidates`, computed already from the tables as they are now (None: here)."""
     n_tok, k = ids.shape
     n, dev = n_tok * k, ids.device
-    np2 = max(16, triton.next_power_of_2(n))
-    blocks = triton.cdiv(t.n_slots, BLOCK)
-    cands = torch.empty(max(blocks, 1) * np2, dtype=torch.int64, device=dev)
-    if blocks:
-        _lru_candidates[(blocks,)](t.last_used, t.n_slots, cands, NP=np2, BLOCK=BLOCK)
+    np2, blocks = _entries(n), triton.cdiv(t.n_slots, BLOCK)
+    if cands is None:
+        cands = candidates_buffer(t, n, dev)
+        lru_candidates(t, n, cands)
     if ids.stride(1) != 1 or weights.stride(1) != 1:
         raise ValueError(f"plan_layer_triton: ids and weights need unit stride within a row, not "
                          f"{ids.stride()} and {weights.stride()}")

@@ -24,7 +24,7 @@ from ftc_runtime.experts.cache import CachePolicy, ExpertCache
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.experts.layer_stream import LayerStream, stream_slots
 from ftc_runtime.experts.miss_planner import MissPlanner
-from ftc_runtime.experts.slots import DeviceKernel, SlotStore
+from ftc_runtime.experts.slots import GpuExpertKernels, SlotStore
 from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.experts.token_plan import TokenPlanner
 from ftc_runtime.io.ftw import ExpertPool
@@ -68,13 +68,13 @@ class OffloadedExperts(ExpertBackend):
     (`decode.cpu_doorbell`), which holds the pool until a call takes the host path."""
 
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
-                 planner: MissPlanner, cache_policy: CachePolicy = "lru", device_kernel: DeviceKernel | None = None,
-                 stream_min_tokens: int | None = None, stream_overlap: bool = True,
-                 grouped_kernel: DeviceKernel | None = None, device_plan: bool = False, swiglu_limit: float = 0.0):
+                 planner: MissPlanner, cache_policy: CachePolicy = "lru", kernels: GpuExpertKernels | None = None,
+                 stream_min_tokens: int | None = None, stream_overlap: bool = True, device_plan: bool = False,
+                 swiglu_limit: float = 0.0):
         h = pool.header
         self.pool, self.kernel, self.planner = pool, kernel, planner
         # The slots, their cache and the engine's generated device kernels (None: torch).
-        self.store = SlotStore(pool, device, n_slots, cache_policy, device_kernel, grouped_kernel, swiglu_limit)
+        self.store = SlotStore(pool, device, n_slots, cache_policy, kernels, swiglu_limit)
         self.device, self.on_gpu, self.num_experts = self.store.device, self.store.on_gpu, h.num_experts
         self.hidden = h.hidden
         self._stats = OffloadStats(self.device)
@@ -240,7 +240,7 @@ class OffloadedExperts(ExpertBackend):
         and no static cache still counting its prompt."""
         cache = self.store.cache
         return (self.device_plan and self.on_gpu and t <= PLANNED_TOKENS and self._gather_fills is not None
-                and self.kernel.background and self.store.device_kernel is not None
+                and self.kernel.background and self.store.kernels is not None
                 and (self.routing is None or isinstance(self.routing, DeviceRoutingHook))
                 and not (cache.policy == "static" and not cache.frozen))
 
@@ -274,7 +274,8 @@ class OffloadedExperts(ExpertBackend):
         if self.routing is not None:  # a `DeviceRoutingHook` (device_step_ready)
             ids, weights = self.routing.route_on_device(moe_layer, position, ids, weights)
         out = self.token_outputs(x.shape[0])[0]
-        self._device_step.run(moe_layer * self.num_experts, x, ids, weights, out, timeline)
+        self._device_step.run(moe_layer * self.num_experts, x, ids, weights, out, timeline, first=moe_layer == 0,
+                              last=moe_layer == self.pool.header.num_moe_layers - 1)
 
     def launch_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> None:
         """Plans the staged call and starts both parts; `finish_staged` returns them."""
@@ -352,7 +353,7 @@ class OffloadedExperts(ExpertBackend):
         """One token's hits and fills from the slots into `device_out`: on a GPU with the engine's
         kernel, one CUDA graph over all k pair entries (unused ones skipped), captured at the
         second call (the first compiles the kernel); elsewhere torch over the n_pairs used."""
-        if not self.on_gpu or self.store.device_kernel is None:
+        if not self.on_gpu or self.store.kernels is None:
             tok.device_out.zero_()
             if n_pairs:
                 self.store.experts_on_device(tok.x, tok.planner.pairs[:, :n_pairs].to(self.device), tok.device_out)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +27,17 @@ from ftc_runtime.io.host_memory import pin_in_place
 
 # (x [T, hidden] fp32, slots, pair_slot int32, pair_tok int32, pair_w fp32, out [T, hidden] fp32): out += ...
 DeviceKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class GpuExpertKernels(NamedTuple):
+    """The engine's generated device kernels of its expert format (kernels/expert_ffn_triton.py):
+    `decode` for a few tokens per expert (pairs with a negative slot skipped), `pair_outputs` the
+    same with each pair's output row left unsummed (last argument [pairs, hidden] fp32, written),
+    `grouped` for many tokens per expert (pairs sorted by slot)."""
+
+    decode: DeviceKernel
+    pair_outputs: DeviceKernel
+    grouped: DeviceKernel
 
 
 def consecutive_runs(slots: np.ndarray, ids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -41,13 +53,11 @@ def consecutive_runs(slots: np.ndarray, ids: np.ndarray) -> list[tuple[int, int,
 
 
 class SlotStore:
-    """n_slots expert slots on `device` over the host pool `pool`. `device_kernel` serves a few
-    tokens per expert (pairs with a negative slot skipped), `grouped_kernel` many (pairs sorted by
-    slot); None: torch."""
+    """n_slots expert slots on `device` over the host pool `pool`; the experts on them run on
+    `kernels` (None: torch)."""
 
     def __init__(self, pool: ExpertPool, device: torch.device, n_slots: int, policy: CachePolicy = "lru",
-                 device_kernel: DeviceKernel | None = None, grouped_kernel: DeviceKernel | None = None,
-                 swiglu_limit: float = 0.0):
+                 kernels: GpuExpertKernels | None = None, swiglu_limit: float = 0.0):
         h = pool.header
         self.pool, self.header, self.device = pool, h, torch.device(device)
         self.swiglu_limit = swiglu_limit  # the torch path's clamp, as the generated kernels have it
@@ -61,7 +71,7 @@ class SlotStore:
         self.host_rows = pool.experts
         self.cache = ExpertCache(h.num_rows, n_slots, policy)
         self.slots = torch.empty(n_slots, h.expert_stride, dtype=torch.uint8, device=self.device)
-        self.device_kernel, self.grouped_kernel = device_kernel, grouped_kernel
+        self.kernels = kernels
 
     @property
     def num_experts(self) -> int:
@@ -101,11 +111,16 @@ class SlotStore:
     def experts_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
         """out += the pairs' experts ([3, P] int32: slot, token, weight bits) with the decode kernel
         (a few tokens per expert), else torch."""
-        self._run(self.device_kernel, x, pairs, out)
+        self._run(None if self.kernels is None else self.kernels.decode, x, pairs, out)
 
     def grouped_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
         """out += the pairs' experts with the grouped GEMM kernel (many tokens per expert), else torch."""
-        self._run(self.grouped_kernel, x, pairs, out)
+        self._run(None if self.kernels is None else self.kernels.grouped, x, pairs, out)
+
+    def pair_outputs_on_device(self, x: torch.Tensor, pairs: torch.Tensor, pair_out: torch.Tensor) -> None:
+        """pair_out [P, hidden] fp32 = each pair's weighted expert output, a zero row for a pair
+        whose slot is negative (the decode kernel's: `kernels` needed)."""
+        self.kernels.pair_outputs(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), pair_out)
 
     def _run(self, kernel: DeviceKernel | None, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
         if kernel is None:
