@@ -19,6 +19,7 @@
 #   bash bench/device_body.sh OUT_DIR 9   the step's join summing the pairs' rows and the LRU candidates computed
 #                                         a layer ahead: the GPU tests of the step, the doorbell and the graphs
 #                                         (one batched case per family kind), the qwen3-30b-a3b matrices
+#   bash bench/device_body.sh OUT_DIR 10  part 9 with the join as one program again, its GPU tests fewer
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -72,11 +73,15 @@ elif [ "$part" = 6 ]; then
     --policies adaptive,cpu --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
   timeout 220 python3 bench/decode_matrix.py $q36 --target h200 --vram-budget 8GiB --override expert_format=nvfp4 \
     --policies adaptive --routings uniform --new-tokens 34 --profile -o "$out/q36_nvfp4" 2>&1 | grep "tok/s"
-elif [ "$part" = 9 ]; then
+elif [ "$part" = 9 ] || [ "$part" = 10 ]; then
+  if [ "$part" = 9 ]; then
+    tests="gpu_rings or wait_tunes or device_step or test_decode_graphs_equal or triton_expert or gpu_engine_matches \
+      or (batched and (qwen3-moe-tiny-None or qwen3.6-moe-tiny-nvfp4 or deepseek-v4-tiny-mxfp4))"
+  else
+    tests="gpu_rings or wait_tunes or device_step or triton_expert"
+  fi
   timeout 210 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
-    -k "gpu_rings or wait_tunes or device_step or test_decode_graphs_equal or triton_expert or gpu_engine_matches \
-    or (batched and (qwen3-moe-tiny-None or qwen3.6-moe-tiny-nvfp4 or deepseek-v4-tiny-mxfp4))" 2>&1 \
-    | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
+    -k "$tests" 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
   export FTC_DEVICE_PLAN=1
   timeout 200 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
     --policies adaptive,gpu --routings $trace,uniform --new-tokens 66 -o "$out/q30_bf16" 2>&1 | grep "tok/s"

@@ -163,11 +163,11 @@ def test_the_gpu_rings_and_joins_the_cpu_job_also_in_a_graph(cpu_engine, seed):
 def test_the_wait_tunes_the_split_towards_the_side_that_finished_last(seed):
     """The join on a mailbox answered by this thread: an answer already there moves the
     adaptive split's bias down one step (the GPU's share took longer), an answer that comes while
-    the device spins moves it up, once however many of its programs waited; a layer without a
-    choice (under two misses, or no CPU job while the split itself chose fewer fills than misses)
-    and an untuned rule leave it; the output is the pairs' rows that have a slot plus the CPU's
-    result where the call had CPU experts (a call without them posted no job: no wait, and the
-    split chose every fill, the bias moves down as for an answer already there)."""
+    the device spins moves it up; a layer without a choice (under two misses, or no CPU job while
+    the split itself chose fewer fills than misses) and an untuned rule leave it. The output is
+    the pairs' rows that have a slot plus the CPU's result where the call had CPU experts (a call
+    without them posted no job: no wait, and the split chose every fill, the bias moves down as
+    for an answer already there)."""
     import threading
     import time
 
@@ -177,7 +177,7 @@ def test_the_wait_tunes_the_split_towards_the_side_that_finished_last(seed):
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    hidden, seq, k = rng.choice([64, 1100]), rng.randrange(2, 1000), 8  # one program, or three that all wait
+    hidden, seq, k = rng.choice([64, 1100]), rng.randrange(2, 1000), 8  # one column block, or three
     done = torch.zeros(1, dtype=torch.int64).pin_memory()
     box_out = torch.randn(1, hidden, generator=g).pin_memory()
     kernels = DoorbellKernels.__new__(DoorbellKernels)  # its device side over this test's mailbox

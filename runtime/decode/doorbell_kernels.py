@@ -15,10 +15,11 @@ graph to hold:
   without a choice are left out: fewer than two misses, or no CPU job because the recent misses
   took every fill.
 
-`post_job` is one program (a decode call's job is at most 16 tokens and 16·k entries); the join
-one per block of columns, each spinning on the answer itself. The flags are read and written with
-`ld.acquire.sys` / `st.release.sys` (inline PTX): plain loads could be served from a stale line,
-and system-scope atomics would need PCIe atomics from the host bridge.
+Both are one program: a decode call's job is at most 16 tokens and 16·k entries, and the answer
+has one poller (docs/performance.md: a join of one program per column block, each polling, slowed
+every call with CPU experts). The flags are read and written with `ld.acquire.sys` /
+`st.release.sys` (inline PTX): plain loads could be served from a stale line, and system-scope
+atomics would need PCIe atomics from the host bridge.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ftc_runtime.decode.device_plan import LayerPlan, PlanRule
 from ftc_runtime.io.host_memory import mapped_address
 
 XBLOCK = 4096  # elements of x a step of `post_job` moves
-JOIN_ELEMENTS = 8192  # (pair entry, column) elements a program of the join holds at once
+JOIN_ELEMENTS = 8192  # (pair entry, column) elements the join holds at once
 SPINS = 1 << 24  # looks at the answer flag before a wait gives up (each crosses PCIe: seconds in all)
 
 
@@ -103,10 +104,11 @@ def _tune(counts, bias, waited, step):
 
 
 @triton.jit
-def _wait_and_join(done, counter, box_out, out, hits, fills, phase_pairs, n, hidden, status, counts, bias, step,
-                   SPINS: tl.constexpr, T: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, TUNE: tl.constexpr):
-    """out[t, cols] = the CPU's rows + Σ of the call's device pairs of token t (each entry's row of
-    `hits` or `fills`, where its phase gave it a slot), for this program's BLOCK columns."""
+def _wait_and_join(done, counter, box_out, out, hits, fills, phase_pairs, n, status, counts, bias, step,
+                   SPINS: tl.constexpr, T: tl.constexpr, H: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
+                   TUNE: tl.constexpr):
+    """out[t] = the CPU's row t + Σ of the call's device pairs of token t (each entry's row of
+    `hits` or `fills`, where its phase gave it a slot), BLOCK columns at a time."""
     seq = tl.load(counter)
     job = tl.load(counts + 2) > 0  # `post_job` rang for this call
     spins = 0
@@ -119,21 +121,23 @@ def _wait_and_join(done, counter, box_out, out, hits, fills, phase_pairs, n, hid
             tl.store(status, 1)
             spins = -1
     if TUNE:
-        if (tl.program_id(0) == 0) & (spins >= 0):
+        if spins >= 0:
             _tune(counts, bias, spins > 0, step)
     e = tl.arange(0, NP)
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    emask, cmask = e < n, cols < hidden
+    emask = e < n
     on_hit = tl.load(phase_pairs + e, mask=emask, other=-1) >= 0
     on_fill = tl.load(phase_pairs + 3 * n + e, mask=emask, other=-1) >= 0
     tok = tl.load(phase_pairs + n + e, mask=emask, other=-1)
-    rows = e[:, None] * hidden + cols[None, :]
-    pair_rows = (tl.load(hits + rows, mask=on_hit[:, None] & cmask[None, :], other=0.0)
-                 + tl.load(fills + rows, mask=on_fill[:, None] & cmask[None, :], other=0.0))
-    for t in tl.static_range(T):
-        y = tl.load(box_out + t * hidden + cols, mask=cmask & job & (spins >= 0), other=0.0)
-        y += tl.sum(tl.where((tok == t)[:, None], pair_rows, 0.0), axis=0)
-        tl.store(out + t * hidden + cols, y, mask=cmask)
+    for start in range(0, H, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        cmask = cols < H
+        rows = e[:, None] * H + cols[None, :]
+        pair_rows = (tl.load(hits + rows, mask=on_hit[:, None] & cmask[None, :], other=0.0)
+                     + tl.load(fills + rows, mask=on_fill[:, None] & cmask[None, :], other=0.0))
+        for t in tl.static_range(T):
+            y = tl.load(box_out + t * H + cols, mask=cmask & job & (spins >= 0), other=0.0)
+            y += tl.sum(tl.where((tok == t)[:, None], pair_rows, 0.0), axis=0)
+            tl.store(out + t * H + cols, y, mask=cmask)
 
 
 class DoorbellKernels:
@@ -166,10 +170,10 @@ class DoorbellKernels:
         (t, hidden), n = out.shape, plan.pairs.shape[1]
         np2 = max(16, triton.next_power_of_2(n))
         block = max(16, min(triton.next_power_of_2(hidden), JOIN_ELEMENTS // np2))
-        _wait_and_join[(triton.cdiv(hidden, block),)](
-            self.done, self.counter, self.box["out"], out, hits, fills, plan.phase_pairs, n, hidden, self.status,
-            plan.counts, rule.bias, rule.tune_step, SPINS=SPINS, T=t, NP=np2, BLOCK=block, TUNE=rule.tune_step > 0,
-            num_warps=4)
+        _wait_and_join[(1,)](
+            self.done, self.counter, self.box["out"], out, hits, fills, plan.phase_pairs, n, self.status, plan.counts,
+            rule.bias, rule.tune_step, SPINS=SPINS, T=t, H=hidden, NP=np2, BLOCK=block, TUNE=rule.tune_step > 0,
+            num_warps=8)
 
     def check(self) -> None:
         """Raises if a wait gave up since the last check (reads a device flag: a safe point only)."""

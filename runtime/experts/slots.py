@@ -33,11 +33,11 @@ class GpuExpertKernels(NamedTuple):
     """The engine's generated device kernels of its expert format (kernels/expert_ffn_triton.py):
     `decode` for a few tokens per expert (pairs with a negative slot skipped), `pair_outputs` the
     same with each pair's output row left unsummed (last argument [pairs, hidden] fp32, written),
-    `grouped` for many tokens per expert (pairs sorted by slot)."""
+    `grouped` for many tokens per expert (pairs sorted by slot; None: torch)."""
 
     decode: DeviceKernel
     pair_outputs: DeviceKernel
-    grouped: DeviceKernel
+    grouped: DeviceKernel | None
 
 
 def consecutive_runs(slots: np.ndarray, ids: np.ndarray) -> list[tuple[int, int, int]]:
