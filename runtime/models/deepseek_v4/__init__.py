@@ -22,10 +22,10 @@ from ftc_runtime.models.deepseek_v4.model import DeepseekV4Model
 FP32_TENSORS = ("hc.fn", "hc.base", "hc.scale", "hc_fn", "hc_base", "hc_scale", "sinks", "position_bias",
                 "e_score_correction_bias")
 
-# The hyper-connections' Sinkhorn steps, the compressors, the indexer and the sparse attention as
-# a decode graph's many small kernels: DeepSeek-V4-Flash cut to 20 layers on the h200 (body 0.6596,
-# plan 0.0151, hits 0.082 ms per MoE layer less 0.09 of reads; docs/performance.md).
-DECODE_FIXED_MS = 0.66
+# The hyper-connections, the compressors, the indexer and the sparse attention as a decode graph's
+# many small kernels: DeepSeek-V4-Flash cut to 20 layers with FP8 projections on the h200 (body
+# 0.3365, plan 0.011, hits 0.0781 ms per MoE layer less 0.073 of reads; docs/performance.md).
+DECODE_FIXED_MS = 0.35
 
 FAMILIES = {
     "deepseek_v4": Family("deepseek_v4", DeepseekV4Model, check_spec, dense_tensor_shapes, spec_from_hf,
