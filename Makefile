@@ -21,11 +21,11 @@ $(VENV)/.torch:
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PIP) install -q -e .
+	$(PIP) install -q -e '.[compile]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[compile,dev]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from ftc.codegen.build import build_kernels
 from ftc.codegen.render import render_cpu_kernels
 from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest
 from ftc_runtime.cpu_info import worker_cpus
@@ -29,6 +28,7 @@ from ftc_runtime.experts.base import group_by_expert
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.experts.throughput import expert_kernel_gbps, time_calls
 from ftc_runtime.io import ftw
+from ftc_runtime.kernel_build import build_kernels
 from ftc_runtime.settings import settings
 
 HUGE_PAGE = 2 << 20

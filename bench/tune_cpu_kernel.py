@@ -14,13 +14,13 @@ import json
 import tempfile
 from pathlib import Path
 
-from ftc.codegen.build import build_kernels
 from ftc.codegen.render import render_cpu_kernels
 from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest
 from ftc_runtime.cpu_info import worker_cpus
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.experts.throughput import expert_kernel_gbps
 from ftc_runtime.io import ftw
+from ftc_runtime.kernel_build import build_kernels
 from ftc_runtime.settings import settings
 
 

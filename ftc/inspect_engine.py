@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ftc_runtime.artifact import EXPERTS_FILE, EngineManifest, check_engine
+from ftc_runtime.artifact import EngineManifest, check_engine
 from ftc_runtime.experts.vram_plan import gib, plan_vram
 from ftc_runtime.formats import expert_format
 from ftc_runtime.io.ftw import read_header
@@ -139,7 +139,7 @@ def _plan_table(m: EngineManifest) -> Table:
 
 
 def _vram_table(m: EngineManifest, budget: int, max_context: int) -> Table:
-    header, _ = read_header(m.path(EXPERTS_FILE))
+    header, _ = read_header(m.experts_source())
     plan = plan_vram(m.spec, stored_bytes(stored_dense(m.spec)), budget, header.expert_stride, header.num_rows,
                      max_context)
     t = Table(title=f"GPU memory within --vram-budget {gib(budget)}", show_header=False)

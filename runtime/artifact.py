@@ -137,6 +137,7 @@ class EngineManifest:
             raise ArtifactError(f"{path}: field 'sampling': {e}") from None
         files = _field(raw, "files", path)
         _check_files(files, path)
+        _check_shards(raw.get("experts_shards"), files, path)
         return cls(root, spec, plan, raw["target"], raw["weights_source"], files, raw)
 
     @property
@@ -149,6 +150,22 @@ class EngineManifest:
         """Compiled with its experts in memory (a benchmark engine): no experts.ftw."""
         return self.raw.get("experts_in_memory", False)
 
+    @property
+    def expert_files(self) -> tuple[str, ...]:
+        """The files that hold the experts: experts.ftw, or a packaged engine's shards of it (none
+        when the experts are in memory)."""
+        if self.experts_in_memory:
+            return ()
+        shards = self.raw.get("experts_shards")
+        return (EXPERTS_FILE,) if shards is None else tuple(shards)
+
+    def experts_source(self) -> Path | ftw.FtwShards:
+        """What the FTW readers take: experts.ftw's path, or its shards with their recorded sizes."""
+        rels = self.expert_files
+        if rels == (EXPERTS_FILE,):
+            return self.path(EXPERTS_FILE)
+        return ftw.FtwShards(tuple(self.path(r) for r in rels), tuple(self.files[r]["bytes"] for r in rels))
+
     def path(self, rel: str) -> Path:
         """The listed file `rel`, its symlinks resolved inside the engine directory (refused when
         one leads out); the path to open, stat or hand to a library."""
@@ -159,11 +176,12 @@ class EngineManifest:
             raise ArtifactError(f"{self.root / rel}: missing from the engine")
         return resolved
 
-    def verify(self, skip_hash: tuple[str, ...] = (EXPERTS_FILE,)) -> None:
-        """Every listed file exists with its recorded size; all but `skip_hash` match their sha256.
+    def verify(self) -> None:
+        """Every listed file exists with its recorded size; all but the experts' match their sha256.
 
-        The expert file is checked row by row against its own checksums when it is loaded, which
-        is far cheaper than hashing tens of gigabytes at every start."""
+        The expert file (or its shards) is checked row by row against its own checksums when it is
+        loaded, which is far cheaper than hashing tens of gigabytes at every start."""
+        skip_hash = self.expert_files
         for rel, meta in self.files.items():
             path = self.path(rel)
             size = _regular_file(path).st_size
@@ -232,6 +250,19 @@ def _check_kernel_check(checks: Any, path: Path) -> None:
         ok = isinstance(c, dict) and (isinstance(c.get("not_run"), str) or (
             type(c.get("tokens")) is int and type(c.get("rel_error")) in (int, float)))
         _expect(ok, path, f"kernel_check[{i}]", c, "a mapping of 'not_run', or of 'tokens' and 'rel_error'")
+
+
+def _check_shards(shards: Any, files: dict[str, Any], path: Path) -> None:
+    """A packaged engine's `experts_shards`: the names of the files that hold experts.ftw's bytes
+    in order, each one listed in `files`."""
+    if shards is None:
+        return
+    _expect(isinstance(shards, list) and shards and all(isinstance(r, str) for r in shards), path, "experts_shards",
+            shards, "a list of the files that hold the experts, in order")
+    for rel in shards:
+        if rel not in files or shards.count(rel) > 1:
+            raise ArtifactError(f"{path}: field 'experts_shards' entry {short_repr(rel)}: "
+                                + ("listed twice" if rel in files else "has no entry in 'files'"))
 
 
 def _check_files(files: Any, path: Path) -> None:
@@ -327,7 +358,7 @@ def check_engine(root: Path, hash_experts: bool = False) -> CheckedEngine:
     chat template, kernel library and Triton source can be read. With `hash_experts` the expert
     file is read once whole: its sha256 and every row's CRC-32 (the loader checks rows as it reads)."""
     m = EngineManifest.read(root)
-    for rel in REQUIRED_FILES if m.experts_in_memory else (EXPERTS_FILE, *REQUIRED_FILES):
+    for rel in (*m.expert_files, *REQUIRED_FILES):
         m.path(rel)
     m.verify()
     experts = None if m.experts_in_memory else _check_experts(m, hash_experts)
@@ -340,8 +371,9 @@ def check_engine(root: Path, hash_experts: bool = False) -> CheckedEngine:
 
 
 def _check_experts(m: EngineManifest, hash_experts: bool) -> ftw.FtwHeader:
-    path = m.path(EXPERTS_FILE)
-    header, checksums = ftw.read_header(path)
+    source = m.experts_source()
+    header, checksums = ftw.read_header(source)
+    path = m.path(m.expert_files[0])
     spec = m.spec
     needed = ftw.FtwHeader.create(spec.expert_format, len(spec.moe_layers), spec.moe.num_experts, spec.hidden_size,
                                   spec.moe.expert_intermediate_size)
@@ -349,8 +381,10 @@ def _check_experts(m: EngineManifest, hash_experts: bool) -> ftw.FtwHeader:
         raise ftw.FtwError(f"{path}: holds {header.num_moe_layers} MoE layers × {header.num_experts} experts of "
                            f"{_banks(header)}, the spec needs {needed.num_moe_layers} × {needed.num_experts} of "
                            f"{_banks(needed)}")
-    if hash_experts and ftw.verify_file(path, header, checksums) != m.files[EXPERTS_FILE]["sha256"]:
-        raise ArtifactError(f"{path}: corrupted: sha256 differs from the one in engine.json")
+    if hash_experts:
+        for rel, sha in zip(m.expert_files, ftw.verify_file(source, header, checksums), strict=True):
+            if sha != m.files[rel]["sha256"]:
+                raise ArtifactError(f"{m.path(rel)}: corrupted: sha256 differs from the one in engine.json")
     return header
 
 

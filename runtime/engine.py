@@ -20,8 +20,6 @@ from safetensors.torch import load_file
 
 from ftc_runtime.artifact import (
     DENSE_FILE,
-    EXPERTS_FILE,
-    LIBRARY_FILE,
     TRITON_EXPERT_FILE,
     ArtifactError,
     EngineManifest,
@@ -42,6 +40,7 @@ from ftc_runtime.experts.offload import OffloadedExperts
 from ftc_runtime.experts.slots import GpuExpertKernels
 from ftc_runtime.experts.vram_plan import VramPlan, plan_vram
 from ftc_runtime.io import ftw
+from ftc_runtime.kernel_sets import kernel_library
 from ftc_runtime.models import family
 from ftc_runtime.models.dense_layout import FP8_BLOCK, StoredTensors, fp8_names, scale_name, stored_bytes
 from ftc_runtime.models.layers.fp8_linear import BlockFp8, has_fp8_conversion
@@ -268,7 +267,7 @@ def _expert_pool(manifest: EngineManifest, pool: ftw.ExpertPool | None, show_pro
         pool = _load_pool(manifest, show_progress)
     spec, h = manifest.spec, pool.header
     if (h.num_moe_layers, h.num_experts) != (len(spec.moe_layers), spec.moe.num_experts):
-        raise ftw.FtwError(f"{manifest.root / EXPERTS_FILE}: holds {h.num_moe_layers} MoE layers × "
+        raise ftw.FtwError(f"{manifest.path(manifest.expert_files[0])}: holds {h.num_moe_layers} MoE layers × "
                            f"{h.num_experts} experts, the spec needs {len(spec.moe_layers)} × {spec.moe.num_experts}")
     return pool
 
@@ -305,12 +304,13 @@ def _worker_cpus(plan: Plan, offload: OffloadConfig | None) -> tuple[list[int], 
 
 
 def _cpu_kernel(manifest: EngineManifest, cpus: list[int], background: bool) -> CpuExpertKernel:
-    """The engine's kernel library; one that the dynamic loader refuses, or that lacks the kernel's
-    symbols, is a damaged file (KernelError stays for a library built for other shapes or CPUs)."""
-    path, spec = manifest.path(LIBRARY_FILE), manifest.spec
+    """The engine's kernel library (`kernel_library`); one that the dynamic loader refuses, or that
+    lacks the kernel's symbols, is a damaged file (KernelError stays for a library built for other
+    shapes or CPUs)."""
+    path, isa = kernel_library(manifest)
+    spec = manifest.spec
     try:
-        return CpuExpertKernel(path, manifest.plan.isa, spec.hidden_size, spec.moe.expert_intermediate_size,
-                               cpus, background)
+        return CpuExpertKernel(path, isa, spec.hidden_size, spec.moe.expert_intermediate_size, cpus, background)
     except (OSError, AttributeError) as e:
         raise ArtifactError(f"{path}: not a loadable ftc kernel library ({' '.join(str(e).split())})") from None
 
@@ -340,8 +340,8 @@ def _load_pool(manifest: EngineManifest, show_progress: bool) -> ftw.ExpertPool:
     console = Console(stderr=True)
     with Progress(TextColumn("loading experts"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   console=console, disable=not (show_progress and console.is_terminal), transient=True) as bar:
-        task = bar.add_task("experts", total=manifest.files[EXPERTS_FILE]["bytes"])
-        return ftw.load(manifest.path(EXPERTS_FILE), on_bytes=lambda n: bar.advance(task, n))
+        task = bar.add_task("experts", total=sum(manifest.files[r]["bytes"] for r in manifest.expert_files))
+        return ftw.load(manifest.experts_source(), on_bytes=lambda n: bar.advance(task, n))
 
 
 def _gpu_expert_kernels(manifest: EngineManifest, device: str) -> GpuExpertKernels | None:

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.codegen.build import build_kernels
 from ftc.codegen.render import render_cpu_kernels
 from ftc.compile.ftw_writer import FtwWriter
 from ftc.compile.pipeline import make_plan
@@ -20,6 +19,7 @@ from ftc_runtime.experts.base import group_by_expert
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.formats import FORMATS, expert_format
 from ftc_runtime.io import ftw
+from ftc_runtime.kernel_build import build_kernels
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec
 

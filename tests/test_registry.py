@@ -23,3 +23,19 @@ def test_each_test_family_is_complete():
         # 'cpu' compiles the AVX2 kernel; 'auto' may pick AVX-512 BF16 on a CPU that has it
         isas = {"avx2"} | ({"avx512_bf16"} if "auto" in tiny.targets else set())
         assert isas <= set(tiny.bounds), f"{name}: no bounds for {isas - set(tiny.bounds)}"
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists the packages a (non-editable) install carries: a family's folder left
+    out would be missing from every wheel, though an editable install finds it."""
+    from pathlib import Path
+
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    names = {"runtime": "ftc_runtime", "ftc": "ftc"}
+    found = {".".join([names[p.parts[0]], *p.parts[1:]]) for top in names
+             for p in (f.parent.relative_to(root) for f in (root / top).rglob("__init__.py"))}
+    assert found - listed == set(), "package folders pyproject.toml does not install"

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ftc_runtime.artifact import EXPERTS_FILE, LIBRARY_FILE, EngineManifest
+from ftc_runtime.artifact import LIBRARY_FILE, EngineManifest
 from ftc_runtime.cpu_info import worker_cpus
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.experts.throughput import expert_kernel_gbps, l3_bytes, routed_gbps, torch_read_gbps
@@ -43,7 +43,7 @@ def bench_experts(engine: Path, tokens: int = 1, threads: int | None = None, sec
     manifest = EngineManifest.read(engine)
     manifest.verify()
     spec, plan = manifest.spec, manifest.plan
-    pool = pool or ftw.load(manifest.path(EXPERTS_FILE))
+    pool = pool or ftw.load(manifest.experts_source())
     kernel = CpuExpertKernel(manifest.path(LIBRARY_FILE), plan.isa, spec.hidden_size,
                              spec.moe.expert_intermediate_size, worker_cpus(threads or plan.cpu_threads))
     ours = expert_kernel_gbps(spec, pool, kernel, tokens, seconds, seed)

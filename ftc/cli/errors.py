@@ -18,7 +18,6 @@ def fail(e: Exception) -> None:
 def user_errors() -> tuple[type[Exception], ...]:
     """The errors that report a user's mistake (a bad spec, engine, file or option), not a bug.
     Imported when one is raised, so that a command line starts without the compiler and runtime."""
-    from ftc.codegen.build import BuildError
     from ftc.codegen.kernel_check import KernelCheckError
     from ftc.codegen.render import CodegenError
     from ftc.compile.checkpoint import CheckpointError
@@ -26,6 +25,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     from ftc_runtime.artifact import ArtifactError
     from ftc_runtime.experts.cpu_kernel import KernelError
     from ftc_runtime.io.ftw import FtwError
+    from ftc_runtime.kernel_build import BuildError
     from ftc_runtime.settings import SettingsError
     from ftc_runtime.spec import SpecError
 

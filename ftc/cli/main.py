@@ -45,6 +45,7 @@ from ftc.cli.options import (
     number_in,
     offload_config,
     output_file,
+    positive_size,
     prompt_ids_for,
     reprofile_engine,
     run_prompt,
@@ -110,9 +111,32 @@ def compile(
 
 
 @app.command()
+def package(
+    engine: Annotated[Path, typer.Argument(help="Engine directory to package.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The package: a folder to upload as a Hugging Face "
+                                         "model repository (or, with --archive, one tar file).")],
+    shard_size: Annotated[int, typer.Option(parser=positive_size, metavar="SIZE", help="Largest expert shard "
+                                            "(the Hub takes files of up to 50 GB).")] = 48 * 10**9,
+    archive: Annotated[bool, typer.Option("--archive", help="One uncompressed tar of the package instead of a "
+                                          "folder.")] = False,
+    repo_id: Annotated[str | None, typer.Option(help="The Hub repository ORG/NAME it will be uploaded to (the model "
+                                                "card's commands use it).")] = None,
+) -> None:
+    """Package an engine for others: expert shards, every file's sha256, a model card."""
+    from ftc.package import package_engine
+
+    try:
+        out = package_engine(engine, output, shard_size, archive, repo_id, err)
+    except user_errors() as e:
+        fail(e)
+    print(f"package ready: {out}")
+
+
+@app.command()
 def inspect(
-    engine: Annotated[Path, typer.Argument(help="Engine directory, or a model spec (.yaml) or checkpoint folder "
-                                           "with --target: its predicted memory split and speeds.")],
+    engine: Annotated[Path, typer.Argument(help="Engine directory (or archive, or Hugging Face repository ORG/NAME "
+                                           "of one), or a model spec (.yaml) or checkpoint folder with --target: "
+                                           "its predicted memory split and speeds.")],
     verify: Annotated[bool, typer.Option("--verify", help="Also check every file's sha256.")] = False,
     vram_budget: Annotated[int | None, typer.Option(parser=size, metavar="SIZE", help="Show the GPU memory split "
                                                     "for this budget, e.g. 8GiB.")] = None,
@@ -137,7 +161,9 @@ def inspect(
         elif override:
             raise ValueError("--override edits a spec: give it with --target (an engine's spec is fixed)")
         else:
-            tables = inspect_engine(engine, verify, vram_budget, max_context)
+            from ftc_runtime.engine_source import resolve_engine
+
+            tables = inspect_engine(resolve_engine(engine), verify, vram_budget, max_context)
     except user_errors() as e:
         fail(e)
     out = Console()
@@ -148,7 +174,8 @@ def inspect(
 @app.command()
 def run(
     ctx: typer.Context,
-    engine: Annotated[Path, typer.Argument(help="Engine directory.")],
+    engine: Annotated[Path, typer.Argument(help="Engine directory, an engine archive (`ftc package --archive`), or "
+                                           "a Hugging Face repository ORG/NAME of one.")],
     prompt: Annotated[str | None, typer.Option(help="One chat turn with this text (without a prompt: a "
                                                "conversation at a terminal, or stdin's text).")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="The prompt's text from this file.")] = None,
@@ -207,8 +234,11 @@ def run(
     """Chat with an engine: one turn (--prompt, --prompt-file, or stdin's text), or a conversation
     when stdin is a terminal; --raw or --prompt-ids continue a prompt as it is. With --serve, answer
     the OpenAI and Anthropic APIs over HTTP."""
+    from ftc_runtime.engine_source import resolve_engine
+
     try:
         check_run_mode(ctx, serve)
+        engine = resolve_engine(engine)
         offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts)
         penalties = sampling_penalties(repeat_penalty, presence_penalty, frequency_penalty)
         if serve:

@@ -34,7 +34,6 @@ from rich.progress import (
 from safetensors.torch import save_file
 
 from ftc import __version__
-from ftc.codegen.build import build_kernels
 from ftc.codegen.kernel_check import check_expert_kernel
 from ftc.codegen.render import render_cpu_kernels, render_triton_kernels
 from ftc.compile.checkpoint_tokenizer import check_checkpoint_tokenizer, control_tokenizer
@@ -62,6 +61,7 @@ from ftc_runtime.cpu_info import missing_flags, worker_cpus
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.formats import expert_format
 from ftc_runtime.io.ftw import ExpertPool, FtwHeader, read_header
+from ftc_runtime.kernel_build import build_kernels
 from ftc_runtime.models import family
 from ftc_runtime.models.dense_layout import FP8_BLOCK, fp8_names, scale_name
 from ftc_runtime.sampling import DEFAULT_FIELDS, PENALTY_FIELDS, check_defaults

@@ -39,34 +39,45 @@ def read_into(path: Path, offset: int, buffer: torch.Tensor, threads: int | None
               on_bytes: Callable[[int], None] | None = None) -> ReadResult:
     """Fills `buffer` (page-aligned, as `aligned_empty` makes) with `buffer.numel()` bytes of the file
     from `offset`, in parallel; with `direct`, through O_DIRECT when the offset, the length and
-    the filesystem allow it. Raises EOFError when the file ends first."""
-    n = buffer.numel()
-    view = memoryview(buffer.numpy())
-    aligned = offset % PAGE == 0 and n % PAGE == 0 and buffer.data_ptr() % PAGE == 0
-    fd, used_direct = _open(path, direct and aligned)
-    t0 = time.perf_counter()
-    try:
-        pieces = [(a, min(PIECE, n - a)) for a in range(0, n, PIECE)]
+    the filesystem allow it. Raises EOFError(path, why) when the file ends first."""
+    return read_regions([(path, offset, buffer)], threads, direct, on_bytes)
 
-        def read(piece: tuple[int, int]) -> int:
-            a, length = piece
+
+def read_regions(regions: list[tuple[Path, int, torch.Tensor]], threads: int | None = None, direct: bool = True,
+                 on_bytes: Callable[[int], None] | None = None) -> ReadResult:
+    """`read_into` of several (file, offset, buffer) regions at once, their pieces on one pool of
+    threads (the shards of one file on one disk, or several). `direct` in the result: every
+    region was read with O_DIRECT."""
+    fds = []
+    try:
+        for path, offset, buffer in regions:
+            aligned = offset % PAGE == 0 and buffer.numel() % PAGE == 0 and buffer.data_ptr() % PAGE == 0
+            fds.append(_open(path, direct and aligned))
+        pieces = [(r, a, min(PIECE, buffer.numel() - a)) for r, (_, _, buffer) in enumerate(regions)
+                  for a in range(0, buffer.numel(), PIECE)]
+        views = [memoryview(buffer.numpy()) for _, _, buffer in regions]
+
+        def read(piece: tuple[int, int, int]) -> None:
+            r, a, length = piece
+            path, offset, _ = regions[r]
             done = 0
             while done < length:
-                got = os.preadv(fd, [view[a + done:a + length]], offset + a + done)
+                got = os.preadv(fds[r][0], [views[r][a + done:a + length]], offset + a + done)
                 if got == 0:
-                    raise EOFError(f"{path.name}: ends at byte {offset + a + done}, before the "
-                                   f"{offset + n} bytes its header describes (truncated)")
+                    raise EOFError(path, f"ends at byte {offset + a + done}, before the {offset + views[r].nbytes} "
+                                         "bytes its header describes")
                 done += got
             if on_bytes:
                 on_bytes(length)
-            return length
 
+        t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as ex:
             for _ in ex.map(read, pieces):
                 pass
+        return ReadResult(time.perf_counter() - t0, all(used for _, used in fds))
     finally:
-        os.close(fd)
-    return ReadResult(time.perf_counter() - t0, used_direct)
+        for fd, _ in fds:
+            os.close(fd)
 
 
 def sequential_direct_read(path: Path, offset: int, n: int) -> ReadResult:

@@ -13,6 +13,11 @@ the file is written in one sequential pass (its sha256 is computed on the way), 
 expert is one contiguous copy, and O_DIRECT can read the data region straight into the final host
 buffer. The trailer holds a CRC-32 for every row, so corruption is reported as the exact bank,
 layer and expert.
+
+A packaged engine stores the same bytes in several files (`FtwShards`: consecutive byte ranges,
+cut at expert boundaries, so that every shard's experts still start on a 4096-byte boundary of
+its file and read with O_DIRECT): the header in the first, the trailer in the last. Every reader
+here takes either one path or the shards (`FtwSource`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 
 from ftc_runtime import formats
 from ftc_runtime.formats.base import BankLayout, ExpertFormat
-from ftc_runtime.io.direct_read import ReadResult, aligned_empty, read_into
+from ftc_runtime.io.direct_read import ReadResult, aligned_empty, read_regions
 
 MAGIC = b"FTW1"
 VERSION = 3
@@ -52,6 +57,54 @@ def _positive_int(n: object) -> bool:
 
 def round_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class FtwShards:
+    """One FTW file's bytes as consecutive files: `paths[i]` holds `sizes[i]` bytes from
+    `starts[i]` on."""
+
+    paths: tuple[Path, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        starts, at = [], 0
+        for n in self.sizes:
+            starts.append(at)
+            at += n
+        return tuple(starts)
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+    def file_at(self, offset: int) -> Path:
+        """The shard that holds byte `offset` of the whole."""
+        for path, start, n in zip(self.paths, self.starts, self.sizes, strict=True):
+            if offset < start + n:
+                return path
+        return self.paths[-1]
+
+    def check_cuts(self, header: FtwHeader) -> None:
+        """Every cut lies on an expert boundary after the header and before the trailer: the
+        header is read from the first shard, the trailer from the last, each expert from one."""
+        for path, start in zip(self.paths[1:], self.starts[1:], strict=True):
+            rows, rest = divmod(start - header.data_offset, header.expert_stride)
+            if rest or not 0 < rows < header.num_rows:
+                raise FtwError(f"{path}: starts at byte {start} of the experts, not at an expert boundary after "
+                               f"the header and before the checksum trailer (shards cut elsewhere, or one shard "
+                               f"before it has the wrong size)")
+
+
+FtwSource = Path | FtwShards  # one FTW file, or the shards of one
+
+
+def shard_regions(source: FtwSource) -> list[tuple[Path, int, int]]:
+    """(path, start in the whole, bytes) of each file of `source`."""
+    if isinstance(source, FtwShards):
+        return list(zip(source.paths, source.starts, source.sizes, strict=True))
+    return [(source, 0, os.stat(source).st_size)]
 
 
 @dataclass(frozen=True)
@@ -142,34 +195,41 @@ def encode_trailer(checksums: dict[str, list[int]]) -> bytes:
     return json.dumps({k: [f"{c:08x}" for c in v] for k, v in checksums.items()}).encode()
 
 
-def read_header(path: Path) -> tuple[FtwHeader, dict[str, tuple[int, ...]]]:
+def read_header(source: FtwSource) -> tuple[FtwHeader, dict[str, tuple[int, ...]]]:
     """Parse and check the header and the checksum trailer; the data region is not read."""
+    files = [] if isinstance(source, Path) else shard_regions(source)
+    first = source if isinstance(source, Path) else source.paths[0]
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            header = _parse_header(f, size, path)
-            if size <= header.trailer_offset:
-                raise FtwError(f"{path}: truncated: {size} bytes on disk, the experts alone need "
-                               f"{header.trailer_offset} plus the checksum trailer")
-            # Bounded, so that a damaged header over a huge file cannot make the trailer a huge read.
-            limit = _trailer_limit(header)
-            if size - header.trailer_offset > limit:
-                raise FtwError(f"{path}: corrupted: {size - header.trailer_offset} bytes after the experts, "
-                               f"the checksum trailer of {header.num_rows} rows takes at most {limit}")
-            f.seek(header.trailer_offset)
+        with open(first, "rb") as f:
+            size = os.fstat(f.fileno()).st_size if isinstance(source, Path) else source.size
+            header = _parse_header(f, size, first)
+        if isinstance(source, FtwShards):
+            source.check_cuts(header)
+        last, last_start, _ = files[-1] if files else (first, 0, size)
+        if size <= header.trailer_offset:
+            raise FtwError(f"{last}: truncated: {size} bytes on disk, the experts alone need "
+                           f"{header.trailer_offset} plus the checksum trailer")
+        # Bounded, so that a damaged header over a huge file cannot make the trailer a huge read.
+        limit = _trailer_limit(header)
+        if size - header.trailer_offset > limit:
+            raise FtwError(f"{last}: corrupted: {size - header.trailer_offset} bytes after the experts, "
+                           f"the checksum trailer of {header.num_rows} rows takes at most {limit}")
+        with open(last, "rb") as f:
+            f.seek(header.trailer_offset - last_start)
             trailer = json.loads(f.read())
-            checksums = {b.name: tuple(int(c, 16) for c in trailer[b.name]) for b in header.banks}
-    except FileNotFoundError:
-        raise FtwError(f"{path}: file not found") from None
+        checksums = {b.name: tuple(int(c, 16) for c in trailer[b.name]) for b in header.banks}
+    except FileNotFoundError as e:
+        raise FtwError(f"{e.filename or first}: file not found") from None
     except FtwError:
         raise
     except OSError as e:
-        raise FtwError(f"{path}: cannot be read ({e.strerror or e})") from None
+        raise FtwError(f"{e.filename or first}: cannot be read ({e.strerror or e})") from None
     except (ValueError, KeyError, TypeError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
-        raise FtwError(f"{path}: corrupted header or checksum trailer ({type(e).__name__}: {e})") from None
+        name = first if isinstance(source, Path) else source.paths[-1]
+        raise FtwError(f"{name}: corrupted header or checksum trailer ({type(e).__name__}: {e})") from None
     for b in header.banks:
         if len(checksums[b.name]) != header.num_rows:
-            raise FtwError(f"{path}: checksum trailer has {len(checksums[b.name])} rows for bank "
+            raise FtwError(f"{first}: checksum trailer has {len(checksums[b.name])} rows for bank "
                            f"'{b.name}', expected {header.num_rows} (truncated or corrupted)")
     return header, checksums
 
@@ -220,21 +280,30 @@ def _trailer_limit(header: FtwHeader) -> int:
     return 2 + sum(6 * len(b.name) + 8 + 12 * header.num_rows for b in header.banks)
 
 
-def verify_file(path: Path, header: FtwHeader, checksums: dict[str, tuple[int, ...]]) -> str:
-    """Reads the file once, checking every row against its CRC-32 (as `load` does) and hashing the
-    whole file (engine.json records its sha256); returns the sha256. Nothing is kept in memory."""
+def verify_file(source: FtwSource, header: FtwHeader, checksums: dict[str, tuple[int, ...]]) -> list[str]:
+    """Reads the file (or each shard) once, checking every row against its CRC-32 (as `load` does)
+    and hashing it (engine.json records each file's sha256); returns the sha256 of each file, in
+    order. Nothing is kept in memory."""
+    return [_verify_one(path, start, n, header, checksums) for path, start, n in shard_regions(source)]
+
+
+def _verify_one(path: Path, start: int, n: int, header: FtwHeader, checksums: dict[str, tuple[int, ...]]) -> str:
+    """`path` holds bytes [start, start + n) of the whole: its header room (first file), then whole
+    experts, then the trailer (last file)."""
     sha = hashlib.sha256()
+    first_row = max(0, -(-(start - header.data_offset) // header.expert_stride))
+    end_row = min(header.num_rows, max(0, (start + n - header.data_offset) // header.expert_stride))
     per_read = max(1, (32 << 20) // header.expert_stride)  # experts per read
     try:
         with open(path, "rb") as f:
-            sha.update(_read_exact(f, header.data_offset, path))
-            for first in range(0, header.num_rows, per_read):
-                block = memoryview(_read_exact(f, min(per_read, header.num_rows - first) * header.expert_stride, path))
+            sha.update(_read_exact(f, max(0, header.data_offset + first_row * header.expert_stride - start), path))
+            for first in range(first_row, end_row, per_read):
+                block = memoryview(_read_exact(f, min(per_read, end_row - first) * header.expert_stride, path))
                 sha.update(block)
                 for i in range(len(block) // header.expert_stride):
                     for b in header.banks:
-                        start = i * header.expert_stride + b.offset
-                        got = zlib.crc32(block[start:start + b.row_bytes])
+                        at = i * header.expert_stride + b.offset
+                        got = zlib.crc32(block[at:at + b.row_bytes])
                         if got != checksums[b.name][first + i]:
                             raise _row_error(str(path), header, b.name, first + i, got, checksums[b.name][first + i])
             while chunk := f.read(16 << 20):
@@ -285,21 +354,27 @@ class ExpertPool:
         return self._banks[name]
 
 
-def load(path: Path, on_bytes: Callable[[int], None] | None = None, direct: bool = True,
+def load(source: FtwSource, on_bytes: Callable[[int], None] | None = None, direct: bool = True,
          on_read: Callable[[ReadResult], None] | None = None) -> ExpertPool:
-    """Read an FTW file's data region straight into one page-aligned host buffer (parallel reads,
-    O_DIRECT where the filesystem takes it: no page-cache copy, no repacking) and check every
-    row against its checksum. `on_read` receives the read's time and whether it was direct."""
-    header, checksums = read_header(path)
+    """Read an FTW file's data region (from one file or its shards, all at once) straight into one
+    page-aligned host buffer (parallel reads, O_DIRECT where the filesystem takes it: no page-cache
+    copy, no repacking) and check every row against its checksum. `on_read` receives the read's
+    time and whether it was direct."""
+    header, checksums = read_header(source)
     buffer = aligned_empty(header.data_bytes)
+    regions = []
+    for path, start, n in shard_regions(source):
+        a, b = max(start, header.data_offset), min(start + n, header.trailer_offset)
+        if a < b:
+            regions.append((path, a - start, buffer[a - header.data_offset:b - header.data_offset]))
     try:
-        result = read_into(path, header.data_offset, buffer, direct=direct, on_bytes=on_bytes)
-    except EOFError as e:  # the file shrank after its header was read
-        raise FtwError(f"{path}: truncated while loading ({e})") from None
+        result = read_regions(regions, direct=direct, on_bytes=on_bytes)
+    except EOFError as e:  # a file shrank after its header was read
+        raise FtwError(f"{e.args[0]}: truncated while loading ({e.args[1]})") from None
     if on_read:
         on_read(result)
     pool = ExpertPool(header, buffer)
-    verify_rows(pool, checksums, str(path))
+    verify_rows(pool, checksums, source)
     return pool
 
 
@@ -307,8 +382,9 @@ def row_checksum(row: torch.Tensor) -> int:
     return zlib.crc32(row.numpy())
 
 
-def verify_rows(pool: ExpertPool, checksums: dict[str, tuple[int, ...]], name: str) -> None:
-    """Check every row's CRC-32 (zlib releases the GIL, so the rows are checked on all cores)."""
+def verify_rows(pool: ExpertPool, checksums: dict[str, tuple[int, ...]], source: FtwSource) -> None:
+    """Check every row's CRC-32 (zlib releases the GIL, so the rows are checked on all cores); an
+    error names the file (or the shard) the row was read from."""
     h = pool.header
     jobs = [(b.name, r) for b in h.banks for r in range(h.num_rows)]
 
@@ -318,4 +394,5 @@ def verify_rows(pool: ExpertPool, checksums: dict[str, tuple[int, ...]], name: s
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
         for (bank, r), got in zip(jobs, ex.map(crc, jobs, chunksize=16), strict=True):
             if got != checksums[bank][r]:
-                raise _row_error(name, h, bank, r, got, checksums[bank][r])
+                name = source.file_at(h.data_offset + r * h.expert_stride) if isinstance(source, FtwShards) else source
+                raise _row_error(str(name), h, bank, r, got, checksums[bank][r])

@@ -1,4 +1,6 @@
-"""Builds the generated kernel sources with the cmake and ninja Python packages.
+"""Builds the generated kernel sources with the cmake and ninja Python packages: the compiler's
+build of a new engine, and the runtime's rebuild of a packaged engine's library for a CPU of
+another ISA from the sources the package carries.
 
 Built libraries are cached under FTC_CACHE_DIR by the hash of their sources and compiler, so
 engines that share shapes and ISA share one build.
@@ -12,9 +14,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-
-import cmake
-import ninja
 
 LIB_NAME = "libftc_kernels.so"
 
@@ -48,24 +47,34 @@ def _run(cmd: list[str], what: str) -> None:
 def build_kernels(kernels_dir: Path, lib_dir: Path, cache_dir: Path) -> tuple[Path, bool]:
     """Builds (or takes from the cache) the kernel library into `lib_dir`; returns its path and
     whether the cache served it."""
+    cached, hit = cached_library(kernels_dir, cache_dir)
     lib_dir.mkdir(parents=True, exist_ok=True)
-    key = cache_key(kernels_dir)
-    cached = cache_dir / "kernels" / key / LIB_NAME
     target = lib_dir / LIB_NAME
+    shutil.copyfile(cached, target)
+    return target, hit
+
+
+def cached_library(kernels_dir: Path, cache_dir: Path) -> tuple[Path, bool]:
+    """The library built from `kernels_dir` in the kernel cache (built first where it is not
+    there); whether the cache served it."""
+    cached = cache_dir / "kernels" / cache_key(kernels_dir) / LIB_NAME
     if cached.is_file():
-        shutil.copyfile(cached, target)
-        return target, True
+        return cached, True
     cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        import cmake
+        import ninja
+    except ImportError:
+        raise BuildError("building kernels needs the cmake and ninja Python packages: pip install 'ftc[compile]'") \
+            from None
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix="build-") as tmp:
         out = Path(tmp) / "out"
         cmake_bin = str(Path(cmake.CMAKE_BIN_DIR) / "cmake")
         _run([cmake_bin, "-S", str(kernels_dir), "-B", str(Path(tmp) / "b"), "-G", "Ninja",
               f"-DCMAKE_MAKE_PROGRAM={Path(ninja.BIN_DIR) / 'ninja'}", f"-DFTC_LIB_DIR={out}"], "cmake configure")
         _run([cmake_bin, "--build", str(Path(tmp) / "b")], "kernel build")
-        built = out / LIB_NAME
         cached.parent.mkdir(parents=True, exist_ok=True)
         staged = cached.with_suffix(".tmp")
-        shutil.copyfile(built, staged)
+        shutil.copyfile(out / LIB_NAME, staged)
         os.replace(staged, cached)
-    shutil.copyfile(cached, target)
-    return target, False
+    return cached, False
