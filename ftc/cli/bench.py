@@ -269,8 +269,9 @@ def load(
 ) -> None:
     """How fast an engine loads, against the disk's own read rate.
 
-    The loader's read of the expert file (parallel direct reads, every row's checksum checked)
-    against one sequential direct read of the same bytes, then the rest of the engine."""
+    The loader's read of the expert file or a package's shards (parallel direct reads, every row's
+    checksum checked) against one sequential direct read of the same bytes, then the rest of the
+    engine."""
     from ftc.bench.load import bench_load
 
     with failing_on_user_errors():
