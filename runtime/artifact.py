@@ -213,8 +213,12 @@ def _read_manifest(root: Path) -> dict[str, Any]:
                             if isinstance(raw, dict) else f"{path}: not an ftc engine manifest")
     version = raw.get("format_version")
     if type(version) is not int or version != FORMAT_VERSION:
-        raise ArtifactError(f"{path}: engine format version {short_repr(version)} is not supported "
-                            f"by this runtime (version {FORMAT_VERSION}); recompile the engine")
+        built = raw.get("ftc_version")
+        by = f" (written by ftc {short_repr(built)})" if isinstance(built, str) else ""
+        fix = "upgrade ftc to run it" if type(version) is int and version > FORMAT_VERSION else \
+            "recompile the engine (a packaged one: ask for a package of this format)"
+        raise ArtifactError(f"{path}: engine format version {short_repr(version)}{by} is not supported "
+                            f"by this runtime (version {FORMAT_VERSION}): {fix}")
     return raw
 
 

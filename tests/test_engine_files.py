@@ -80,8 +80,12 @@ def test_manifest_damage(copy: Path):
     manifest.write_text(json.dumps(good)[:-10])
     with pytest.raises(ArtifactError, match=r"engine\.json: corrupted"):
         Engine.load(copy)
-    manifest.write_text(json.dumps(good | {"format_version": 99}))
-    with pytest.raises(ArtifactError, match="format version 99 is not supported"):
+    manifest.write_text(json.dumps(good | {"format_version": 99, "ftc_version": "9.9.9"}))
+    with pytest.raises(ArtifactError, match=r"format version 99 \(written by ftc '9\.9\.9'\) is not supported .*: "
+                                            "upgrade ftc"):
+        Engine.load(copy)
+    manifest.write_text(json.dumps(good | {"format_version": good["format_version"] - 1}))
+    with pytest.raises(ArtifactError, match="is not supported .*: recompile the engine"):
         Engine.load(copy)
     manifest.write_text(json.dumps(good | {"spec": good["spec"] | {"hidden_size": -5}}))
     with pytest.raises(ArtifactError, match="hidden_size"):
