@@ -30,7 +30,7 @@ from ftc import __version__
 from ftc.codegen.render import CodegenError, render_cpu_kernels
 from ftc.compile.pipeline import make_plan
 from ftc.compile.targets import Target
-from ftc_runtime.artifact import EXPERTS_FILE, MANIFEST, ArtifactError, EngineManifest, check_engine
+from ftc_runtime.artifact import EXPERTS_FILE, MANIFEST, ArtifactError, EngineManifest, check_engine, describe_files
 from ftc_runtime.experts.vram_plan import VramError, gib, plan_vram
 from ftc_runtime.formats import expert_format
 from ftc_runtime.io import ftw
@@ -81,12 +81,12 @@ def package_engine(engine: Path, out: Path, shard_size: int = SHARD_SIZE, archiv
     _check_room(m, out.parent, archive)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.packaging-"))
     try:
-        files = _copy_engine(m, checked.experts, staging, shard_size, console)
+        files, shards = _copy_engine(m, checked.experts, staging, shard_size, console)
         kernel_sets = _other_isa_sources(m, staging, files)
-        _write_manifest(m, staging, files, shard_size, kernel_sets)
+        _write_manifest(m, staging, files, shards, shard_size, kernel_sets)
         (staging / CARD).write_text(model_card(EngineManifest.read(staging), repo_id))
-        files[CARD] = {"bytes": (staging / CARD).stat().st_size, "sha256": _sha256(staging / CARD)}
-        _write_manifest(m, staging, files, shard_size, kernel_sets)  # the card listed too
+        files |= describe_files(staging, [CARD])
+        _write_manifest(m, staging, files, shards, shard_size, kernel_sets)  # the card listed too
         if archive:
             _archive(staging, out, console)
         else:
@@ -106,8 +106,9 @@ def _check_room(m: EngineManifest, folder: Path, archive: bool) -> None:
 
 
 def _copy_engine(m: EngineManifest, header: ftw.FtwHeader, staging: Path, shard_size: int,
-                 console: Console) -> dict[str, dict]:
-    """Every file into `staging`, the experts cut into shards; the `files` table of the copies."""
+                 console: Console) -> tuple[dict[str, dict], list[str]]:
+    """Every file into `staging`, the experts cut into shards; the `files` table of the copies and
+    the shards' names, in order."""
     source = m.path(EXPERTS_FILE)
     size = m.files[EXPERTS_FILE]["bytes"]
     cuts = shard_cuts(header, size, shard_size)
@@ -123,10 +124,10 @@ def _copy_engine(m: EngineManifest, header: ftw.FtwHeader, staging: Path, shard_
     for rel in [r for r in m.files if r != EXPERTS_FILE] + _kernel_sources(m):
         (staging / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(m.path(rel) if rel in m.files else m.root / rel, staging / rel)
-        files[rel] = {"bytes": (staging / rel).stat().st_size, "sha256": _sha256(staging / rel)}
+        files |= describe_files(staging, [rel])
         if rel in m.files and files[rel] != {k: m.files[rel][k] for k in ("bytes", "sha256")}:
             raise ArtifactError(f"{m.path(rel)}: changed while it was packaged; not packaged")
-    return files
+    return files, names
 
 
 def _kernel_sources(m: EngineManifest) -> list[str]:
@@ -160,14 +161,6 @@ def _copy_range(source: Path, offset: int, n: int, dest: Path, whole: hashlib._H
     return {"bytes": n, "sha256": sha.hexdigest()}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(COPY_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _progress(console: Console) -> Progress:
     return Progress(TextColumn("{task.description:<10}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     console=console, transient=True)
@@ -187,16 +180,13 @@ def _other_isa_sources(m: EngineManifest, staging: Path, files: dict[str, dict])
             render_cpu_kernels(m.spec, plan, folder)
         except CodegenError:  # the model's shapes do not fit that ISA's kernel
             continue
-        for p in sorted(folder.iterdir()):
-            rel = p.relative_to(staging).as_posix()
-            files[rel] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        files |= describe_files(staging, [p.relative_to(staging).as_posix() for p in sorted(folder.iterdir())])
         sets[isa] = {"folder": f"kernels/{isa}", "plan": plan.to_dict()}
     return sets
 
 
-def _write_manifest(m: EngineManifest, staging: Path, files: dict[str, dict], shard_size: int,
+def _write_manifest(m: EngineManifest, staging: Path, files: dict[str, dict], shards: list[str], shard_size: int,
                     kernel_sets: dict[str, dict]) -> None:
-    shards = sorted(name for name in files if name.startswith("experts-") and name.endswith(".ftw"))
     raw = dict(m.raw)
     raw["files"] = files
     raw["experts_shards"] = shards

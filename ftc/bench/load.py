@@ -41,10 +41,5 @@ def bench_load(engine_dir: Path, offload: OffloadConfig | None) -> dict:
 def _disk_rate(source: ftw.FtwSource, header: ftw.FtwHeader) -> ReadResult:
     """The disk's own rate for the experts' bytes: each file's part read sequentially in turn,
     O_DIRECT where possible (`direct`: every part was)."""
-    seconds, direct = 0.0, True
-    for path, start, size in ftw.shard_regions(source):
-        a, b = max(start, header.data_offset), min(start + size, header.trailer_offset)
-        if a < b:
-            part = sequential_direct_read(path, a - start, b - a)
-            seconds, direct = seconds + part.seconds, direct and part.direct
-    return ReadResult(seconds, direct)
+    parts = [sequential_direct_read(path, offset, n) for path, offset, _, n in ftw.data_regions(source, header)]
+    return ReadResult(sum(p.seconds for p in parts), all(p.direct for p in parts))

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ftc_runtime.decode.cpu_doorbell import DONE, RING, CpuDoorbell, DoorbellError
 from ftc_runtime.decode.device_plan import LayerPlan, PlanRule
+from ftc_runtime.decode.plan_kernel import padded_entries
 from ftc_runtime.io.host_memory import mapped_address
 
 XBLOCK = 4096  # elements of x a step of `post_job` moves
@@ -168,7 +169,7 @@ class DoorbellKernels:
         that `plan.phase_pairs` gave a slot, summed per token in entry order. The rule's bias is
         tuned by the wait where it has a `tune_step`."""
         (t, hidden), n = out.shape, plan.pairs.shape[1]
-        np2 = max(16, triton.next_power_of_2(n))
+        np2 = padded_entries(n)
         block = max(16, min(triton.next_power_of_2(hidden), JOIN_ELEMENTS // np2))
         _wait_and_join[(1,)](
             self.done, self.counter, self.box["out"], out, hits, fills, plan.phase_pairs, n, self.status, plan.counts,

@@ -143,7 +143,7 @@ def _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_
 
 def candidates_buffer(t: CacheTables, n: int, device: torch.device) -> torch.Tensor:
     """The buffer `lru_candidates` fills for a call of n routed entries (int64)."""
-    return torch.empty(max(triton.cdiv(t.n_slots, BLOCK), 1) * _entries(n), dtype=torch.int64, device=device)
+    return torch.empty(max(triton.cdiv(t.n_slots, BLOCK), 1) * padded_entries(n), dtype=torch.int64, device=device)
 
 
 def lru_candidates(t: CacheTables, n: int, cands: torch.Tensor) -> None:
@@ -152,10 +152,11 @@ def lru_candidates(t: CacheTables, n: int, cands: torch.Tensor) -> None:
     on `last_used` alone, so a decode step computes the next call's beside the rest of a layer."""
     blocks = triton.cdiv(t.n_slots, BLOCK)
     if blocks:
-        _lru_candidates[(blocks,)](t.last_used, t.n_slots, cands, NP=_entries(n), BLOCK=BLOCK)
+        _lru_candidates[(blocks,)](t.last_used, t.n_slots, cands, NP=padded_entries(n), BLOCK=BLOCK)
 
 
-def _entries(n: int) -> int:
+def padded_entries(n: int) -> int:
+    """The block size of a call's n routed entries in the plan's (and the join's) tiles."""
     return max(16, triton.next_power_of_2(n))
 
 
@@ -167,7 +168,7 @@ def plan_layer_triton(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.T
     call's `lru_candidates`, computed already from the tables as they are now (None: here)."""
     n_tok, k = ids.shape
     n, dev = n_tok * k, ids.device
-    np2, blocks = _entries(n), triton.cdiv(t.n_slots, BLOCK)
+    np2, blocks = padded_entries(n), triton.cdiv(t.n_slots, BLOCK)
     if cands is None:
         cands = candidates_buffer(t, n, dev)
         lru_candidates(t, n, cands)

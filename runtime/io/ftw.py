@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import struct
@@ -69,11 +70,7 @@ class FtwShards:
 
     @property
     def starts(self) -> tuple[int, ...]:
-        starts, at = [], 0
-        for n in self.sizes:
-            starts.append(at)
-            at += n
-        return tuple(starts)
+        return tuple(itertools.accumulate(self.sizes[:-1], initial=0))
 
     @property
     def size(self) -> int:
@@ -105,6 +102,17 @@ def shard_regions(source: FtwSource) -> list[tuple[Path, int, int]]:
     if isinstance(source, FtwShards):
         return list(zip(source.paths, source.starts, source.sizes, strict=True))
     return [(source, 0, os.stat(source).st_size)]
+
+
+def data_regions(source: FtwSource, header: FtwHeader) -> list[tuple[Path, int, int, int]]:
+    """(path, offset in that file, offset in the data region, bytes) of each file's part of the
+    experts (not the header, not the trailer)."""
+    regions = []
+    for path, start, n in shard_regions(source):
+        a, b = max(start, header.data_offset), min(start + n, header.trailer_offset)
+        if a < b:
+            regions.append((path, a - start, a - header.data_offset, b - a))
+    return regions
 
 
 @dataclass(frozen=True)
@@ -196,40 +204,40 @@ def encode_trailer(checksums: dict[str, list[int]]) -> bytes:
 
 
 def read_header(source: FtwSource) -> tuple[FtwHeader, dict[str, tuple[int, ...]]]:
-    """Parse and check the header and the checksum trailer; the data region is not read."""
-    files = [] if isinstance(source, Path) else shard_regions(source)
-    first = source if isinstance(source, Path) else source.paths[0]
+    """Parse and check the header (from the first file) and the checksum trailer (from the last);
+    the data region is not read."""
+    reading = source if isinstance(source, Path) else source.paths[0]  # the file an error names
     try:
-        with open(first, "rb") as f:
-            size = os.fstat(f.fileno()).st_size if isinstance(source, Path) else source.size
-            header = _parse_header(f, size, first)
+        files = shard_regions(source)
+        size = sum(n for _, _, n in files)
+        with open(reading, "rb") as f:
+            header = _parse_header(f, size, reading)
         if isinstance(source, FtwShards):
             source.check_cuts(header)
-        last, last_start, _ = files[-1] if files else (first, 0, size)
+        reading, last_start, _ = files[-1]
         if size <= header.trailer_offset:
-            raise FtwError(f"{last}: truncated: {size} bytes on disk, the experts alone need "
+            raise FtwError(f"{reading}: truncated: {size} bytes on disk, the experts alone need "
                            f"{header.trailer_offset} plus the checksum trailer")
         # Bounded, so that a damaged header over a huge file cannot make the trailer a huge read.
         limit = _trailer_limit(header)
         if size - header.trailer_offset > limit:
-            raise FtwError(f"{last}: corrupted: {size - header.trailer_offset} bytes after the experts, "
+            raise FtwError(f"{reading}: corrupted: {size - header.trailer_offset} bytes after the experts, "
                            f"the checksum trailer of {header.num_rows} rows takes at most {limit}")
-        with open(last, "rb") as f:
+        with open(reading, "rb") as f:
             f.seek(header.trailer_offset - last_start)
             trailer = json.loads(f.read())
         checksums = {b.name: tuple(int(c, 16) for c in trailer[b.name]) for b in header.banks}
     except FileNotFoundError as e:
-        raise FtwError(f"{e.filename or first}: file not found") from None
+        raise FtwError(f"{e.filename or reading}: file not found") from None
     except FtwError:
         raise
     except OSError as e:
-        raise FtwError(f"{e.filename or first}: cannot be read ({e.strerror or e})") from None
+        raise FtwError(f"{e.filename or reading}: cannot be read ({e.strerror or e})") from None
     except (ValueError, KeyError, TypeError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
-        name = first if isinstance(source, Path) else source.paths[-1]
-        raise FtwError(f"{name}: corrupted header or checksum trailer ({type(e).__name__}: {e})") from None
+        raise FtwError(f"{reading}: corrupted header or checksum trailer ({type(e).__name__}: {e})") from None
     for b in header.banks:
         if len(checksums[b.name]) != header.num_rows:
-            raise FtwError(f"{first}: checksum trailer has {len(checksums[b.name])} rows for bank "
+            raise FtwError(f"{reading}: checksum trailer has {len(checksums[b.name])} rows for bank "
                            f"'{b.name}', expected {header.num_rows} (truncated or corrupted)")
     return header, checksums
 
@@ -362,11 +370,7 @@ def load(source: FtwSource, on_bytes: Callable[[int], None] | None = None, direc
     time and whether it was direct."""
     header, checksums = read_header(source)
     buffer = aligned_empty(header.data_bytes)
-    regions = []
-    for path, start, n in shard_regions(source):
-        a, b = max(start, header.data_offset), min(start + n, header.trailer_offset)
-        if a < b:
-            regions.append((path, a - start, buffer[a - header.data_offset:b - header.data_offset]))
+    regions = [(path, offset, buffer[at:at + n]) for path, offset, at, n in data_regions(source, header)]
     try:
         result = read_regions(regions, direct=direct, on_bytes=on_bytes)
     except EOFError as e:  # a file shrank after its header was read
