@@ -10,6 +10,7 @@ import io
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from rich.console import Console
@@ -324,3 +325,46 @@ def test_the_decode_attention_kernel_matches_torch(heads, d, k, capacity, dtype,
     kernel = graph_us(lambda: sink_attention_at(*args))
     gathered = graph_us(lambda: sink_attention(args[0], args[1][args[2]], args[3][None], args[4], args[5]))
     print(f"{heads} heads of {d}, {k} rows: kernel {kernel:.2f} µs, gathered through torch {gathered:.2f} µs")
+
+
+def test_the_hash_layers_stream_only_their_routed_experts(tmp_path, monkeypatch, seed):
+    """A streamed prompt chunk loads a hash layer's routed experts alone (its routing is known by
+    token id before the chunk runs) and, at the chunk's start, queues them and the first layer of
+    unknown routing after them; the logits equal the CPU engine's. A routing hook, which replaces
+    the router's choice, voids what the token ids say."""
+    from ftc_runtime.engine import OffloadConfig
+    from ftc_runtime.experts.layer_stream import LayerStream
+
+    rng = random.Random(seed)
+    engine_dir = compile_engine(CompileOptions(source=SPECS / "deepseek-v4-tiny.yaml", target="cpu",
+                                               random_weights=True, seed=seed, output=tmp_path / "e"))
+    cpu = Engine.load(engine_dir)
+    e, hash_layers = cpu.spec.moe.num_experts, sorted(cpu.spec.moe.hash_layers)
+    off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=3 * e, b_p=25.0, b_h=50.0,
+                                                        stream_min_tokens=8))
+    tokens = rng.sample(range(2, 500), 2)  # 2 tokens × top-4: at most 8 of the 16 experts a hash layer
+    ids = [rng.choice(tokens) for _ in range(rng.randrange(8, 24))]
+    routed = off.model.hash_routes(torch.tensor(ids))
+    assert sorted(routed) == hash_layers and all(0 < len(r) <= 8 for r in routed.values()), f"seed={seed}"
+    at_start: list[dict[int, int]] = []
+    real_init = LayerStream.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        at_start.append(dict(self.loaded))
+
+    monkeypatch.setattr(LayerStream, "__init__", recording_init)
+    got = off.logits(ids)
+    assert torch.allclose(got, cpu.logits(ids), rtol=1e-4, atol=1e-4), f"seed={seed} ids={ids}"
+    known = {j: len(routed[j]) for j in hash_layers}
+    assert at_start == [known | {len(hash_layers): e}], f"seed={seed}"
+    experts = off.model.experts
+    n_moe = cpu.spec.num_layers
+    assert experts.stats.streamed == sum(known.values()) + (n_moe - len(hash_layers)) * e
+    for j in hash_layers:
+        unrouted = np.setdiff1d(np.arange(e), routed[j])
+        assert (experts.cache.slot_of[j * e + unrouted] < 0).all(), f"seed={seed} layer {j}"
+    experts.routing = lambda *args: args  # any hook: the stream may not trust the token ids
+    experts.begin_pass(len(ids), known_routes=routed)
+    assert experts._stream.known == {}
+    experts.begin_pass(1, prompt=False)

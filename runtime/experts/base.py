@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -49,10 +50,13 @@ class ExpertBackend(ABC):
         the tokens sit at positions first_position, first_position + 1, ... of their sequence.
         Returns Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) as [T, hidden] fp32."""
 
-    def begin_pass(self, n_tokens: int, prompt: bool = True) -> None:  # noqa: B027 (optional, empty by default)
+    def begin_pass(self, n_tokens: int, prompt: bool = True,  # noqa: B027 (optional, empty by default)
+                   known_routes: Mapping[int, np.ndarray] | None = None) -> None:
         """A forward pass over n_tokens tokens begins (a prompt chunk, or with prompt=False one
         decode token of each of n_tokens sequences); its MoE layers follow in order. Backends that
-        stream whole layers for long prompt chunks start loading the first one here."""
+        stream whole layers for long prompt chunks start loading the first one here.
+        `known_routes`: MoE layer → every expert its tokens route to, where the family knows that
+        before the router runs (by token id): those layers' experts can be loaded early."""
 
     def end_of_prompt(self) -> None:  # noqa: B027 (an optional hook, empty by default)
         """Called once the prompt of a request has been processed (the static cache pins then)."""

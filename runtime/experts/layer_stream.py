@@ -11,9 +11,15 @@ layers' worth of slots (E each) that cycle: the next chunk or prompt finds them 
 only the rest, and starts on that while it computes the cached ones; decode starts warm. With
 one buffer (`overlap=False`) each layer is loaded, then computed: the baseline that double
 buffering is measured against.
+
+Layers whose routing is known before their router runs (DeepSeek-V4's hash layers route by token
+id) load only the experts their tokens route to, and do not stop the loading ahead: their copies
+are queued as soon as the slots allow, from the chunk's start, behind the copies before them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -28,8 +34,13 @@ def stream_slots(num_experts: int, overlap: bool) -> int:
 
 
 class LayerStream:
-    def __init__(self, store: SlotStore, stats: OffloadStats, overlap: bool):
+    """`known`: MoE layer → the experts (ids within the layer) its tokens route to, for the layers
+    whose routing is known before the chunk runs; the chunk's routing there must be within it."""
+
+    def __init__(self, store: SlotStore, stats: OffloadStats, overlap: bool,
+                 known: Mapping[int, np.ndarray] | None = None):
         self.store, self.stats, self.overlap = store, stats, overlap
+        self.known = {j: np.unique(np.asarray(experts, dtype=np.int64)) for j, experts in (known or {}).items()}
         need = stream_slots(store.num_experts, overlap)
         if store.cache.n_slots < need:
             raise ValueError(f"streaming layers needs {need} slots, the cache has {store.cache.n_slots}")
@@ -42,6 +53,8 @@ class LayerStream:
         self.loaded: dict[int, int] = {}  # MoE layer → experts it copied (0: all were cached)
         self.num_layers = store.header.num_moe_layers
         self.load(0, np.empty(0, dtype=np.int64), 0)
+        if overlap and 0 in self.known:
+            self.load_ahead(0)  # the known layers after the first need no router: queue them now
 
     def load(self, j: int, held: np.ndarray, now: int) -> bool:
         """While layer `now` computes, queues the copies of MoE layer j's uncached experts into the
@@ -49,7 +62,7 @@ class LayerStream:
         done with every layer computed so far (any of them may have read those slots). False,
         loading nothing, when the cache has too few other slots."""
         cache, e = self.store.cache, self.store.num_experts
-        ids = j * e + np.arange(e, dtype=np.int64)
+        ids = j * e + self.known.get(j, np.arange(e, dtype=np.int64))
         slots = cache.slot_of[ids]
         missing = ids[slots < 0]
         dst = cache.scan_victims(missing.size, np.concatenate([slots[slots >= 0], held]), now,
@@ -72,13 +85,15 @@ class LayerStream:
         return True
 
     def load_ahead(self, j: int) -> None:
-        """Loads the layers after j in order until one of them has copies in flight: layers the
-        cache holds cost nothing, so the copies of the next uncached layer run beside the compute
-        of every cached layer before it (a chunk after the first finds its first layers cached)."""
+        """Loads the layers after j in order until one of them has copies in flight and an unknown
+        routing: layers the cache holds cost nothing, so the copies of the next uncached layer run
+        beside the compute of every cached layer before it (a chunk after the first finds its
+        first layers cached); a layer of known routing loads only its routed experts, and the
+        loading goes on past it."""
         for p in range(j + 1, self.num_layers):
             if p not in self.loaded and not self.load(p, self._slots_of(range(j, p)), j):
                 return  # the layers before p hold too much of the cache: try again after layer j
-            if self.loaded[p]:
+            if self.loaded[p] and p not in self.known:
                 return
 
     def abandon(self) -> None:
@@ -94,16 +109,18 @@ class LayerStream:
 
     def forward(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """MoE layer j for the chunk's T tokens: x [T, hidden] fp32, ids/weights [T, k] on the
-        device. The host never waits for the routing: every expert of the layer is resident, so
-        its slot table is known here, and the host queues copies and kernels ahead of the device."""
+        device. The host never waits for the routing: every expert the layer's tokens can route to
+        is resident, so its slot table is known here, and the host queues copies and kernels ahead
+        of the device."""
         cache, e = self.store.cache, self.store.num_experts
         t, k = ids.shape
         if j not in self.loaded:
             self.load(j, np.empty(0, dtype=np.int64), j)
         # The layer's slots count as used now (a streamed chunk is long enough to route to nearly
-        # every expert): decode's LRU after the chunk sees them.
+        # every expert): decode's LRU after the chunk sees them. A layer of known routing may
+        # leave experts its tokens do not route to uncached.
         layer_slots = cache.slot_of[j * e:(j + 1) * e]
-        cache.touch(layer_slots)
+        cache.touch(layer_slots[layer_slots >= 0])
         if self.overlap:
             self.load_ahead(j)  # the next uncached layer crosses PCIe while this one computes
         slot_table = torch.from_numpy(layer_slots.astype(np.int32))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -166,12 +167,14 @@ class OffloadedExperts(ExpertBackend):
         """Slots that streaming a prompt chunk's layers borrows: one or two full layers."""
         return stream_slots(self.num_experts, self.stream_overlap)
 
-    def begin_pass(self, n_tokens: int, prompt: bool = True) -> None:
+    def begin_pass(self, n_tokens: int, prompt: bool = True,
+                   known_routes: Mapping[int, np.ndarray] | None = None) -> None:
         """A prompt chunk of n_tokens is streamed layer by layer when it is long enough and the
         cache can lend the buffers (LRU policy only: the static set is never replaced); a decode
         batch never is. Either way a pass left unfinished (a failed or abandoned chunk) is dropped
         here, once the device's queue waits for its copies still in flight (their slots count as
-        filled)."""
+        filled). The layers of `known_routes` stream only their routed experts, queued from the
+        start (a routing hook, which replaces the router's choice, voids them)."""
         if self._stream is not None:
             self._stream.abandon()
         self._stream = None
@@ -185,7 +188,8 @@ class OffloadedExperts(ExpertBackend):
                       file=sys.stderr)
                 self._said_no_stream = True
             return
-        self._stream = LayerStream(self.store, self.stats, self.stream_overlap)
+        self._stream = LayerStream(self.store, self.stats, self.stream_overlap,
+                                   known_routes if self.routing is None else None)
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 first_position: int = 0) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +51,9 @@ class DeepseekV4Model:
             else yarn_inv_freq(c.compress_theta, c.rope_dim, y.factor, y.original_max_position, y.beta_fast,
                                y.beta_slow, attention_factor=1.0)[0]).to(self.device)
         self.hash_layers = set(spec.moe.hash_layers)
+        # The hash layers' token → experts tables on the host: a prompt chunk's routing there is
+        # known before it runs (`hash_routes`).
+        self.hash_tables = {i: weights[f"model.layers.{i}.mlp.gate.tid2eid"].cpu().numpy() for i in self.hash_layers}
         self.moe_index = {layer: layer for layer in range(spec.num_layers)}  # every layer has experts
         self.decode_graphs = None  # HyperDecodeGraphs, set by the engine on a GPU
 
@@ -104,7 +108,7 @@ class DeepseekV4Model:
         """Every layer over the pass's tokens `ids` (each run's rows after its cache's tokens):
         logits [T, vocab] fp32."""
         n, first = ids.numel(), runs[0][0].length
-        self.experts.begin_pass(n, prompt=prompt)
+        self.experts.begin_pass(n, prompt=prompt, known_routes=self.hash_routes(ids) if prompt else None)
         ids = ids.to(self.device)
         positions = [torch.arange(c.length, c.length + rows.stop - rows.start, device=self.device) for c, rows in runs]
         x = self.w["model.embed_tokens.weight"][ids]
@@ -119,6 +123,11 @@ class DeepseekV4Model:
         for cache, rows in runs:
             cache.length += rows.stop - rows.start
         return self.head(streams)
+
+    def hash_routes(self, ids: torch.Tensor) -> dict[int, np.ndarray]:
+        """MoE layer → the experts that the tokens `ids` route to in each hash layer."""
+        tokens = ids.cpu().numpy()
+        return {self.moe_index[i]: np.unique(table[tokens]) for i, table in self.hash_tables.items()}
 
     def _attention(self, i: int, h: torch.Tensor, runs: list[Run], positions: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([attend(self.attention_w[i], h[rows], at, cache.layers[i], self.shapes[i], self.inv_freq,
