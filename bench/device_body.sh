@@ -20,6 +20,9 @@
 #                                         a layer ahead: the GPU tests of the step, the doorbell and the graphs
 #                                         (one batched case per family kind), the qwen3-30b-a3b matrices
 #   bash bench/device_body.sh OUT_DIR 10  part 9 with the join as one program again, its GPU tests fewer
+#   bash bench/device_body.sh OUT_DIR 11  the join as one program per column block with the answer relayed, the
+#                                         step's counters on the third stream: GPU tests (with DeepSeek-V4's hash
+#                                         layers streamed), the fill kernel's shapes swept, the qwen3-30b-a3b matrices
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -87,6 +90,21 @@ elif [ "$part" = 9 ] || [ "$part" = 10 ]; then
     --policies adaptive,gpu --routings $trace,uniform --new-tokens 66 -o "$out/q30_bf16" 2>&1 | grep "tok/s"
   timeout 120 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
     --policies adaptive --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
+elif [ "$part" = 11 ]; then
+  end=$(( $(date +%s) + 560 ))
+  timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
+    tests/test_deepseek_v4_family.py -k "gpu_rings or wait_tunes or device_step or triton_expert or hash_layers_stream" \
+    2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
+  shapes=32x2048x4,64x2048x4,128x1024x4,32x4096x8,64x4096x8,16x8192x8
+  for bytes in 9437184 2506752; do
+    timeout 40 python3 bench/dev/gather_fill_rate.py --expert-bytes $bytes --fills 1,2 --shapes $shapes 2>&1 | tail -16
+  done
+  export FTC_DEVICE_PLAN=1
+  timeout 200 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
+    --policies adaptive,gpu --routings $trace,uniform --new-tokens 66 -o "$out/q30_bf16" 2>&1 | grep "tok/s"
+  timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB \
+    --override expert_format=mxfp4 --policies adaptive --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 \
+    | grep "tok/s"
 elif [ "$part" = 7 ] || [ "$part" = 8 ]; then
   export FTC_DEVICE_PLAN=1
   for pin in 0 1; do

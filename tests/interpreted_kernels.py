@@ -23,7 +23,7 @@ import torch
 
 from ftc.codegen.render import render_triton_kernels
 from ftc_runtime.decode.device_plan import TUNE_STEP, CacheTables, LayerPlan, PlanRule, plan_layer
-from ftc_runtime.decode.doorbell_kernels import DoorbellKernels
+from ftc_runtime.decode.doorbell_kernels import DoorbellKernels, join_relay
 from ftc_runtime.decode.gather_fills import gather_fills
 from ftc_runtime.decode.plan_kernel import candidates_buffer, lru_candidates, plan_layer_triton
 from ftc_runtime.decode.step_counts import StepCounts
@@ -158,6 +158,7 @@ def check_join(rng: random.Random, g: torch.Generator) -> None:
         kernels = DoorbellKernels.__new__(DoorbellKernels)  # its device side alone: no mailbox
         kernels.done = kernels.counter = torch.zeros(1, dtype=torch.int64)
         kernels.status, kernels.box = torch.zeros(1, dtype=torch.int64), {"out": torch.full((t, hidden), float("nan"))}
+        kernels.relay = join_relay("cpu")
         out = torch.full((t, hidden), float("nan"))
         kernels.wait_and_join(out, plan, rule, hits, fills)
         what = f"join, trial {trial}: {t} tokens of {k}, hidden {hidden}"

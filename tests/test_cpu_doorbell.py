@@ -172,18 +172,19 @@ def test_the_wait_tunes_the_split_towards_the_side_that_finished_last(seed):
     import time
 
     from ftc_runtime.decode.device_plan import TUNE_STEP, LayerPlan, PlanRule
-    from ftc_runtime.decode.doorbell_kernels import DoorbellKernels, Mapped
+    from ftc_runtime.decode.doorbell_kernels import DoorbellKernels, Mapped, join_relay
     from ftc_runtime.experts.miss_planner import MissPlanner
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    hidden, seq, k = rng.choice([64, 1100]), rng.randrange(2, 1000), 8  # one column block, or three
+    # one column block, or three programs (the answer relayed from the first)
+    hidden, seq, k = rng.choice([64, 1100]), rng.randrange(2, 1000), 8
     done = torch.zeros(1, dtype=torch.int64).pin_memory()
     box_out = torch.randn(1, hidden, generator=g).pin_memory()
     kernels = DoorbellKernels.__new__(DoorbellKernels)  # its device side over this test's mailbox
     kernels.done, kernels.box = Mapped.of(done), {"out": Mapped.of(box_out)}
     kernels.counter = torch.tensor([seq], device="cuda")
-    kernels.status = torch.zeros(1, dtype=torch.int64, device="cuda")
+    kernels.status, kernels.relay = torch.zeros(1, dtype=torch.int64, device="cuda"), join_relay("cuda")
 
     def wait(counts: list[int], answer_after_s: float | None, tune: bool) -> float:
         """The bias after one wait from `start`; answer_after_s None: answered before it."""

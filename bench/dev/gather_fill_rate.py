@@ -2,6 +2,7 @@
 mapped host pool into device slots, against one `copy_` per row (the copy engines), on the GPU.
 
     python bench/dev/gather_fill_rate.py [--expert-bytes 2506752] [--fills 1,2,4,8]
+        [--shapes 32x2048x4,64x2048x4]   # the kernel's programs per row x words per step x warps
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import triton
 import triton.testing
 
 from ftc_runtime.decode.device_plan import LayerPlan
-from ftc_runtime.decode.gather_fills import MappedRows, gather_fills
+from ftc_runtime.decode.gather_fills import CHUNK, PARTS, MappedRows, gather_fills
 from ftc_runtime.io.host_memory import mapped_address, pin_in_place
 
 
@@ -26,7 +27,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--expert-bytes", type=int, default=2506752)
     ap.add_argument("--fills", default="1,2,4,8")
+    ap.add_argument("--shapes", default=f"{PARTS}x{CHUNK}x4", help="PARTSxCHUNKxWARPS,... of the kernel")
     a = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     rows = 256
     pool = torch.randint(0, 256, (rows, a.expert_bytes), dtype=torch.uint8)
     assert pin_in_place(pool), "the pool could not be pinned"
@@ -43,11 +46,14 @@ def main() -> None:
         plan = LayerPlan(unused.view(2, 8), fill_rows.cuda(), fill_slots.cuda(), unused, unused, unused,
                          unused.float(), torch.tensor([0, q, 0], device="cuda"), unused.int().expand(3, n),
                          unused.int().expand(2, 3, n))
-        kernel_s = timed(lambda plan=plan: gather_fills(mapped, slots, plan))
-        copy_s = timed(lambda ids=ids: [slots[j].copy_(pool[int(i)], non_blocking=True) for j, i in enumerate(ids)])
         gb = q * a.expert_bytes / 1e9
-        print(f"{q} fills of {a.expert_bytes} bytes: kernel {gb / kernel_s:.2f} GB/s ({kernel_s * 1e6:.1f} µs), "
-              f"copies {gb / copy_s:.2f} GB/s ({copy_s * 1e6:.1f} µs)", flush=True)
+        copy_s = timed(lambda ids=ids: [slots[j].copy_(pool[int(i)], non_blocking=True) for j, i in enumerate(ids)])
+        print(f"{q} fills of {a.expert_bytes} bytes: copies {gb / copy_s:.2f} GB/s ({copy_s * 1e6:.1f} µs)", flush=True)
+        for parts, chunk, warps in shapes:
+            slots.zero_()
+            kernel_s = timed(lambda plan=plan, p=parts, c=chunk, w=warps: gather_fills(mapped, slots, plan, p, c, w))
+            assert torch.equal(slots[:q].cpu(), pool[ids]), f"kernel {parts}x{chunk}x{warps}: rows differ"
+            print(f"  kernel {parts}x{chunk}x{warps}: {gb / kernel_s:.2f} GB/s ({kernel_s * 1e6:.1f} µs)", flush=True)
 
 
 if __name__ == "__main__":

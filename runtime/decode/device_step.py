@@ -4,9 +4,9 @@ routing, the CPU job posted through the doorbell, the fills gathered from the ma
 the hits run on a side stream, the filled experts, then one join that waits for the CPU and sums
 its result and every device pair's output into the layer's output. Off the path the fills wait
 on: the next layer's LRU candidates (they depend only on the slots' last use, which this layer's
-plan has just written) on a third stream, joined before that layer plans. The split's counts and
-the planner's bound accumulate on the device and are folded into the host's statistics when
-those are read.
+plan has just written) and the step's counters on a third stream, joined before that layer plans.
+The split's counts and the planner's bound accumulate on the device and are folded into the host's
+statistics when those are read.
 """
 
 from __future__ import annotations
@@ -68,17 +68,19 @@ class DeviceStep:
         else:
             main.wait_stream(self.ahead)
         plan = plan_layer_triton(self.tables, self.rule, base_id, ids, weights, cands)
-        if not last:
+        if not last:  # the step's counters too, off the paths that the layer's join waits for
             self.ahead.wait_stream(main)
             with torch.cuda.stream(self.ahead):
                 lru_candidates(self.tables, n, cands)
+                self.counts.add(plan.counts)
         mark("plan")
         hits, fills = self._buffer("hits", n), self._buffer("fills", n)
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
-            # The CPU's job and the counts off the fills' path: the fills start right after the plan.
+            # The CPU's job off the fills' path: the fills start right after the plan.
             self.kernels.post_job(plan, x)
-            self.counts.add(plan.counts)
+            if last:
+                self.counts.add(plan.counts)
             self.store.pair_outputs_on_device(x, plan.phase_pairs[0], hits)
         gather_fills(self.rows, self.store.slots, plan)
         mark("fills")

@@ -15,11 +15,13 @@ graph to hold:
   without a choice are left out: fewer than two misses, or no CPU job because the recent misses
   took every fill.
 
-Both are one program: a decode call's job is at most 16 tokens and 16·k entries, and the answer
-has one poller (docs/performance.md: a join of one program per column block, each polling, slowed
-every call with CPU experts). The flags are read and written with `ld.acquire.sys` /
-`st.release.sys` (inline PTX): plain loads could be served from a stale line, and system-scope
-atomics would need PCIe atomics from the host bridge.
+`post_job` is one program (a decode call's job is at most 16 tokens and 16·k entries). The join
+is one program per column block, each loading its pairs' rows before the wait, and the answer has
+one poller: program 0 polls the mapped flag and relays the answer through device memory to the
+others (docs/performance.md: a join whose every program polled the mapped flag slowed each call
+with CPU experts). The mapped flags are read and written with `ld.acquire.sys` / `st.release.sys`
+(inline PTX): plain loads could be served from a stale line, and system-scope atomics would need
+PCIe atomics from the host bridge; the relay with their `gpu`-scope forms.
 """
 
 from __future__ import annotations
@@ -71,6 +73,18 @@ def _load_acquire_sys(ptr):
 
 
 @triton.jit
+def _store_release_gpu(ptr, value):
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;\nst.relaxed.gpu.global.b64 [$1], $2;\nmov.u32 $0, 0;",
+                              "=r,l,l", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _load_acquire_gpu(ptr):
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _copy(src, dst, n, BLOCK: tl.constexpr):
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -105,40 +119,65 @@ def _tune(counts, bias, waited, step):
 
 
 @triton.jit
-def _wait_and_join(done, counter, box_out, out, hits, fills, phase_pairs, n, status, counts, bias, step,
+def _answered(done, relay, seq, status, counts, bias, step, SPINS: tl.constexpr, TUNE: tl.constexpr):
+    """Whether the call has the CPU's answer to add: it posted job `seq` and the CPU answered it.
+    Program 0 polls the mapped flag, tunes the split and relays the answer (relay[1]: answered,
+    relay[0]: the job) in device memory; the others wait for the relay."""
+    job = tl.load(counts + 2) > 0  # `post_job` rang for this call
+    answered = seq >= 0  # true: a call without a job has nothing to wait for
+    if tl.program_id(0) == 0:
+        spins = 0
+        if job:
+            flag = _load_acquire_sys(done)
+            while (flag < seq) & (spins < SPINS):
+                flag = _load_acquire_sys(done)
+                spins += 1
+            answered = flag >= seq
+            if flag < seq:  # no answer: the step's result is wrong, and the host is told
+                tl.store(status, 1)
+            tl.store(relay + 1, answered.to(tl.int64))
+            tl.debug_barrier()  # the answer's store before the relay's release
+            _store_release_gpu(relay, seq)
+        if TUNE:
+            if answered:
+                _tune(counts, bias, spins > 0, step)
+    elif job:
+        relayed = _load_acquire_gpu(relay)
+        spins = 0
+        while (relayed < seq) & (spins < SPINS):
+            relayed = _load_acquire_gpu(relay)
+            spins += 1
+        answered = (relayed >= seq) & (tl.load(relay + 1) != 0)
+    return job & answered
+
+
+@triton.jit
+def _wait_and_join(done, relay, counter, box_out, out, hits, fills, phase_pairs, n, status, counts, bias, step,
                    SPINS: tl.constexpr, T: tl.constexpr, H: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
                    TUNE: tl.constexpr):
     """out[t] = the CPU's row t + Σ of the call's device pairs of token t (each entry's row of
-    `hits` or `fills`, where its phase gave it a slot), BLOCK columns at a time."""
-    seq = tl.load(counter)
-    job = tl.load(counts + 2) > 0  # `post_job` rang for this call
-    spins = 0
-    if job:
-        answered = _load_acquire_sys(done)
-        while (answered < seq) & (spins < SPINS):
-            answered = _load_acquire_sys(done)
-            spins += 1
-        if answered < seq:  # no answer: the step's result is wrong, and the host is told
-            tl.store(status, 1)
-            spins = -1
-    if TUNE:
-        if spins >= 0:
-            _tune(counts, bias, spins > 0, step)
+    `hits` or `fills`, where its phase gave it a slot), BLOCK columns a program."""
     e = tl.arange(0, NP)
     emask = e < n
     on_hit = tl.load(phase_pairs + e, mask=emask, other=-1) >= 0
     on_fill = tl.load(phase_pairs + 3 * n + e, mask=emask, other=-1) >= 0
     tok = tl.load(phase_pairs + n + e, mask=emask, other=-1)
-    for start in range(0, H, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        cmask = cols < H
-        rows = e[:, None] * H + cols[None, :]
-        pair_rows = (tl.load(hits + rows, mask=on_hit[:, None] & cmask[None, :], other=0.0)
-                     + tl.load(fills + rows, mask=on_fill[:, None] & cmask[None, :], other=0.0))
-        for t in tl.static_range(T):
-            y = tl.load(box_out + t * H + cols, mask=cmask & job & (spins >= 0), other=0.0)
-            y += tl.sum(tl.where((tok == t)[:, None], pair_rows, 0.0), axis=0)
-            tl.store(out + t * H + cols, y, mask=cmask)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < H
+    rows = e[:, None] * H + cols[None, :]
+    pair_rows = (tl.load(hits + rows, mask=on_hit[:, None] & cmask[None, :], other=0.0)
+                 + tl.load(fills + rows, mask=on_fill[:, None] & cmask[None, :], other=0.0))
+    with_cpu = _answered(done, relay, tl.load(counter), status, counts, bias, step, SPINS, TUNE)
+    for t in tl.static_range(T):
+        y = tl.load(box_out + t * H + cols, mask=cmask & with_cpu, other=0.0)
+        y += tl.sum(tl.where((tok == t)[:, None], pair_rows, 0.0), axis=0)
+        tl.store(out + t * H + cols, y, mask=cmask)
+
+
+def join_relay(device: torch.device | str) -> torch.Tensor:
+    """The join's relay of the CPU's answer between its programs: [the last job relayed, whether
+    it was answered] (jobs are numbered from 1)."""
+    return torch.zeros(2, dtype=torch.int64, device=device)
 
 
 class DoorbellKernels:
@@ -150,6 +189,7 @@ class DoorbellKernels:
         self.bell = bell
         self.counter = torch.tensor([int(bell.flags[RING])], dtype=torch.int64, device=device)
         self.status = torch.zeros(1, dtype=torch.int64, device=device)  # 1: a wait gave up
+        self.relay = join_relay(device)
         self.ring, self.done = Mapped.of(bell.flags, RING), Mapped.of(bell.flags, DONE)
         self.box = {name: Mapped.of(getattr(bell, name)) for name in
                     ("n_tokens", "counts", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "x", "out")}
@@ -171,10 +211,10 @@ class DoorbellKernels:
         (t, hidden), n = out.shape, plan.pairs.shape[1]
         np2 = padded_entries(n)
         block = max(16, min(triton.next_power_of_2(hidden), JOIN_ELEMENTS // np2))
-        _wait_and_join[(1,)](
-            self.done, self.counter, self.box["out"], out, hits, fills, plan.phase_pairs, n, self.status, plan.counts,
-            rule.bias, rule.tune_step, SPINS=SPINS, T=t, H=hidden, NP=np2, BLOCK=block, TUNE=rule.tune_step > 0,
-            num_warps=8)
+        _wait_and_join[(triton.cdiv(hidden, block),)](
+            self.done, self.relay, self.counter, self.box["out"], out, hits, fills, plan.phase_pairs, n, self.status,
+            plan.counts, rule.bias, rule.tune_step, SPINS=SPINS, T=t, H=hidden, NP=np2, BLOCK=block,
+            TUNE=rule.tune_step > 0, num_warps=8)
 
     def check(self) -> None:
         """Raises if a wait gave up since the last check (reads a device flag: a safe point only)."""

@@ -46,13 +46,15 @@ def _gather_rows(src, dst, rows, slots, counts, row_words, STEPS: tl.constexpr, 
             tl.store(dst + slot * row_words + offs, tl.load(src + row * row_words + offs, mask=mask), mask=mask)
 
 
-def gather_fills(src: MappedRows | torch.Tensor, slots: torch.Tensor, plan: LayerPlan) -> None:
+def gather_fills(src: MappedRows | torch.Tensor, slots: torch.Tensor, plan: LayerPlan, parts: int = PARTS,
+                 chunk: int = CHUNK, num_warps: int = 4) -> None:
     """Copies the plan's fills from `src` (the pool's rows as int32 words: its device mapping, or a
-    tensor the kernel can read) into `slots` ([n_slots, stride] bytes, stride a multiple of 4)."""
+    tensor the kernel can read) into `slots` ([n_slots, stride] bytes, stride a multiple of 4).
+    `parts`, `chunk` and `num_warps`: the kernel's shape (`bench/dev/gather_fill_rate.py` sweeps them)."""
     stride = slots.shape[1]
     if stride % 4:
         raise ValueError(f"gather_fills: slot stride {stride} is not a multiple of 4 bytes")
     n = plan.fill_rows.numel()
     words = stride // 4
-    _gather_rows[(n, PARTS)](src, slots.view(torch.int32), plan.fill_rows, plan.fill_slots, plan.counts, words,
-                             STEPS=triton.cdiv(words, PARTS * CHUNK), CHUNK=CHUNK)
+    _gather_rows[(n, parts)](src, slots.view(torch.int32), plan.fill_rows, plan.fill_slots, plan.counts, words,
+                             STEPS=triton.cdiv(words, parts * chunk), CHUNK=chunk, num_warps=num_warps)
