@@ -23,6 +23,8 @@
 #   bash bench/device_body.sh OUT_DIR 11  the join as one program per column block with the answer relayed, the
 #                                         step's counters on the third stream: GPU tests (with DeepSeek-V4's hash
 #                                         layers streamed), the fill kernel's shapes swept, the qwen3-30b-a3b matrices
+#   bash bench/device_body.sh OUT_DIR 12  whether programmatic dependent launch shortens a chain of small kernels
+#                                         in a graph (bench/dev/pdl_chain.py), then part 11's GPU tests and matrices
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -90,15 +92,20 @@ elif [ "$part" = 9 ] || [ "$part" = 10 ]; then
     --policies adaptive,gpu --routings $trace,uniform --new-tokens 66 -o "$out/q30_bf16" 2>&1 | grep "tok/s"
   timeout 120 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
     --policies adaptive --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 | grep "tok/s"
-elif [ "$part" = 11 ]; then
+elif [ "$part" = 11 ] || [ "$part" = 12 ]; then
   end=$(( $(date +%s) + 560 ))
+  if [ "$part" = 12 ]; then
+    for rows in 2048,4096,128 8192,128; do timeout 60 python3 bench/dev/pdl_chain.py --rows $rows 2>&1 | tail -4; done
+  fi
   timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
     tests/test_deepseek_v4_family.py -k "gpu_rings or wait_tunes or device_step or triton_expert or hash_layers_stream" \
     2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
-  shapes=32x2048x4,64x2048x4,128x1024x4,32x4096x8,64x4096x8,16x8192x8
-  for bytes in 9437184 2506752; do
-    timeout 40 python3 bench/dev/gather_fill_rate.py --expert-bytes $bytes --fills 1,2 --shapes $shapes 2>&1 | tail -16
-  done
+  if [ "$part" = 11 ]; then
+    shapes=32x2048x4,64x2048x4,128x1024x4,32x4096x8,64x4096x8,16x8192x8
+    for bytes in 9437184 2506752; do
+      timeout 40 python3 bench/dev/gather_fill_rate.py --expert-bytes $bytes --fills 1,2 --shapes $shapes 2>&1 | tail -16
+    done
+  fi
   export FTC_DEVICE_PLAN=1
   timeout 200 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB \
     --policies adaptive,gpu --routings $trace,uniform --new-tokens 66 -o "$out/q30_bf16" 2>&1 | grep "tok/s"

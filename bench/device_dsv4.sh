@@ -11,6 +11,9 @@
 # growth, a restored checkpoint and batches; bf16 and MXFP4) with the family's other GPU tests and
 # one other family's batched graphs; then the cut above decoding as one whole-step graph
 # (FTC_DEVICE_PLAN=1), the step's device timeline printed.
+# Part 4: issue 22's closing run: the family's GPU tests, `ftc inspect` of the cut and of the whole
+# model (this GPU and an RTX 5090 server, FP8 projections), the cut with FP8 projections at 16 GiB
+# (no profiler), decode and a 2048-token prompt.
 # Part 3: the family's GPU tests after the fused step (the hyper-connections' kernel, the compiled
 # attention projections and compressor steps, FP8 projections), then the cut with FP8 projections
 # at the share of its pool that a 32 GB card caches of the whole model with them (16 GiB here:
@@ -19,6 +22,19 @@ source bench/device_setup.sh "$@"
 end=$(( $(date +%s) + ${FTC_CALL_S:-570} ))  # FTC_CALL_S: seconds this call may take
 spec=model_specs/deepseek-v4-flash.yaml
 cut="--override num_layers=20"
+if [ "$part" = 4 ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_deepseek_v4_family.py \
+    -k deepseek 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
+  for args in "$cut --vram-budget 16GiB" "--target rtx-5090-server --vram-budget 32GiB" "--vram-budget 32GiB"; do
+    ftc inspect $spec --target h200 $args --dense-format fp8 2>&1 | tee -a "$out/dsv4_inspect.txt" \
+      | grep -E -A1 "expert slots|decode \(|prefill"
+  done
+  FTC_DEVICE_PLAN=1 timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $spec --target h200 \
+    --vram-budget 16GiB $cut --override dense_format=fp8 --policies adaptive --routings uniform --new-tokens 66 \
+    --prefill-lengths 2048 -o "$out/dsv4" > "$out/dsv4.log" 2>&1
+  echo "dsv4 rc $?"; grep -E "tok/s|in memory" "$out/dsv4.log" || tail -c 2500 "$out/dsv4.log"
+  exit 0
+fi
 if [ "$part" = 3 ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_deepseek_v4_family.py \
     -k deepseek 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
