@@ -2,9 +2,10 @@
 layer of one sequence as the fused kernels run it (the family's `DecodeGraphs` with its fused
 body: Qwen3-MoE's attention and router, the hybrid family's Gated DeltaNet step and its MoE block
 with the shared expert) against the same layer as the torch functions, on the CPU (fp32): the
-residual stream, the router's ids and weights and its normalized input, the shared expert's
-output, and the layer's state after the token (the KV row written, or the convolution's and the
-recurrence's state), at random positions and inputs of every layer of the engine given.
+residual stream (the previous MoE layer's output joined in: a random row, as a device step leaves
+it), the router's ids and weights and its normalized input, a dense layer's and the shared
+expert's output, and the layer's state after the token (the KV row written, or the convolution's
+and the recurrence's state), at random positions and inputs of every layer of the engine given.
 
     TRITON_INTERPRET=1 python tests/interpreted_fused_layer.py ENGINE_DIR SEED
 """
@@ -23,17 +24,19 @@ from ftc_runtime.engine import Engine
 from ftc_runtime.models import family
 
 
-def layer_graphs(engine: Engine) -> tuple[DecodeGraphs, list]:
+def layer_graphs(engine: Engine) -> tuple[DecodeGraphs, list, torch.Tensor]:
     """The family's decode layer on the CPU: DecodeGraphs' machinery wants a GPU, its layer does
-    not. The experts' staging is recorded instead of run."""
+    not. The experts' staging is recorded instead of run; their output, as a device step leaves
+    it (no host part), is the row returned."""
     model = engine.model
     graphs = object.__new__(family(engine.spec.family).decode_graphs)
     graphs.model, graphs.io = model, StepBuffers.make(model, 1)
     graphs.f = graphs.fns = graphs.functions()
     staged: list = []
     model.experts.stage = lambda h, ids, w: staged.append((h.clone(), ids.clone(), w.clone()))
-    model.experts.token_outputs = lambda t=1: (torch.zeros(1, model.spec.hidden_size), None)
-    return graphs, staged
+    moe_out = torch.zeros(1, model.spec.hidden_size)
+    model.experts.token_outputs = lambda t=1: (moe_out, None)
+    return graphs, staged, moe_out
 
 
 def main() -> None:
@@ -41,7 +44,7 @@ def main() -> None:
     rng, engine = random.Random(seed), Engine.load(engine_dir)
     model = engine.model
     torch.manual_seed(seed)
-    graphs, staged = layer_graphs(engine)
+    graphs, staged, moe_out = layer_graphs(engine)
     cache = model.new_cache()
     model.forward(torch.tensor([rng.randrange(model.spec.vocab_size) for _ in range(rng.randrange(1, 40))]), cache)
     cache.reserve(cache.length + 1)
@@ -51,6 +54,7 @@ def main() -> None:
     graphs.io.sin.copy_(sin)
     for i in range(model.spec.num_layers):
         x = torch.randn(1, model.spec.hidden_size)
+        moe_out.copy_(torch.randn(1, model.spec.hidden_size))
         before = [s.clone() for s in layer_state(model, cache, i)]
         got = run_layer(graphs, staged, cache, i, x, True)
         for s, b in zip(layer_state(model, cache, i), before, strict=True):
@@ -74,8 +78,8 @@ def layer_state(model, cache, i: int) -> list[torch.Tensor]:
 
 def run_layer(graphs: DecodeGraphs, staged: list, cache, i: int, x: torch.Tensor,
               fused: bool) -> list[torch.Tensor]:
-    """x after layer i, then what it staged (h, ids, weights), the shared expert's output, and the
-    layer's state after the token (the KV rows at the position)."""
+    """x after layer i, then what it staged (h, ids, weights) or a dense layer's output, the
+    shared expert's output, and the layer's state after the token (the KV rows at the position)."""
     graphs.fused_body = fused
     io = graphs.io
     io.x.copy_(x)
@@ -87,7 +91,8 @@ def run_layer(graphs: DecodeGraphs, staged: list, cache, i: int, x: torch.Tensor
     state = layer_state(graphs.model, cache, i)
     if i not in getattr(graphs.model, "linear_index", {}):
         state = [t[cache.length] for t in state]
-    out = [io.x, *(staged[0] if staged else ()), io.mlp, *([] if io.shared is None else [io.shared]), *state]
+    mlp = [] if graphs.model.is_moe(i) else [io.mlp]  # a MoE layer's output is what it staged
+    out = [io.x, *(staged[0] if staged else ()), *mlp, *([] if io.shared is None else [io.shared]), *state]
     return [t.clone() for t in out]
 
 

@@ -206,13 +206,16 @@ def check_gemv(rng: random.Random, g: torch.Generator) -> None:
     for trial in range(8):
         n, k = rng.choice([1, 7, 128, 600]), rng.choice([16, 200, 2048])
         dtype = rng.choice([torch.float32, torch.bfloat16])
-        norm, bias, residual = (rng.random() < 0.5 for _ in range(3))
+        norm, bias, residual, plus = (rng.random() < 0.5 for _ in range(4))
         x, w = torch.randn(1, k, generator=g).to(dtype), (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
         norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype) if norm else None
         b = torch.randn(n, generator=g).to(dtype) if bias else None
         res = torch.randn(1, n, generator=g).to(dtype) if residual else None
         normed = torch.zeros(1, k) if norm else None
-        want_normed = rms_norm(x, norm_w, 1e-6) if norm else x
+        # the previous layer's fp32 output joined first, as a copy into x's dtype and an add
+        part, joined = torch.randn(1, k, generator=g), torch.full((1, k), float("nan"), dtype=dtype)
+        row = x + part.to(dtype) if plus else x
+        want_normed = rms_norm(row, norm_w, 1e-6) if norm else row
         # in fp64, rounded to the activation dtype where torch's functions round: after the
         # projection (and bias), after the residual add; the error relative to the terms' size
         want = torch.nn.functional.linear(want_normed.double(), w.double(), None if b is None else b.double())
@@ -220,11 +223,15 @@ def check_gemv(rng: random.Random, g: torch.Generator) -> None:
         want = want.to(dtype).double()
         if residual:
             want, scale = (want + res.double()).to(dtype).double(), scale + res.double().abs()
-        got = linear_gpu(x, w, b, norm_w=norm_w, eps=1e-6, residual=res, normed_out=normed)
+        got = linear_gpu(x, w, b, norm_w=norm_w, eps=1e-6, residual=res, normed_out=normed,
+                         plus=(part, joined) if plus else None)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        what = f"gemv, trial {trial}: [{n}, {k}] {dtype}, norm {norm}, bias {bias}, residual {residual}"
+        what = f"gemv, trial {trial}: [{n}, {k}] {dtype}, norm {norm}, bias {bias}, residual {residual}, plus {plus}"
         err = float((got.double() - want).abs().max() / scale.max())
         assert got.dtype == dtype and got.shape == (1, n) and err < tol, f"{what}: {err:.2e}"
+        if plus:  # exact in fp32; the interpreter truncates where the GPU rounds bf16 conversions
+            err = float((joined.double() - row.double()).abs().max() / row.double().abs().max())
+            assert err <= (0.0 if dtype == torch.float32 else tol), f"{what}: the joined row, {err:.2e}"
         if norm:
             assert torch.allclose(normed, want_normed.float(), rtol=tol, atol=tol), f"{what}: the normalized row"
 

@@ -226,6 +226,16 @@ class DecodeGraphs(ABC):
             captures.graphs[key] = graph
         graph.replay()
 
+    def _joinable(self, i: int) -> torch.Tensor | None:
+        """The previous layer's output where layer i's first kernel can join it into the residual
+        stream itself: a one-graph device step's MoE output, with no CPU part or shared expert to
+        add (else None: `_join_previous` joins it)."""
+        m, io = self.model, self.io
+        if i == 0 or not m.is_moe(i - 1) or io.shared is not None:
+            return None
+        on_device, on_host = m.experts.token_outputs(io.width)
+        return on_device if on_host is None else None
+
     def _join_previous(self, i: int) -> None:
         """x += the previous layer's MLP output; a MoE layer's is its device part plus its CPU part
         (plus its shared expert's, where there is one)."""

@@ -11,13 +11,14 @@ import torch
 @dataclass
 class StepBuffers:
     """One row per sequence: the residual stream `x` ([n, streams, hidden] where the family mixes
-    several), the previous layer's MLP output `mlp`, the
-    rotary tables of the step's positions, the input tokens and positions (written by the host
-    before each step through `staging`), the logits, a CPU part copied in (the host path) and a
-    shared expert's output where the family has one."""
+    several), the previous layer's MLP output `mlp`, the residual stream with it joined where a
+    layer's first kernel joins it (`joined`), the rotary tables of the step's positions, the input
+    tokens and positions (written by the host before each step through `staging`), the logits, a
+    CPU part copied in (the host path) and a shared expert's output where the family has one."""
 
     x: torch.Tensor
     mlp: torch.Tensor
+    joined: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     position: torch.Tensor
@@ -35,7 +36,7 @@ class StepBuffers:
         rotary = torch.zeros(n, 1, model.inv_freq.numel() * 2, dtype=dt, device=dev)
         shared = torch.zeros_like(rows) if spec.moe is not None and spec.moe.num_shared_experts else None
         index = torch.zeros(n, dtype=torch.long, device=dev)
-        return cls(x=x, mlp=rows, cos=rotary, sin=torch.zeros_like(rotary),
+        return cls(x=x, mlp=rows, joined=torch.zeros_like(rows), cos=rotary, sin=torch.zeros_like(rotary),
                    position=index, token=torch.zeros_like(index),
                    logits=torch.zeros(n, spec.vocab_size, dtype=torch.float32, device=dev),
                    cpu_part=torch.zeros(n, spec.hidden_size, dtype=torch.float32, device=dev), shared=shared,

@@ -1,10 +1,11 @@
 """One token's linear layer on the GPU as one Triton kernel, with the work around it that would
-otherwise be kernels of their own in a decode step: an RMSNorm of the input in front (its
-normalized row also written out, for the router's experts), a SwiGLU of two halves of it (a
-shared expert's down projection) or a sigmoid gate per input column (gated attention's output
-projection); a scalar sigmoid gate and the residual add behind.
+otherwise be kernels of their own in a decode step: the previous layer's output joined into the
+input row (the joined row also written out: the residual stream's next value), an RMSNorm of the
+input in front (its normalized row also written out, for the router's experts), a SwiGLU of two
+halves of it (a shared expert's down projection) or a sigmoid gate per input column (gated
+attention's output projection); a scalar sigmoid gate and the residual add behind.
 
-    y = residual + sigmoid(s) · ((RMSNorm(x) · norm_w) Wᵀ + b)      (each part where given)
+    y = residual + sigmoid(s) · ((RMSNorm(x + plus) · norm_w) Wᵀ + b)      (each part where given)
 
 One program per block of output rows reads its rows of W once; every program normalizes the
 input row itself (a few KB from L2), so the norm costs no launch and no round trip through
@@ -39,10 +40,20 @@ def _gated_input(x, in_gate, kk, K: tl.constexpr, HEAD: tl.constexpr, act):
 
 
 @triton.jit
-def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, N, eps, K: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
+def _row(x, plus, kk, K: tl.constexpr, act, PLUS: tl.constexpr):
+    """x at columns kk in fp32, `plus` (fp32) added first where given: rounded to x's dtype, then
+    added and rounded again, as torch's copy into a buffer of x's dtype and in-place add."""
+    xk = tl.load(x + kk, mask=kk < K, other=0.0).to(tl.float32)
+    if PLUS:
+        xk = (xk + tl.load(plus + kk, mask=kk < K, other=0.0).to(act).to(tl.float32)).to(act).to(tl.float32)
+    return xk
+
+
+@triton.jit
+def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, plus, joined_out, N, eps,
+          K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
           RESIDUAL: tl.constexpr, NORMED_OUT: tl.constexpr, SWIGLU: tl.constexpr, OUT_GATE: tl.constexpr,
-          IN_GATE_HEAD: tl.constexpr):
+          IN_GATE_HEAD: tl.constexpr, PLUS: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -52,7 +63,7 @@ def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, N, e
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x + kk, mask=kk < K, other=0.0).to(tl.float32)
+            xk = _row(x, plus, kk, K, act, PLUS)
             squares += xk * xk
         rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -63,7 +74,9 @@ def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, N, e
         elif IN_GATE_HEAD > 0:
             xk = _gated_input(x, in_gate, kk, K, IN_GATE_HEAD, act)
         else:
-            xk = tl.load(x + kk, mask=kk < K, other=0.0).to(tl.float32)
+            xk = _row(x, plus, kk, K, act, PLUS)
+            if PLUS:
+                tl.store(joined_out + kk, xk, mask=(kk < K) & (pid == 0))
         if NORM:
             xk = (xk * rstd).to(act).to(tl.float32)
             xk = (xk * tl.load(norm_w + kk, mask=kk < K, other=0.0).to(tl.float32)).to(act).to(tl.float32)
@@ -89,30 +102,46 @@ def gemv_blocks(n: int, k: int) -> tuple[int, int, int]:
     return 2, min(triton.next_power_of_2(k), 1024), 4
 
 
+def _check_input(x: torch.Tensor, w: torch.Tensor, norm: bool, swiglu: bool, gated: bool,
+                 plus: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Raises unless `linear_gpu` can take x and w with these options."""
+    k = w.shape[1] * (2 if swiglu else 1)
+    if x.shape != (1, k) or not x.is_contiguous() or not w.is_contiguous():
+        raise ValueError(f"linear_gpu: one contiguous row of {k} times a contiguous weight, "
+                         f"not {tuple(x.shape)} {tuple(x.stride())} and {tuple(w.shape)} {tuple(w.stride())}")
+    if norm + swiglu + gated > 1 or swiglu + gated + (plus is not None) > 1:
+        raise ValueError("linear_gpu: one of a SwiGLU, a gated or a joined input, and a norm only with the last")
+    if plus is not None and (plus[0].shape != x.shape or plus[1].shape != x.shape or plus[1].dtype != x.dtype
+                             or plus[1].data_ptr() == x.data_ptr()):
+        raise ValueError(f"linear_gpu: `plus` needs a row and a joined row of {tuple(x.shape)}, the latter in "
+                         f"{x.dtype} and apart from x")
+
+
 def linear_gpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                norm_w: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
                out: torch.Tensor | None = None, normed_out: torch.Tensor | None = None, swiglu: bool = False,
-               out_gate: torch.Tensor | None = None, in_gate: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+               out_gate: torch.Tensor | None = None, in_gate: tuple[torch.Tensor, int] | None = None,
+               plus: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One row x [1, K] times w [N, K]ᵀ (+ bias), optionally on RMSNorm(x) · norm_w (written to
     `normed_out` [1, K] fp32 where given), on SiLU(gate) · up of x = [gate | up] [1, 2K] where
     `swiglu`, or on x · sigmoid(gate) where `in_gate` = (a q projection's row whose heads of d
     channels are each followed by their gate's d, d); times sigmoid(`out_gate`) (one element)
     where given, and plus `residual` [1, N]: [1, N] in x's dtype, into `out` where given (which
-    may be `residual` itself: each program reads its rows before it writes them)."""
+    may be `residual` itself: each program reads its rows before it writes them). `plus` =
+    (p [1, K] fp32, joined [1, K] in x's dtype, not x): the row is x + p instead of x (p rounded
+    to x's dtype first), and is written to `joined`."""
+    _check_input(x, w, norm_w is not None, swiglu, in_gate is not None, plus)
     n, k = w.shape
-    if x.shape != (1, 2 * k if swiglu else k) or not x.is_contiguous() or not w.is_contiguous():
-        raise ValueError(f"linear_gpu: one contiguous row of {2 * k if swiglu else k} times a contiguous weight, "
-                         f"not {tuple(x.shape)} {tuple(x.stride())} and {tuple(w.shape)} {tuple(w.stride())}")
-    if (norm_w is not None) + swiglu + (in_gate is not None) > 1:
-        raise ValueError("linear_gpu: one of a normalized, a SwiGLU or a gated input")
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = gemv_blocks(n, k)
+    plus_row, joined = (x, x) if plus is None else plus
     _gemv[(triton.cdiv(n, block_n),)](
         x, w, out, x if norm_w is None else norm_w, x if bias is None else bias,
         x if residual is None else residual, x if normed_out is None else normed_out,
-        x if out_gate is None else out_gate, x if in_gate is None else in_gate[0], n, eps, K=k, BLOCK_N=block_n,
-        BLOCK_K=block_k, NORM=norm_w is not None, BIAS=bias is not None, RESIDUAL=residual is not None,
-        NORMED_OUT=normed_out is not None, SWIGLU=swiglu, OUT_GATE=out_gate is not None,
-        IN_GATE_HEAD=0 if in_gate is None else in_gate[1], num_warps=warps)
+        x if out_gate is None else out_gate, x if in_gate is None else in_gate[0], plus_row, joined, n, eps, K=k,
+        BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_w is not None, BIAS=bias is not None,
+        RESIDUAL=residual is not None, NORMED_OUT=normed_out is not None, SWIGLU=swiglu,
+        OUT_GATE=out_gate is not None, IN_GATE_HEAD=0 if in_gate is None else in_gate[1], PLUS=plus is not None,
+        num_warps=warps)
     return out

@@ -1,8 +1,9 @@
 """Qwen3-MoE's layer in a decode graph (`ftc_runtime.decode.graphs`): attention over the KV cache,
 then the router (the experts' input staged for the host) or a dense MLP. A MoE layer of one
-sequence runs as seven kernels where `fused_body` is on: the input norm with the q/k/v
-projection, the q/k norms with RoPE and the KV write, decode attention (two), the output
-projection with the residual, the post-attention norm with the router's projection, its top-k."""
+sequence runs as seven kernels where `fused_body` is on: the previous MoE layer's output joined
+with the input norm and the q/k/v projection, the q/k norms with RoPE and the KV write, decode
+attention (two), the output projection with the residual, the post-attention norm with the
+router's projection, its top-k."""
 
 from __future__ import annotations
 
@@ -39,10 +40,13 @@ class AttentionDecodeGraphs(DecodeGraphs):
 
     def _layer(self, i: int, caches: list[SequenceCache]) -> None:
         m, f, io, eps = self.model, self.f, self.io, self.model.spec.norm.eps
-        self._join_previous(i)
         if self.fused_body and io.width == 1 and m.is_moe(i):
-            self._fused_moe_layer(i, caches[0])
+            part = self._joinable(i)
+            if part is None:
+                self._join_previous(i)
+            self._fused_moe_layer(i, caches[0], part)
             return
+        self._join_previous(i)
         q, k, v = f["attention_in"](io.x, *m.attention_in_weights(i), io.cos, io.sin, eps, m.heads)
         attn = self.attend(i, q, k, v, caches)
         x, h = f["attention_out"](io.x, attn, *m.attention_out_weights(i), eps)
@@ -53,19 +57,22 @@ class AttentionDecodeGraphs(DecodeGraphs):
         else:
             io.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
 
-    def _fused_moe_layer(self, i: int, cache: SequenceCache) -> None:
+    def _fused_moe_layer(self, i: int, cache: SequenceCache, part: torch.Tensor | None) -> None:
+        """Layer i as seven kernels; `part`: the previous layer's output, joined into the residual
+        stream by the first (else already joined)."""
         from ftc_runtime.models.layers.gemv_kernel import linear_gpu  # Triton: beside a GPU
         from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
         from ftc_runtime.models.layers.router_kernel import softmax_top_k_gpu
 
         m, io, eps = self.model, self.io, self.model.spec.norm.eps
         norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w = m.attention_in_weights(i)
-        qkv = linear_gpu(io.x, qkv_w, qkv_b, norm_w=norm_w, eps=eps)
+        residual = io.x if part is None else io.joined
+        qkv = linear_gpu(io.x, qkv_w, qkv_b, norm_w=norm_w, eps=eps, plus=None if part is None else (part, io.joined))
         keys, values = cache.kv.storage(i)
         q = qk_norm_rope_store_gpu(qkv, q_norm_w, k_norm_w, io.cos, io.sin, eps, m.heads, keys, values, io.position)
         attn = self.f["decode_attention"](q, keys, values, io.position, m.heads)
         o_w, o_b, post_w = m.attention_out_weights(i)
-        linear_gpu(attn, o_w, o_b, residual=io.x, out=io.x)
+        linear_gpu(attn, o_w, o_b, residual=residual, out=io.x)
         h = torch.empty(1, m.spec.hidden_size, dtype=torch.float32, device=m.device)
         gate_w, top_k, renormalize = m.router_args(i)
         logits = linear_gpu(io.x, gate_w, norm_w=post_w, eps=eps, normed_out=h)
