@@ -40,7 +40,7 @@ from ftc_runtime.models.layers.fp8_gemv_kernel import fp8_dequantize_gpu, fp8_li
 from ftc_runtime.models.layers.fp8_linear import BlockFp8
 from ftc_runtime.models.layers.gated_attention import gated_attention_out
 from ftc_runtime.models.layers.gated_deltanet import DeltaNetShape, delta_rule, finish, project
-from ftc_runtime.models.layers.gemv_kernel import linear_gpu
+from ftc_runtime.models.layers.gemv_kernel import TopK, linear_gpu
 from ftc_runtime.models.layers.hc_mix_kernel import hc_mix_gpu
 from ftc_runtime.models.layers.hyper_connections import hc_mix
 from ftc_runtime.models.layers.mla import MlaShape, _sparse_attention_gpu, mla_attention
@@ -200,6 +200,24 @@ def check_router(rng: random.Random, g: torch.Generator) -> None:
         tied = torch.gather(logits, 1, got_ids) == torch.gather(logits, 1, want_ids)
         assert bool((same | tied).all()) and got_ids.dtype == torch.int64, what
         assert torch.allclose(got_w, want_w, rtol=1e-5, atol=1e-7), what
+
+
+def check_router_projection(rng: random.Random, g: torch.Generator) -> None:
+    """The router's projection with its selection as the epilogue (`TopK`) against the projection,
+    then the selection kernel: the same ids and weights, and the programs' count left at zero."""
+    for trial in range(6):
+        e, k, hidden = rng.choice([8, 60, 128, 256]), rng.choice([1, 2, 6, 8]), rng.choice([64, 200])
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        x, w = torch.randn(1, hidden, generator=g).to(dtype), torch.randn(e, hidden, generator=g).to(dtype)
+        norm_w, renormalize = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype), rng.random() < 0.5
+        want_ids, want_w = softmax_top_k_gpu(linear_gpu(x, w, norm_w=norm_w, eps=1e-6), k, renormalize)
+        ids, weights = torch.full((1, k), -1), torch.full((1, k), float("nan"))
+        done = torch.zeros(1, dtype=torch.int32)
+        logits = linear_gpu(x, w, norm_w=norm_w, eps=1e-6, top_k=TopK(k, renormalize, ids, weights, done))
+        what = f"router projection, trial {trial}: {e} experts, top {k}, hidden {hidden}, {dtype}"
+        assert torch.equal(logits, linear_gpu(x, w, norm_w=norm_w, eps=1e-6)), f"{what}: logits"
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_w), what
+        assert int(done) == 0, f"{what}: the count is {int(done)} after the call"
 
 
 def check_gemv(rng: random.Random, g: torch.Generator) -> None:
@@ -481,6 +499,7 @@ def main() -> None:
     check_join(rng, g)
     check_decode_attention(rng, g)
     check_router(rng, g)
+    check_router_projection(rng, g)
     check_gemv(rng, g)
     check_fp8_gemv(rng, g)
     check_gemv_gates(rng, g)

@@ -14,7 +14,8 @@ class StepBuffers:
     several), the previous layer's MLP output `mlp`, the residual stream with it joined where a
     layer's first kernel joins it (`joined`), the rotary tables of the step's positions, the input
     tokens and positions (written by the host before each step through `staging`), the logits, a
-    CPU part copied in (the host path) and a shared expert's output where the family has one."""
+    CPU part copied in (the host path), a shared expert's output where the family has one, and the
+    count of a router's finished programs (`gemv_kernel.TopK.done`)."""
 
     x: torch.Tensor
     mlp: torch.Tensor
@@ -27,6 +28,7 @@ class StepBuffers:
     cpu_part: torch.Tensor
     shared: torch.Tensor | None
     staging: torch.Tensor  # [2, n] int64 on the host (pinned): tokens, positions
+    router_done: torch.Tensor
 
     @classmethod
     def make(cls, model, n: int, streams: int = 0) -> StepBuffers:
@@ -40,7 +42,8 @@ class StepBuffers:
                    position=index, token=torch.zeros_like(index),
                    logits=torch.zeros(n, spec.vocab_size, dtype=torch.float32, device=dev),
                    cpu_part=torch.zeros(n, spec.hidden_size, dtype=torch.float32, device=dev), shared=shared,
-                   staging=torch.zeros(2, n, dtype=torch.long, pin_memory=dev.type == "cuda"))
+                   staging=torch.zeros(2, n, dtype=torch.long, pin_memory=dev.type == "cuda"),
+                   router_done=torch.zeros(1, dtype=torch.int32, device=dev))
 
     @property
     def width(self) -> int:

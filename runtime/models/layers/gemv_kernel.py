@@ -3,7 +3,8 @@ otherwise be kernels of their own in a decode step: the previous layer's output 
 input row (the joined row also written out: the residual stream's next value), an RMSNorm of the
 input in front (its normalized row also written out, for the router's experts), a SwiGLU of two
 halves of it (a shared expert's down projection) or a sigmoid gate per input column (gated
-attention's output projection); a scalar sigmoid gate and the residual add behind.
+attention's output projection); a scalar sigmoid gate and the residual add behind; a router's
+softmax top-k of the whole output row, by the program that finishes last.
 
     y = residual + sigmoid(s) · ((RMSNorm(x + plus) · norm_w) Wᵀ + b)      (each part where given)
 
@@ -17,9 +18,26 @@ the activation dtype, the residual add too.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+from ftc_runtime.models.layers.router_kernel import store_softmax_top_k
+
+
+class TopK(NamedTuple):
+    """A router's selection as the projection's epilogue: the softmax top-`k` of the output row
+    (`renormalize`d where the model says so) written to `ids` ([1, k] int64) and `weights` ([1, k]
+    fp32). `done` (int32 [1], zero between calls, at a fixed address for a graph) counts the
+    programs as they finish: the last one selects, then zeroes it."""
+
+    k: int
+    renormalize: bool
+    ids: torch.Tensor
+    weights: torch.Tensor
+    done: torch.Tensor
 
 
 @triton.jit
@@ -50,10 +68,24 @@ def _row(x, plus, kk, K: tl.constexpr, act, PLUS: tl.constexpr):
 
 
 @triton.jit
-def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, plus, joined_out, N, eps,
-          K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr,
-          RESIDUAL: tl.constexpr, NORMED_OUT: tl.constexpr, SWIGLU: tl.constexpr, OUT_GATE: tl.constexpr,
-          IN_GATE_HEAD: tl.constexpr, PLUS: tl.constexpr):
+def _select_when_last(out, N, ids_out, weights_out, done, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                      RENORMALIZE: tl.constexpr):
+    """The program that finishes last (counted in `done`) selects the top k of `out`'s N values,
+    which every program has stored by then, and zeroes `done` for the next call."""
+    tl.debug_barrier()  # the program's every store before its count, whose release covers them
+    if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        e = tl.arange(0, EP)
+        x = tl.load(out + e, mask=e < N, other=float("-inf"), volatile=True).to(tl.float32)
+        store_softmax_top_k(x, ids_out, weights_out, EP, K, KP, RENORMALIZE)
+        tl.store(done, 0)
+
+
+@triton.jit
+def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, plus, joined_out, ids_out,
+          weights_out, done, N, eps, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          NORM: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, NORMED_OUT: tl.constexpr,
+          SWIGLU: tl.constexpr, OUT_GATE: tl.constexpr, IN_GATE_HEAD: tl.constexpr, PLUS: tl.constexpr,
+          TOP_K: tl.constexpr, TOP_KP: tl.constexpr, EP: tl.constexpr, RENORMALIZE: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -93,6 +125,8 @@ def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, plus
     if RESIDUAL:
         y = (tl.load(residual + n, mask=n_ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(act)
     tl.store(out + n, y, mask=n_ok)
+    if TOP_K > 0:
+        _select_when_last(out, N, ids_out, weights_out, done, EP, TOP_K, TOP_KP, RENORMALIZE)
 
 
 def gemv_blocks(n: int, k: int) -> tuple[int, int, int]:
@@ -121,7 +155,7 @@ def linear_gpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
                norm_w: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
                out: torch.Tensor | None = None, normed_out: torch.Tensor | None = None, swiglu: bool = False,
                out_gate: torch.Tensor | None = None, in_gate: tuple[torch.Tensor, int] | None = None,
-               plus: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               plus: tuple[torch.Tensor, torch.Tensor] | None = None, top_k: TopK | None = None) -> torch.Tensor:
     """One row x [1, K] times w [N, K]ᵀ (+ bias), optionally on RMSNorm(x) · norm_w (written to
     `normed_out` [1, K] fp32 where given), on SiLU(gate) · up of x = [gate | up] [1, 2K] where
     `swiglu`, or on x · sigmoid(gate) where `in_gate` = (a q projection's row whose heads of d
@@ -129,19 +163,27 @@ def linear_gpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     where given, and plus `residual` [1, N]: [1, N] in x's dtype, into `out` where given (which
     may be `residual` itself: each program reads its rows before it writes them). `plus` =
     (p [1, K] fp32, joined [1, K] in x's dtype, not x): the row is x + p instead of x (p rounded
-    to x's dtype first), and is written to `joined`."""
+    to x's dtype first), and is written to `joined`. `top_k`: the output row's softmax top-k
+    selected too (a router's logits)."""
     _check_input(x, w, norm_w is not None, swiglu, in_gate is not None, plus)
     n, k = w.shape
+    if top_k is not None and not (0 < top_k.k <= n and top_k.ids.shape == top_k.weights.shape == (1, top_k.k)
+                                  and top_k.ids.dtype == torch.int64 and top_k.weights.dtype == torch.float32
+                                  and top_k.done.dtype == torch.int32):
+        raise ValueError(f"linear_gpu: top_k {top_k.k} of {n} outputs needs ids [1, k] int64, weights [1, k] "
+                         "fp32 and an int32 count")
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = gemv_blocks(n, k)
     plus_row, joined = (x, x) if plus is None else plus
+    sel = TopK(0, False, x, x, x) if top_k is None else top_k
     _gemv[(triton.cdiv(n, block_n),)](
         x, w, out, x if norm_w is None else norm_w, x if bias is None else bias,
         x if residual is None else residual, x if normed_out is None else normed_out,
-        x if out_gate is None else out_gate, x if in_gate is None else in_gate[0], plus_row, joined, n, eps, K=k,
-        BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_w is not None, BIAS=bias is not None,
-        RESIDUAL=residual is not None, NORMED_OUT=normed_out is not None, SWIGLU=swiglu,
+        x if out_gate is None else out_gate, x if in_gate is None else in_gate[0], plus_row, joined, sel.ids,
+        sel.weights, sel.done, n, eps, K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_w is not None,
+        BIAS=bias is not None, RESIDUAL=residual is not None, NORMED_OUT=normed_out is not None, SWIGLU=swiglu,
         OUT_GATE=out_gate is not None, IN_GATE_HEAD=0 if in_gate is None else in_gate[1], PLUS=plus is not None,
-        num_warps=warps)
+        TOP_K=sel.k, TOP_KP=triton.next_power_of_2(max(sel.k, 1)), EP=triton.next_power_of_2(n) if sel.k else 1,
+        RENORMALIZE=sel.renormalize, num_warps=warps)
     return out

@@ -2,7 +2,8 @@
 the softmax of the token's router logits in fp32, its k largest probabilities by k passes of
 max-and-remove (the lowest expert id first among equals), renormalized where the model says so.
 In torch the same is a softmax, a sort-based top-k (two kernels) and a division: four launches
-per MoE layer of a decode step, about 12 µs on the device against a few for this one.
+per MoE layer of a decode step, about 12 µs on the device against a few for this one. The
+selection is also the epilogue of the router's projection (`gemv_kernel.linear_top_k_gpu`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _softmax_top_k(logits, ids_out, weights_out, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
-                   KP: tl.constexpr, RENORMALIZE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def store_softmax_top_k(x, ids_out, weights_out, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                        RENORMALIZE: tl.constexpr):
+    """The selection of one token's logits x ([EP] fp32, -inf past the experts) stored at
+    ids_out and weights_out (k entries each)."""
     e = tl.arange(0, EP)
-    x = tl.load(logits + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     j = tl.arange(0, KP)
@@ -31,8 +32,17 @@ def _softmax_top_k(logits, ids_out, weights_out, E: tl.constexpr, EP: tl.constex
         p = tl.where(e == pick, -1.0, p)  # below every probability: not picked again
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 0)
-    tl.store(ids_out + t * K + j, ids, mask=j < K)
-    tl.store(weights_out + t * K + j, weights, mask=j < K)
+    tl.store(ids_out + j, ids, mask=j < K)
+    tl.store(weights_out + j, weights, mask=j < K)
+
+
+@triton.jit
+def _softmax_top_k(logits, ids_out, weights_out, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
+                   KP: tl.constexpr, RENORMALIZE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EP)
+    x = tl.load(logits + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    store_softmax_top_k(x, ids_out + t * K, weights_out + t * K, EP, K, KP, RENORMALIZE)
 
 
 def softmax_top_k_gpu(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

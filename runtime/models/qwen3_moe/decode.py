@@ -1,9 +1,9 @@
 """Qwen3-MoE's layer in a decode graph (`ftc_runtime.decode.graphs`): attention over the KV cache,
 then the router (the experts' input staged for the host) or a dense MLP. A MoE layer of one
-sequence runs as seven kernels where `fused_body` is on: the previous MoE layer's output joined
+sequence runs as six kernels where `fused_body` is on: the previous MoE layer's output joined
 with the input norm and the q/k/v projection, the q/k norms with RoPE and the KV write, decode
 attention (two), the output projection with the residual, the post-attention norm with the
-router's projection, its top-k."""
+router's projection and its top-k."""
 
 from __future__ import annotations
 
@@ -58,11 +58,10 @@ class AttentionDecodeGraphs(DecodeGraphs):
             io.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
 
     def _fused_moe_layer(self, i: int, cache: SequenceCache, part: torch.Tensor | None) -> None:
-        """Layer i as seven kernels; `part`: the previous layer's output, joined into the residual
+        """Layer i as six kernels; `part`: the previous layer's output, joined into the residual
         stream by the first (else already joined)."""
-        from ftc_runtime.models.layers.gemv_kernel import linear_gpu  # Triton: beside a GPU
+        from ftc_runtime.models.layers.gemv_kernel import TopK, linear_gpu  # Triton: beside a GPU
         from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
-        from ftc_runtime.models.layers.router_kernel import softmax_top_k_gpu
 
         m, io, eps = self.model, self.io, self.model.spec.norm.eps
         norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w = m.attention_in_weights(i)
@@ -75,6 +74,8 @@ class AttentionDecodeGraphs(DecodeGraphs):
         linear_gpu(attn, o_w, o_b, residual=residual, out=io.x)
         h = torch.empty(1, m.spec.hidden_size, dtype=torch.float32, device=m.device)
         gate_w, top_k, renormalize = m.router_args(i)
-        logits = linear_gpu(io.x, gate_w, norm_w=post_w, eps=eps, normed_out=h)
-        ids, weights = softmax_top_k_gpu(logits, top_k, renormalize)
+        ids = torch.empty(1, top_k, dtype=torch.int64, device=m.device)
+        weights = torch.empty(1, top_k, dtype=torch.float32, device=m.device)
+        linear_gpu(io.x, gate_w, norm_w=post_w, eps=eps, normed_out=h,
+                   top_k=TopK(top_k, renormalize, ids, weights, io.router_done))
         m.experts.stage(h, ids, weights)
