@@ -175,7 +175,13 @@ def check_decode_attention(rng: random.Random, g: torch.Generator) -> None:
         keys = torch.randn(capacity, n_kv, d, generator=g).to(dtype)
         values = torch.randn(capacity, n_kv, d, generator=g).to(dtype)
         q = torch.randn(1, n_kv * group, d, generator=g).to(dtype)
-        got = decode_attention_gpu(q, keys, values, torch.tensor([position]), (n_kv * group, n_kv, d))
+        heads, pos = (n_kv * group, n_kv, d), torch.tensor([position])
+        got = decode_attention_gpu(q, keys, values, pos, heads)
+        # one kernel (the last program of a KV head combines its spans): the same, the counts left at
+        # zero; after a call on another query, whose spans a combine too early would find
+        decode_attention_gpu(-q, keys, values, pos, heads)
+        done = torch.zeros(n_kv + 3, dtype=torch.int32)
+        one_kernel = decode_attention_gpu(q, keys, values, pos, heads, done)
         # softmax over the keys up to the position, per query head and its KV head, in fp64
         k = keys[:position + 1].double().repeat_interleave(group, dim=1)
         v = values[:position + 1].double().repeat_interleave(group, dim=1)
@@ -185,6 +191,7 @@ def check_decode_attention(rng: random.Random, g: torch.Generator) -> None:
         err = float((got.double() - want).abs().max() / want.abs().max())
         what = f"attention, trial {trial}: {n_kv} kv × {group}, d {d}, capacity {capacity}, position {position}"
         assert got.dtype == dtype and got.shape == want.shape and err < tol, f"{what}, {dtype}: {err:.2e}"
+        assert torch.equal(one_kernel, got) and not done.any(), f"{what}, {dtype}: one kernel, counts {done}"
 
 
 def check_router(rng: random.Random, g: torch.Generator) -> None:

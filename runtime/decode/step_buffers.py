@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+DONE_COUNTS = 256  # counts in `StepBuffers.done`: one per KV head of a layer at the most
+
 
 @dataclass
 class StepBuffers:
@@ -14,8 +16,9 @@ class StepBuffers:
     several), the previous layer's MLP output `mlp`, the residual stream with it joined where a
     layer's first kernel joins it (`joined`), the rotary tables of the step's positions, the input
     tokens and positions (written by the host before each step through `staging`), the logits, a
-    CPU part copied in (the host path), a shared expert's output where the family has one, and the
-    count of a router's finished programs (`gemv_kernel.TopK.done`)."""
+    CPU part copied in (the host path), a shared expert's output where the family has one, and
+    counts of finished programs for the kernels whose last program finishes their work (a
+    router's selection, `gemv_kernel.TopK`; an attention head's combine), zero between kernels."""
 
     x: torch.Tensor
     mlp: torch.Tensor
@@ -28,7 +31,7 @@ class StepBuffers:
     cpu_part: torch.Tensor
     shared: torch.Tensor | None
     staging: torch.Tensor  # [2, n] int64 on the host (pinned): tokens, positions
-    router_done: torch.Tensor
+    done: torch.Tensor
 
     @classmethod
     def make(cls, model, n: int, streams: int = 0) -> StepBuffers:
@@ -43,7 +46,7 @@ class StepBuffers:
                    logits=torch.zeros(n, spec.vocab_size, dtype=torch.float32, device=dev),
                    cpu_part=torch.zeros(n, spec.hidden_size, dtype=torch.float32, device=dev), shared=shared,
                    staging=torch.zeros(2, n, dtype=torch.long, pin_memory=dev.type == "cuda"),
-                   router_done=torch.zeros(1, dtype=torch.int32, device=dev))
+                   done=torch.zeros(DONE_COUNTS, dtype=torch.int32, device=dev))
 
     @property
     def width(self) -> int:

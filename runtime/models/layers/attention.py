@@ -38,17 +38,18 @@ def attention_out(x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, o_b: t
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
-                     heads: tuple[int, int, int]) -> torch.Tensor:
+                     heads: tuple[int, int, int], done: torch.Tensor | None = None) -> torch.Tensor:
     """One query q [1, heads, d] over keys/values [C, kv, d], of which it sees those up to
     `position` (int64 [1] on q's device): [1, heads · d]. Decode passes the cache's whole storage
     and the step's position, so that the shapes stay fixed for CUDA graphs. On a GPU two Triton
     kernels that read only the keys up to the position (`decode_attention_kernel`); elsewhere
     torch: the query heads of one KV head form its rows, two batched matmuls over the storage with
-    its tail masked off."""
+    its tail masked off. `done` (the GPU's, optional): a count per KV head at a fixed address, zero,
+    with which the kernels are one (`decode_attention_gpu`)."""
     if q.is_cuda:
         from ftc_runtime.models.layers.decode_attention_kernel import decode_attention_gpu  # Triton: beside a GPU
 
-        return decode_attention_gpu(q, keys, values, position, heads)
+        return decode_attention_gpu(q, keys, values, position, heads, done)
     n_q, n_kv, d = heads
     scores = torch.matmul(q.view(n_kv, n_q // n_kv, d), keys.permute(1, 2, 0)) * d ** -0.5
     scores = scores.masked_fill(torch.arange(keys.shape[0], device=q.device) > position, float("-inf"))

@@ -1,9 +1,9 @@
 """Qwen3-MoE's layer in a decode graph (`ftc_runtime.decode.graphs`): attention over the KV cache,
 then the router (the experts' input staged for the host) or a dense MLP. A MoE layer of one
-sequence runs as six kernels where `fused_body` is on: the previous MoE layer's output joined
+sequence runs as five kernels where `fused_body` is on: the previous MoE layer's output joined
 with the input norm and the q/k/v projection, the q/k norms with RoPE and the KV write, decode
-attention (two), the output projection with the residual, the post-attention norm with the
-router's projection and its top-k."""
+attention, the output projection with the residual, the post-attention norm with the router's
+projection and its top-k."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class AttentionDecodeGraphs(DecodeGraphs):
             io.mlp.copy_(f["dense_mlp"](h, *m.dense_mlp_weights(i)))
 
     def _fused_moe_layer(self, i: int, cache: SequenceCache, part: torch.Tensor | None) -> None:
-        """Layer i as six kernels; `part`: the previous layer's output, joined into the residual
+        """Layer i as five kernels; `part`: the previous layer's output, joined into the residual
         stream by the first (else already joined)."""
         from ftc_runtime.models.layers.gemv_kernel import TopK, linear_gpu  # Triton: beside a GPU
         from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
@@ -69,7 +69,7 @@ class AttentionDecodeGraphs(DecodeGraphs):
         qkv = linear_gpu(io.x, qkv_w, qkv_b, norm_w=norm_w, eps=eps, plus=None if part is None else (part, io.joined))
         keys, values = cache.kv.storage(i)
         q = qk_norm_rope_store_gpu(qkv, q_norm_w, k_norm_w, io.cos, io.sin, eps, m.heads, keys, values, io.position)
-        attn = self.f["decode_attention"](q, keys, values, io.position, m.heads)
+        attn = self.f["decode_attention"](q, keys, values, io.position, m.heads, io.done)
         o_w, o_b, post_w = m.attention_out_weights(i)
         linear_gpu(attn, o_w, o_b, residual=residual, out=io.x)
         h = torch.empty(1, m.spec.hidden_size, dtype=torch.float32, device=m.device)
@@ -77,5 +77,5 @@ class AttentionDecodeGraphs(DecodeGraphs):
         ids = torch.empty(1, top_k, dtype=torch.int64, device=m.device)
         weights = torch.empty(1, top_k, dtype=torch.float32, device=m.device)
         linear_gpu(io.x, gate_w, norm_w=post_w, eps=eps, normed_out=h,
-                   top_k=TopK(top_k, renormalize, ids, weights, io.router_done))
+                   top_k=TopK(top_k, renormalize, ids, weights, io.done[:1]))
         m.experts.stage(h, ids, weights)

@@ -8,7 +8,7 @@ hybrid family (`Qwen3NextModel`). Per layer one graph:
 - residual and post-attention norm, the router, the staging of the experts' input for the host,
   and the shared expert behind its gate (written to `shared`, added at the next join).
 With `fused_body`, a sequence's linear layer runs as four kernels of its own, a full-attention
-layer as five and a MoE block with a shared expert as three (`_fused_linear`, `_fused_attention`,
+layer as four and a MoE block with a shared expert as three (`_fused_linear`, `_fused_attention`,
 `_fused_moe_block`), on the model's fused projections.
 A sequence's linear-layer state never moves (`DeltaNetState.assign`), so graphs captured on a
 cache stay valid until its KV storage moves.
@@ -116,9 +116,9 @@ class HybridDecodeGraphs(DecodeGraphs):
         linear_gpu(gated, w.out_proj, residual=io.x, out=io.x)
 
     def _fused_attention(self, i: int, cache: SequenceCache) -> None:
-        """A full-attention layer of one sequence as five kernels: the input norm with the fused
+        """A full-attention layer of one sequence as four kernels: the input norm with the fused
         q (and gate), k and v projection, the q/k norms with RoPE and the KV write, decode
-        attention (two), and the output projection on the gated output with the residual add."""
+        attention, and the output projection on the gated output with the residual add."""
         from ftc_runtime.models.layers.gemv_kernel import linear_gpu  # Triton: beside a GPU
         from ftc_runtime.models.layers.qk_rope_kernel import qk_norm_rope_store_gpu
 
@@ -130,7 +130,7 @@ class HybridDecodeGraphs(DecodeGraphs):
         keys, values = cache.kv.storage(m.kv_index[i])
         q = qk_norm_rope_store_gpu(qkv, q_norm_w, k_norm_w, io.cos, io.sin, eps, m.heads, keys, values, io.position,
                                    output_gate=gate)
-        attn = self.f["decode_attention"](q, keys, values, io.position, m.heads)
+        attn = self.f["decode_attention"](q, keys, values, io.position, m.heads, io.done)
         linear_gpu(attn, m.w[p + "self_attn.o_proj.weight"], residual=io.x, out=io.x,
                    in_gate=(qkv, m.heads[2]) if gate else None)
 
