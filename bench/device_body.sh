@@ -23,8 +23,10 @@
 #   bash bench/device_body.sh OUT_DIR 11  the join as one program per column block with the answer relayed, the
 #                                         step's counters on the third stream: GPU tests (with DeepSeek-V4's hash
 #                                         layers streamed), the fill kernel's shapes swept, the qwen3-30b-a3b matrices
-#   bash bench/device_body.sh OUT_DIR 12  whether programmatic dependent launch shortens a chain of small kernels
-#                                         in a graph (bench/dev/pdl_chain.py), then part 11's GPU tests and matrices
+#   bash bench/device_body.sh OUT_DIR 12  the fused body's five kernels (the join in the first, the router's top-k
+#                                         and attention's combine by their last programs): whether programmatic
+#                                         dependent launch shortens a chain of small kernels (bench/dev/pdl_chain.py),
+#                                         the GPU tests of the step and the graphs, the qwen3-30b-a3b matrices
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -97,9 +99,11 @@ elif [ "$part" = 11 ] || [ "$part" = 12 ]; then
   if [ "$part" = 12 ]; then
     for rows in 2048,4096,128 8192,128; do timeout 60 python3 bench/dev/pdl_chain.py --rows $rows 2>&1 | tail -4; done
   fi
-  timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
-    tests/test_deepseek_v4_family.py -k "gpu_rings or wait_tunes or device_step or triton_expert or hash_layers_stream" \
-    2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
+  tests="gpu_rings or wait_tunes or device_step or triton_expert or hash_layers_stream"
+  [ "$part" = 12 ] && tests="$tests or test_decode_graphs_equal or hybrid_decode_graphs"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
+    tests/test_deepseek_v4_family.py -k "$tests" 2>&1 | tee "$out/pytest_gpu.txt" \
+    | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
   if [ "$part" = 11 ]; then
     shapes=32x2048x4,64x2048x4,128x1024x4,32x4096x8,64x4096x8,16x8192x8
     for bytes in 9437184 2506752; do
