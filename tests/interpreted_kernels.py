@@ -214,14 +214,16 @@ def check_router_projection(rng: random.Random, g: torch.Generator) -> None:
     then the selection kernel: the same ids and weights, and the programs' count left at zero."""
     for trial in range(6):
         e, k, hidden = rng.choice([8, 60, 128, 256]), rng.choice([1, 2, 6, 8]), rng.choice([64, 200])
+        more = rng.choice([0, 0, 1, 33])  # rows after the router's in a fused weight (a shared expert's)
         dtype = rng.choice([torch.float32, torch.bfloat16])
-        x, w = torch.randn(1, hidden, generator=g).to(dtype), torch.randn(e, hidden, generator=g).to(dtype)
+        x, w = torch.randn(1, hidden, generator=g).to(dtype), torch.randn(e + more, hidden, generator=g).to(dtype)
         norm_w, renormalize = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype), rng.random() < 0.5
-        want_ids, want_w = softmax_top_k_gpu(linear_gpu(x, w, norm_w=norm_w, eps=1e-6), k, renormalize)
+        want_ids, want_w = softmax_top_k_gpu(linear_gpu(x, w, norm_w=norm_w, eps=1e-6)[:, :e], k, renormalize)
         ids, weights = torch.full((1, k), -1), torch.full((1, k), float("nan"))
         done = torch.zeros(1, dtype=torch.int32)
-        logits = linear_gpu(x, w, norm_w=norm_w, eps=1e-6, top_k=TopK(k, renormalize, ids, weights, done))
-        what = f"router projection, trial {trial}: {e} experts, top {k}, hidden {hidden}, {dtype}"
+        logits = linear_gpu(x, w, norm_w=norm_w, eps=1e-6,
+                            top_k=TopK(k, renormalize, ids, weights, done, among=e if more else 0))
+        what = f"router projection, trial {trial}: {e} experts (+{more} rows), top {k}, hidden {hidden}, {dtype}"
         assert torch.equal(logits, linear_gpu(x, w, norm_w=norm_w, eps=1e-6)), f"{what}: logits"
         assert torch.equal(ids, want_ids) and torch.equal(weights, want_w), what
         assert int(done) == 0, f"{what}: the count is {int(done)} after the call"

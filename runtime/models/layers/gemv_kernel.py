@@ -28,16 +28,18 @@ from ftc_runtime.models.layers.router_kernel import store_softmax_top_k
 
 
 class TopK(NamedTuple):
-    """A router's selection as the projection's epilogue: the softmax top-`k` of the output row
-    (`renormalize`d where the model says so) written to `ids` ([1, k] int64) and `weights` ([1, k]
-    fp32). `done` (int32 [1], zero between calls, at a fixed address for a graph) counts the
-    programs as they finish: the last one selects, then zeroes it."""
+    """A router's selection as the projection's epilogue: the softmax top-`k` of the output row's
+    first `among` values (0: all; a router's rows may lead a fused weight's), `renormalize`d where
+    the model says so, written to `ids` ([1, k] int64) and `weights` ([1, k] fp32). `done` (int32
+    [1], zero between calls, at a fixed address for a graph) counts the programs as they finish:
+    the last one selects, then zeroes it."""
 
     k: int
     renormalize: bool
     ids: torch.Tensor
     weights: torch.Tensor
     done: torch.Tensor
+    among: int = 0
 
 
 @triton.jit
@@ -68,21 +70,21 @@ def _row(x, plus, kk, K: tl.constexpr, act, PLUS: tl.constexpr):
 
 
 @triton.jit
-def _select_when_last(out, N, ids_out, weights_out, done, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+def _select_when_last(out, E, ids_out, weights_out, done, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                       RENORMALIZE: tl.constexpr):
-    """The program that finishes last (counted in `done`) selects the top k of `out`'s N values,
-    which every program has stored by then, and zeroes `done` for the next call."""
+    """The program that finishes last (counted in `done`) selects the top k of `out`'s first E
+    values, which every program has stored by then, and zeroes `done` for the next call."""
     tl.debug_barrier()  # the program's every store before its count, whose release covers them
     if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         e = tl.arange(0, EP)
-        x = tl.load(out + e, mask=e < N, other=float("-inf"), volatile=True).to(tl.float32)
+        x = tl.load(out + e, mask=e < E, other=float("-inf"), volatile=True).to(tl.float32)
         store_softmax_top_k(x, ids_out, weights_out, EP, K, KP, RENORMALIZE)
         tl.store(done, 0)
 
 
 @triton.jit
 def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, plus, joined_out, ids_out,
-          weights_out, done, N, eps, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          weights_out, done, N, among, eps, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           NORM: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, NORMED_OUT: tl.constexpr,
           SWIGLU: tl.constexpr, OUT_GATE: tl.constexpr, IN_GATE_HEAD: tl.constexpr, PLUS: tl.constexpr,
           TOP_K: tl.constexpr, TOP_KP: tl.constexpr, EP: tl.constexpr, RENORMALIZE: tl.constexpr):
@@ -126,7 +128,7 @@ def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, plus
         y = (tl.load(residual + n, mask=n_ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(act)
     tl.store(out + n, y, mask=n_ok)
     if TOP_K > 0:
-        _select_when_last(out, N, ids_out, weights_out, done, EP, TOP_K, TOP_KP, RENORMALIZE)
+        _select_when_last(out, among, ids_out, weights_out, done, EP, TOP_K, TOP_KP, RENORMALIZE)
 
 
 def gemv_blocks(n: int, k: int) -> tuple[int, int, int]:
@@ -167,11 +169,12 @@ def linear_gpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     selected too (a router's logits)."""
     _check_input(x, w, norm_w is not None, swiglu, in_gate is not None, plus)
     n, k = w.shape
-    if top_k is not None and not (0 < top_k.k <= n and top_k.ids.shape == top_k.weights.shape == (1, top_k.k)
+    among = n if top_k is None or not top_k.among else top_k.among
+    if top_k is not None and not (0 < top_k.k <= among <= n and top_k.ids.shape == top_k.weights.shape == (1, top_k.k)
                                   and top_k.ids.dtype == torch.int64 and top_k.weights.dtype == torch.float32
                                   and top_k.done.dtype == torch.int32):
-        raise ValueError(f"linear_gpu: top_k {top_k.k} of {n} outputs needs ids [1, k] int64, weights [1, k] "
-                         "fp32 and an int32 count")
+        raise ValueError(f"linear_gpu: top_k {top_k.k} of {among} of {n} outputs needs ids [1, k] int64, "
+                         "weights [1, k] fp32 and an int32 count")
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = gemv_blocks(n, k)
@@ -181,9 +184,9 @@ def linear_gpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         x, w, out, x if norm_w is None else norm_w, x if bias is None else bias,
         x if residual is None else residual, x if normed_out is None else normed_out,
         x if out_gate is None else out_gate, x if in_gate is None else in_gate[0], plus_row, joined, sel.ids,
-        sel.weights, sel.done, n, eps, K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_w is not None,
+        sel.weights, sel.done, n, among, eps, K=k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_w is not None,
         BIAS=bias is not None, RESIDUAL=residual is not None, NORMED_OUT=normed_out is not None, SWIGLU=swiglu,
         OUT_GATE=out_gate is not None, IN_GATE_HEAD=0 if in_gate is None else in_gate[1], PLUS=plus is not None,
-        TOP_K=sel.k, TOP_KP=triton.next_power_of_2(max(sel.k, 1)), EP=triton.next_power_of_2(n) if sel.k else 1,
+        TOP_K=sel.k, TOP_KP=triton.next_power_of_2(max(sel.k, 1)), EP=triton.next_power_of_2(among) if sel.k else 1,
         RENORMALIZE=sel.renormalize, num_warps=warps)
     return out

@@ -8,7 +8,7 @@ hybrid family (`Qwen3NextModel`). Per layer one graph:
 - residual and post-attention norm, the router, the staging of the experts' input for the host,
   and the shared expert behind its gate (written to `shared`, added at the next join).
 With `fused_body`, a sequence's linear layer runs as four kernels of its own, a full-attention
-layer as four and a MoE block with a shared expert as three (`_fused_linear`, `_fused_attention`,
+layer as four and a MoE block with a shared expert as two (`_fused_linear`, `_fused_attention`,
 `_fused_moe_block`), on the model's fused projections.
 A sequence's linear-layer state never moves (`DeltaNetState.assign`), so graphs captured on a
 cache stay valid until its KV storage moves.
@@ -136,18 +136,19 @@ class HybridDecodeGraphs(DecodeGraphs):
 
     def _fused_moe_block(self, i: int) -> None:
         """The post-attention norm with the router's, the shared gate's and the shared expert's
-        gate and up projections (one GEMV), the router's top-k and the staging, and the shared
-        expert's down projection on their SwiGLU behind its sigmoid gate: three kernels."""
-        from ftc_runtime.models.layers.gemv_kernel import linear_gpu  # Triton: beside a GPU
-        from ftc_runtime.models.layers.router_kernel import softmax_top_k_gpu
+        gate and up projections (one GEMV, the router's top-k its epilogue), the staging, and the
+        shared expert's down projection on their SwiGLU behind its sigmoid gate: two kernels."""
+        from ftc_runtime.models.layers.gemv_kernel import TopK, linear_gpu  # Triton: beside a GPU
 
         m, io, e = self.model, self.io, self.model.spec.moe.num_experts
         p = f"model.layers.{i}."
         h = torch.empty(1, m.spec.hidden_size, dtype=torch.float32, device=m.device)
-        proj = linear_gpu(io.x, m.fused_weight(i, "mlp.in_proj.weight"),
-                          norm_w=m.w[p + "post_attention_layernorm.weight"], eps=m.spec.norm.eps, normed_out=h)
         _, top_k, renormalize = m.router_args(i)
-        ids, weights = softmax_top_k_gpu(proj[:, :e], top_k, renormalize)
+        ids = torch.empty(1, top_k, dtype=torch.int64, device=m.device)
+        weights = torch.empty(1, top_k, dtype=torch.float32, device=m.device)
+        proj = linear_gpu(io.x, m.fused_weight(i, "mlp.in_proj.weight"),
+                          norm_w=m.w[p + "post_attention_layernorm.weight"], eps=m.spec.norm.eps, normed_out=h,
+                          top_k=TopK(top_k, renormalize, ids, weights, io.done[:1], among=e))
         m.experts.stage(h, ids, weights)
         linear_gpu(proj[:, e + 1:], m.w[p + "mlp.shared_expert.down_proj.weight"], swiglu=True,
                    out_gate=proj[:, e], out=io.shared)
