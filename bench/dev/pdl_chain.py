@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftc.bench.graph_timing import graph_us
+
 MODES = ("plain", "wait_first", "weights_first")
 BLOCK_N = 2  # rows per program, as the decode step's GEMVs (`gemv_kernel.gemv_blocks`)
 
@@ -50,18 +52,6 @@ def chain(mode: int, weights: list[torch.Tensor], bufs: list[torch.Tensor]) -> N
                                                 launch_pdl=mode > 0, num_warps=4)
 
 
-def per_kernel_us(graph: torch.cuda.CUDAGraph, kernels: int, reps: int = 200) -> float:
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / kernels
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="2048,4096,128", help="the weights' rows, repeated along the chain")
@@ -77,12 +67,7 @@ def main() -> None:
     results = {}
     for mode, name in enumerate(MODES):
         bufs = [first] + [torch.zeros(size, device="cuda", dtype=torch.bfloat16) for _ in weights]
-        chain(mode, weights, bufs)  # compiles outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chain(mode, weights, bufs)
-        us = per_kernel_us(graph, len(weights))
+        us = graph_us(lambda mode=mode, bufs=bufs: chain(mode, weights, bufs), calls=1, replays=200) / len(weights)
         results[name] = bufs[-1].clone()
         mb = sum(w.numel() * 2 for w in weights) / len(weights) / 1e6
         print(f"{name:>14}: {us:.3f} µs per kernel ({mb:.2f} MB of weight each, {mb * 1e-3 / (us * 1e-6):.0f} GB/s)",
