@@ -82,11 +82,10 @@ def package_engine(engine: Path, out: Path, shard_size: int = SHARD_SIZE, archiv
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.packaging-"))
     try:
         files, shards = _copy_engine(m, checked.experts, staging, shard_size, console)
-        kernel_sets = _other_isa_sources(m, staging, files)
-        _write_manifest(m, staging, files, shards, shard_size, kernel_sets)
-        (staging / CARD).write_text(model_card(EngineManifest.read(staging), repo_id))
+        raw = _package_manifest(m, files, shards, shard_size, _other_isa_sources(m, staging, files))
+        (staging / CARD).write_text(model_card(dataclasses.replace(m, root=staging, files=files, raw=raw), repo_id))
         files |= describe_files(staging, [CARD])
-        _write_manifest(m, staging, files, shards, shard_size, kernel_sets)  # the card listed too
+        (staging / MANIFEST).write_text(json.dumps(raw, indent=1, allow_nan=False) + "\n")
         if archive:
             _archive(staging, out, console)
         else:
@@ -185,8 +184,10 @@ def _other_isa_sources(m: EngineManifest, staging: Path, files: dict[str, dict])
     return sets
 
 
-def _write_manifest(m: EngineManifest, staging: Path, files: dict[str, dict], shards: list[str], shard_size: int,
-                    kernel_sets: dict[str, dict]) -> None:
+def _package_manifest(m: EngineManifest, files: dict[str, dict], shards: list[str], shard_size: int,
+                      kernel_sets: dict[str, dict]) -> dict:
+    """The package's engine.json: the engine's, listing `files` (the same dict: what is added to
+    it later is listed too), the shards and what the package needs."""
     raw = dict(m.raw)
     raw["files"] = files
     raw["experts_shards"] = shards
@@ -197,7 +198,7 @@ def _write_manifest(m: EngineManifest, staging: Path, files: dict[str, dict], sh
         "requires": requirements(m),
         "kernel_sets": kernel_sets,
     }
-    (staging / MANIFEST).write_text(json.dumps(raw, indent=1, allow_nan=False) + "\n")
+    return raw
 
 
 def requirements(m: EngineManifest) -> dict:
