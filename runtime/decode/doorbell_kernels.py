@@ -61,27 +61,17 @@ class Mapped:
 
 
 @triton.jit
-def _store_release_sys(ptr, value):
-    tl.inline_asm_elementwise("fence.acq_rel.sys;\nst.relaxed.sys.global.b64 [$1], $2;\nmov.u32 $0, 0;",
-                              "=r,l,l", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
+def _store_release(ptr, value, SCOPE: tl.constexpr):
+    """*ptr = value (int64), every earlier write visible first at `SCOPE` ("sys": to the host)."""
+    tl.inline_asm_elementwise("fence.acq_rel." + SCOPE + ";\nst.relaxed." + SCOPE + ".global.b64 [$1], $2;\n"
+                              "mov.u32 $0, 0;", "=r,l,l", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _load_acquire_sys(ptr):
-    return tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _store_release_gpu(ptr, value):
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;\nst.relaxed.gpu.global.b64 [$1], $2;\nmov.u32 $0, 0;",
-                              "=r,l,l", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _load_acquire_gpu(ptr):
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
-                                     is_pure=False, pack=1)
+def _load_acquire(ptr, SCOPE: tl.constexpr):
+    """*ptr (int64), read past any stale line, later reads ordered after it at `SCOPE`."""
+    return tl.inline_asm_elementwise("ld.acquire." + SCOPE + ".global.b64 $0, [$1];", "=l,l", [ptr],
+                                     dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -106,7 +96,7 @@ def _post_job(counts, cpu_ids, cpu_offsets, cpu_tok, cpu_w, x, n_tokens, n, hidd
         seq = tl.load(counter) + 1
         tl.debug_barrier()  # every thread's writes to the mailbox before the ring
         tl.store(counter, seq)
-        _store_release_sys(ring, seq)
+        _store_release(ring, seq, "sys")
 
 
 @triton.jit
@@ -128,24 +118,24 @@ def _answered(done, relay, seq, status, counts, bias, step, SPINS: tl.constexpr,
     if tl.program_id(0) == 0:
         spins = 0
         if job:
-            flag = _load_acquire_sys(done)
+            flag = _load_acquire(done, "sys")
             while (flag < seq) & (spins < SPINS):
-                flag = _load_acquire_sys(done)
+                flag = _load_acquire(done, "sys")
                 spins += 1
             answered = flag >= seq
             if flag < seq:  # no answer: the step's result is wrong, and the host is told
                 tl.store(status, 1)
             tl.store(relay + 1, answered.to(tl.int64))
             tl.debug_barrier()  # the answer's store before the relay's release
-            _store_release_gpu(relay, seq)
+            _store_release(relay, seq, "gpu")
         if TUNE:
             if answered:
                 _tune(counts, bias, spins > 0, step)
     elif job:
-        relayed = _load_acquire_gpu(relay)
+        relayed = _load_acquire(relay, "gpu")
         spins = 0
         while (relayed < seq) & (spins < SPINS):
-            relayed = _load_acquire_gpu(relay)
+            relayed = _load_acquire(relay, "gpu")
             spins += 1
         answered = (relayed >= seq) & (tl.load(relay + 1) != 0)
     return job & answered
