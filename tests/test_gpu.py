@@ -275,6 +275,41 @@ def test_device_step_replays_a_trace_as_the_host_path_does(engine_dir, monkeypat
     check_slots_hold_their_rows(engines["1"].model.experts)
 
 
+@pytest.mark.parametrize("spec_name,quant", [("qwen3-moe-tiny", None), ("qwen3-moe-tiny", "mxfp4"),
+                                             ("qwen3.6-moe-tiny", "nvfp4")])
+def test_dependent_launch_changes_no_bit_of_the_device_step(tmp_path, monkeypatch, spec_name, quant, seed):
+    """The one-graph device step (the fused body, the plan, fills, hits, the CPU's share and the
+    join) with its kernels launched with programmatic dependent launch and without: the same
+    arithmetic in the same order, so bit-equal logits and the same split, step by step. A kernel
+    that read its predecessor's output, or overwrote what its predecessor still read, before the
+    predecessor was done would differ. Under a fixed miss policy (the adaptive one tunes its split
+    by the step's waits, which vary from run to run)."""
+    from ftc_runtime import dependent_launch
+
+    spec = Path(__file__).resolve().parents[1] / "model_specs" / f"{spec_name}.yaml"
+    engine_dir = compile_engine(CompileOptions(source=spec, random_weights=True, seed=7, quant=quant,
+                                               output=tmp_path / "engine"))
+    for name, value in (("FTC_TORCH_COMPILE", "0"), ("FTC_FUSED_BODY", "1"), ("FTC_DEVICE_PLAN", "1"),
+                        ("FTC_DECODE_GRAPHS", "1")):
+        monkeypatch.setenv(name, value)
+    rng = random.Random(seed)
+    cfg = OffloadConfig(device="cuda", n_slots=rng.randrange(4, 40), b_p=25.0, b_h=50.0,
+                        miss_policy=rng.choice(["gpu", "cpu", "half"]))
+    ids = [rng.randrange(256) for _ in range(40)]
+    logits, counts = {}, {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("FTC_PDL", pdl)
+        assert dependent_launch.enabled(torch.device("cuda")) == (pdl == "1")
+        engine = Engine.load(engine_dir, offload=cfg)
+        logits[pdl] = _teacher_forced_logits(engine, ids, 7)
+        s = engine.model.experts.stats.to_dict()
+        counts[pdl] = [s[c] for c in ("calls", "unique", "hits", "fills", "cpu")]
+        assert list(engine.model.decode_graphs.graphs) == [("step", 0)]
+    assert counts["1"] == counts["0"], f"seed {seed}, {cfg.miss_policy}"
+    for step, (a, b) in enumerate(zip(logits["1"], logits["0"], strict=True)):
+        assert torch.equal(a, b), f"step {step}: {rel(a, b):.2e} (seed {seed}, {cfg.miss_policy})"
+
+
 @pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
 def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path, quant, seed):
     """The qwen3_5_moe family (Gated DeltaNet blocks and one-token steps, gated attention, a

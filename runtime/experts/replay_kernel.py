@@ -11,10 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ftc_runtime import dependent_launch
+from ftc_runtime.dependent_launch import wait_for_previous
+
 
 @triton.jit
 def _replay(table, positions, own, ids_out, weights_out, layer, rows, row_stride, layer_stride,
-            K: tl.constexpr, KP: tl.constexpr):
+            K: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     j = tl.arange(0, KP)
     row = tl.load(positions + t) % rows
@@ -39,6 +43,7 @@ def replay_route_gpu(table: torch.Tensor, layer: int, positions: torch.Tensor,
     ids = torch.empty(n, k, dtype=torch.int64, device=own.device)
     weights = torch.empty(n, k, dtype=torch.float32, device=own.device)
     if n:
+        pdl = dependent_launch.enabled(own.device)
         _replay[(n,)](table, positions, own.contiguous(), ids, weights, layer, table.shape[0], table.stride(0),
-                      table.stride(1), K=k, KP=triton.next_power_of_2(k), num_warps=1)
+                      table.stride(1), K=k, KP=triton.next_power_of_2(k), PDL=pdl, launch_pdl=pdl, num_warps=1)
     return ids, weights

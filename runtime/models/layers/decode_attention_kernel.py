@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ftc_runtime import dependent_launch
+from ftc_runtime.dependent_launch import wait_for_previous
+
 MIN_SPAN = 64  # keys per program of `_partial` at the least: one step of keys
 MAX_SPANS = 64  # spans per KV head at the most
 
@@ -63,7 +66,8 @@ def _combine_head(h, acc_in, max_in, sum_in, position, out, G: tl.constexpr, D: 
 def _partial(q, keys, values, position, acc_out, max_out, sum_out, out, done, scale, k_stride_c, k_stride_h,
              v_stride_c, v_stride_h, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr,
              BLOCK_N: tl.constexpr, SPAN: tl.constexpr, SPANS: tl.constexpr, SPANS_P: tl.constexpr,
-             PRECISION: tl.constexpr, COMBINE: tl.constexpr):
+             PRECISION: tl.constexpr, COMBINE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     h, s = tl.program_id(0), tl.program_id(1)
     g, d = tl.arange(0, GP), tl.arange(0, DP)
     # Tiles in fp32, dots in tf32 for 16-bit inputs (which tf32 holds exactly) or full fp32.
@@ -105,7 +109,8 @@ def _partial(q, keys, values, position, acc_out, max_out, sum_out, out, done, sc
 
 @triton.jit
 def _combine(acc_in, max_in, sum_in, position, out, G: tl.constexpr, D: tl.constexpr, GP: tl.constexpr,
-             DP: tl.constexpr, SPANS: tl.constexpr, SPANS_P: tl.constexpr, SPAN: tl.constexpr):
+             DP: tl.constexpr, SPANS: tl.constexpr, SPANS_P: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     _combine_head(tl.program_id(0), acc_in, max_in, sum_in, position, out, G, D, GP, DP, SPANS, SPANS_P, SPAN,
                   False)
 
@@ -134,12 +139,13 @@ def decode_attention_gpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         raise ValueError(f"decode attention: done must hold an int32 count per KV head ({n_kv}), "
                          f"not {done.numel()} of {done.dtype}")
     spans_p = triton.next_power_of_2(spans)
+    pdl = dependent_launch.enabled(q.device)
     _partial[(n_kv, spans)](q.contiguous(), keys, values, position, partial, maxima, sums, out,
                             out if done is None else done, d ** -0.5, keys.stride(0), keys.stride(1),
                             values.stride(0), values.stride(1), G=group, D=d, GP=gp, DP=dp,
                             BLOCK_N=min(block_n, span), SPAN=span, SPANS=spans, SPANS_P=spans_p, PRECISION=precision,
-                            COMBINE=done is not None, num_warps=warps)
+                            COMBINE=done is not None, PDL=pdl, launch_pdl=pdl, num_warps=warps)
     if done is None:
         _combine[(n_kv,)](partial, maxima, sums, position, out, G=group, D=d, GP=gp, DP=dp, SPANS=spans,
-                          SPANS_P=spans_p, SPAN=span)
+                          SPANS_P=spans_p, SPAN=span, PDL=pdl, launch_pdl=pdl)
     return out

@@ -18,13 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ftc_runtime import dependent_launch
+from ftc_runtime.dependent_launch import wait_for_previous
 from ftc_runtime.models.layers.gated_deltanet import DeltaNetShape
 
 CONV_BLOCK = 256  # channels per program
 
 
 @triton.jit
-def _conv_step(proj, conv_w, state, mixed, C, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+def _conv_step(proj, conv_w, state, mixed, C, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+               PDL: tl.constexpr):
+    wait_for_previous(PDL)
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, KP)
     ok = c < C
@@ -52,7 +56,8 @@ def _softplus(x):
 @triton.jit
 def _delta_step(mixed, proj, A_log, dt_bias, norm_w, recurrent, gated, scale, eps, Z_OFF, B_OFF, A_OFF,
                 NK: tl.constexpr, NV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
-                DVP: tl.constexpr):
+                DVP: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     h = tl.program_id(0)
     kh = h // (NV // NK)  # the query/key head this value head shares
     dk, dv = tl.arange(0, DKP), tl.arange(0, DVP)
@@ -95,10 +100,12 @@ def deltanet_step_gpu(proj: torch.Tensor, conv_w: torch.Tensor, conv_state: torc
     if not (conv_state.is_contiguous() and recurrent.is_contiguous()):
         raise ValueError("deltanet_step: the convolution's and the recurrence's states must be contiguous")
     mixed = torch.empty(1, c, dtype=proj.dtype, device=proj.device)
+    pdl = dependent_launch.enabled(proj.device)
     _conv_step[(triton.cdiv(c, CONV_BLOCK),)](proj, conv_w, conv_state, mixed, c, K=kernel,
-                                              KP=triton.next_power_of_2(kernel), BLOCK=CONV_BLOCK)
+                                              KP=triton.next_power_of_2(kernel), BLOCK=CONV_BLOCK, PDL=pdl,
+                                              launch_pdl=pdl)
     gated = torch.empty(1, nv * dv, dtype=proj.dtype, device=proj.device)
     _delta_step[(nv,)](mixed, proj, A_log, dt_bias, norm_w, recurrent, gated, dk ** -0.5, shape.eps, c, c + nv * dv,
                        c + nv * dv + nv, NK=nk, NV=nv, DK=dk, DV=dv, DKP=triton.next_power_of_2(dk),
-                       DVP=triton.next_power_of_2(dv), num_warps=8)
+                       DVP=triton.next_power_of_2(dv), PDL=pdl, launch_pdl=pdl, num_warps=8)
     return gated

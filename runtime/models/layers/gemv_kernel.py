@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftc_runtime import dependent_launch
+from ftc_runtime.dependent_launch import wait_for_previous
 from ftc_runtime.models.layers.router_kernel import store_softmax_top_k
 
 
@@ -87,7 +89,9 @@ def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, plus
           weights_out, done, N, among, eps, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           NORM: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, NORMED_OUT: tl.constexpr,
           SWIGLU: tl.constexpr, OUT_GATE: tl.constexpr, IN_GATE_HEAD: tl.constexpr, PLUS: tl.constexpr,
-          TOP_K: tl.constexpr, TOP_KP: tl.constexpr, EP: tl.constexpr, RENORMALIZE: tl.constexpr):
+          TOP_K: tl.constexpr, TOP_KP: tl.constexpr, EP: tl.constexpr, RENORMALIZE: tl.constexpr,
+          PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -180,6 +184,7 @@ def linear_gpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     block_n, block_k, warps = gemv_blocks(n, k)
     plus_row, joined = (x, x) if plus is None else plus
     sel = TopK(0, False, x, x, x) if top_k is None else top_k
+    pdl = dependent_launch.enabled(x.device)
     _gemv[(triton.cdiv(n, block_n),)](
         x, w, out, x if norm_w is None else norm_w, x if bias is None else bias,
         x if residual is None else residual, x if normed_out is None else normed_out,
@@ -188,5 +193,5 @@ def linear_gpu(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         BIAS=bias is not None, RESIDUAL=residual is not None, NORMED_OUT=normed_out is not None, SWIGLU=swiglu,
         OUT_GATE=out_gate is not None, IN_GATE_HEAD=0 if in_gate is None else in_gate[1], PLUS=plus is not None,
         TOP_K=sel.k, TOP_KP=triton.next_power_of_2(max(sel.k, 1)), EP=triton.next_power_of_2(among) if sel.k else 1,
-        RENORMALIZE=sel.renormalize, num_warps=warps)
+        RENORMALIZE=sel.renormalize, PDL=pdl, launch_pdl=pdl, num_warps=warps)
     return out

@@ -11,12 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ftc_runtime import dependent_launch
+from ftc_runtime.dependent_launch import wait_for_previous
+
 
 @triton.jit
 def _qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, position, q_out, keys, values, k_stride_c,
                         k_stride_h, v_stride_c, v_stride_h, eps, HQ: tl.constexpr, HKV: tl.constexpr,
                         D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
-                        QS: tl.constexpr):
+                        QS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     p = tl.program_id(0)
     d = tl.arange(0, DP)
     ok = d < D
@@ -66,9 +70,10 @@ def qk_norm_rope_store_gpu(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_n
                          f"{keys.stride()} and {values.stride()}")
     q = torch.empty(1, n_q, d, dtype=qkv.dtype, device=qkv.device)
     qk_norm = q_norm_w is not None
+    pdl = dependent_launch.enabled(qkv.device)
     _qk_norm_rope_store[(n_q + 2 * n_kv,)](
         qkv, q_norm_w if qk_norm else qkv, k_norm_w if qk_norm else qkv, cos.contiguous(), sin.contiguous(),
         position, q, keys, values, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), eps,
         HQ=n_q, HKV=n_kv, D=d, DP=triton.next_power_of_2(d), R=cos.shape[-1], QK_NORM=qk_norm,
-        QS=2 * d if output_gate else d, num_warps=1)
+        QS=2 * d if output_gate else d, PDL=pdl, launch_pdl=pdl, num_warps=1)
     return q

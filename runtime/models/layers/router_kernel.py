@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ftc_runtime import dependent_launch
+from ftc_runtime.dependent_launch import wait_for_previous
+
 
 @triton.jit
 def store_softmax_top_k(x, ids_out, weights_out, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
@@ -38,7 +41,8 @@ def store_softmax_top_k(x, ids_out, weights_out, EP: tl.constexpr, K: tl.constex
 
 @triton.jit
 def _softmax_top_k(logits, ids_out, weights_out, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
-                   KP: tl.constexpr, RENORMALIZE: tl.constexpr):
+                   KP: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
     x = tl.load(logits + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -51,6 +55,7 @@ def softmax_top_k_gpu(logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     if t:
+        pdl = dependent_launch.enabled(logits.device)
         _softmax_top_k[(t,)](logits.contiguous(), ids, weights, E=e, EP=triton.next_power_of_2(e), K=top_k,
-                             KP=triton.next_power_of_2(top_k), RENORMALIZE=renormalize)
+                             KP=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, PDL=pdl, launch_pdl=pdl)
     return ids, weights

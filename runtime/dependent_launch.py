@@ -1,0 +1,47 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the small kernels of a decode step.
+
+A decode step is a chain of short dependent kernels (a few µs each at batch 1), and every
+boundary costs the time from one kernel's last program finishing to the next one's first program
+running. Launched with PDL, a kernel may start while the one before it in its stream still runs:
+its programs wait in `wait_for_previous` (PTX `griddepcontrol.wait`, which returns once the
+kernels it depends on have finished and their writes are visible) and then let the kernel after
+them launch at once. Every kernel launched with `launch_pdl=enabled(device)` must call
+`wait_for_previous(PDL)` before it touches memory: its first statement.
+
+A kernel launched without PDL after one launched with it starts as it always did, when that one
+has finished; so kernels outside this scheme (torch's, cuBLAS's) keep their order. In a CUDA graph
+the launches become programmatic edges of the graph. FTC_PDL=0 launches every kernel plainly.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from ftc_runtime.settings import settings
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """Where the kernel was launched with PDL: wait for the kernels before it, then release the
+    next one's launch (its programs wait in turn). A kernel's first statement."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: a CUDA device of compute capability 9.0 or
+    later (never Triton's interpreter, whose tensors are on the CPU), unless FTC_PDL=0."""
+    return device.type == "cuda" and _cuda_enabled(device, os.environ.get("FTC_PDL"))
+
+
+@cache
+def _cuda_enabled(device: torch.device, raw_setting: str | None) -> bool:
+    """Keyed by FTC_PDL's raw value too: read again where the environment changed (a benchmark's
+    variants), at the cost of one lookup per launch otherwise."""
+    return settings().pdl and torch.cuda.get_device_capability(device) >= (9, 0)
