@@ -27,11 +27,11 @@
 #                                         and attention's combine by their last programs): whether programmatic
 #                                         dependent launch shortens a chain of small kernels (bench/dev/pdl_chain.py),
 #                                         the GPU tests of the step and the graphs, the qwen3-30b-a3b matrices
-#   bash bench/device_body.sh OUT_DIR 13  the step's kernels with programmatic dependent launch: its GPU tests (bit
-#                                         equality against plain launches) with the step's and the graphs' (and
-#                                         DeepSeek-V4's uncompiled graphs at one seed), then the
-#                                         adaptive rows with FTC_PDL=0 and 1 on one machine (qwen3-30b-a3b bf16
-#                                         32 GiB trace and uniform, mxfp4 8 GiB; qwen3.6 nvfp4 8 GiB in the time left)
+#   bash bench/device_body.sh OUT_DIR 13  programmatic dependent launch (FTC_PDL): its GPU tests (bit equality
+#                                         against plain launches) with the step's and the graphs' (and DeepSeek-V4's
+#                                         uncompiled graphs at one seed), then the adaptive rows with FTC_PDL=0 and 1
+#                                         on one machine (qwen3-30b-a3b bf16 32 GiB trace and uniform, mxfp4 8 GiB;
+#                                         qwen3.6 nvfp4 8 GiB in the time left); FTC_CALL_S: the call's seconds
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml

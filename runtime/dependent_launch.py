@@ -1,4 +1,6 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for the small kernels of a decode step.
+"""Programmatic dependent launch (PDL, Hopper and later) for the short kernels of a decode
+layer's body: its projections, rotary embedding and KV write, attention, the router's selection,
+the Gated DeltaNet step.
 
 A decode step is a chain of short dependent kernels (a few µs each at batch 1), and every
 boundary costs the time from one kernel's last program finishing to the next one's first program
@@ -10,7 +12,12 @@ them launch at once. Every kernel launched with `launch_pdl=enabled(device)` mus
 
 A kernel launched without PDL after one launched with it starts as it always did, when that one
 has finished; so kernels outside this scheme (torch's, cuBLAS's) keep their order. In a CUDA graph
-the launches become programmatic edges of the graph. FTC_PDL=0 launches every kernel plainly.
+the launches become programmatic edges of the graph. The MoE part of a one-graph step (the plan,
+the fills, the CPU job's post, the experts, the join) launches plainly: with all of it launched
+with PDL the adaptive split drifted towards the GPU and every adaptive row lost 12-51%
+(docs/performance.md, the tenth session of issue 20), most likely because waiting programs hold
+their SM slots, behind the fills (a tenth of a millisecond) too, while the CPU job's post and the
+hits need SMs on other streams. Off by default until the body's gain is measured alone.
 """
 
 from __future__ import annotations
@@ -35,8 +42,8 @@ def wait_for_previous(PDL: tl.constexpr):
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: a CUDA device of compute capability 9.0 or
-    later (never Triton's interpreter, whose tensors are on the CPU), unless FTC_PDL=0."""
+    """Whether kernels on `device` launch with PDL: with FTC_PDL=1, on a CUDA device of compute
+    capability 9.0 or later (never Triton's interpreter, whose tensors are on the CPU)."""
     return device.type == "cuda" and _cuda_enabled(device, os.environ.get("FTC_PDL"))
 
 

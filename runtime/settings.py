@@ -44,7 +44,7 @@ class Settings:
     pin_gpu_thread: bool  # FTC_PIN_GPU_THREAD: pin the GPU-driving thread to the core the workers leave (default 0)
     device_plan: bool  # FTC_DEVICE_PLAN: plan decode calls on the device as data (default 0)
     fused_body: bool  # FTC_FUSED_BODY: a decode layer's attention and router as fused kernels (default 1)
-    pdl: bool  # FTC_PDL: decode kernels launched with programmatic dependent launch on Hopper and later (default 1)
+    pdl: bool  # FTC_PDL: a decode layer's body kernels launched with programmatic dependent launch (default 0)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -53,7 +53,7 @@ class Settings:
         return cls(num_threads=_int("FTC_NUM_THREADS"), cache_dir=Path(cache),
                    decode_graphs=_bool("FTC_DECODE_GRAPHS", True), torch_compile=_bool("FTC_TORCH_COMPILE", True),
                    pin_gpu_thread=_bool("FTC_PIN_GPU_THREAD", False), device_plan=_bool("FTC_DEVICE_PLAN", False),
-                   fused_body=_bool("FTC_FUSED_BODY", True), pdl=_bool("FTC_PDL", True))
+                   fused_body=_bool("FTC_FUSED_BODY", True), pdl=_bool("FTC_PDL", False))
 
 
 def settings() -> Settings:

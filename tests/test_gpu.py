@@ -134,7 +134,9 @@ def test_gpu_prefill_streaming_matches_the_cpu_engine(engine_dir, overlap, seed)
 
 def test_grouped_expert_kernel_matches_the_torch_path(engine_dir, seed):
     """Prompt-sized groups (up to hundreds of tokens per expert, uneven, tile edges crossed): the
-    grouped GEMM against torch in fp32; bf16 tokens and activations cost ~4e-3 relative."""
+    grouped GEMM against torch in fp32 (bf16 tokens and activations cost ~4e-3 relative), and the
+    same bits on a second run (each token's pairs summed in a fixed order: a prompt's state, and
+    so every later step, must not depend on the order of atomic adds)."""
     from ftc_runtime.engine import _gpu_expert_kernels
 
     torch.manual_seed(seed)
@@ -142,17 +144,19 @@ def test_grouped_expert_kernel_matches_the_torch_path(engine_dir, seed):
     cpu = loaded.model.experts
     ref = OffloadedExperts(cpu.pool, cpu.kernel, torch.device("cuda"), 8, MissPlanner("gpu"))
     ref.store.slots.copy_(ref.store.host_rows[torch.randperm(ref.store.host_rows.shape[0])[:8]].cuda())
-    grouped = _gpu_expert_kernels(loaded.manifest, "cuda")[1]
+    kernels = _gpu_expert_kernels(loaded.manifest, "cuda")
     for t in (3, 65, 300):
         x = torch.randn(t, 256, device="cuda")
         flat = torch.stack([torch.randperm(8)[:4] for _ in range(t)]).reshape(-1).int().cuda()
         order = torch.argsort(flat, stable=True)
         slot, tok = flat[order], torch.arange(t, device="cuda").repeat_interleave(4).int()[order]
         w = torch.rand(t * 4, device="cuda")
-        got, want = torch.zeros(t, 256, device="cuda"), torch.zeros(t, 256, device="cuda")
-        grouped(x, ref.store.slots, slot, tok, w, got)
+        got, again, want = (torch.zeros(t, 256, device="cuda") for _ in range(3))
+        kernels.grouped(x, ref.store.slots, slot, tok, w, got)
+        kernels.grouped(x, ref.store.slots, slot, tok, w, again)
         ref.store._torch_experts(x, torch.stack([slot, tok, w.view(torch.int32)]), want)
         assert float((got - want).norm() / want.norm()) < 1e-2, f"{t} tokens"
+        assert torch.equal(got, again), f"{t} tokens: two runs differ"
 
 
 def _teacher_forced_logits(engine: Engine, ids: list[int], prompt: int) -> list[torch.Tensor]:
@@ -278,12 +282,12 @@ def test_device_step_replays_a_trace_as_the_host_path_does(engine_dir, monkeypat
 @pytest.mark.parametrize("spec_name,quant", [("qwen3-moe-tiny", None), ("qwen3-moe-tiny", "mxfp4"),
                                              ("qwen3.6-moe-tiny", "nvfp4")])
 def test_dependent_launch_changes_no_bit_of_the_device_step(tmp_path, monkeypatch, spec_name, quant, seed):
-    """The one-graph device step (the fused body, the plan, fills, hits, the CPU's share and the
-    join) with its kernels launched with programmatic dependent launch and without: the same
-    arithmetic in the same order, so bit-equal logits and the same split, step by step. A kernel
-    that read its predecessor's output, or overwrote what its predecessor still read, before the
-    predecessor was done would differ. Under a fixed miss policy (the adaptive one tunes its split
-    by the step's waits, which vary from run to run)."""
+    """The one-graph device step with its body's kernels (Qwen3-MoE's five, the hybrid family's
+    fused blocks) launched with programmatic dependent launch and without: the same arithmetic in
+    the same order, so bit-equal logits and the same split, step by step. A kernel that read its
+    predecessor's output, or overwrote what its predecessor still read, before the predecessor was
+    done would differ. Under a fixed miss policy (the adaptive one tunes its split by the step's
+    waits, which vary from run to run)."""
     from ftc_runtime import dependent_launch
 
     spec = Path(__file__).resolve().parents[1] / "model_specs" / f"{spec_name}.yaml"

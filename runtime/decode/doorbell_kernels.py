@@ -32,11 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ftc_runtime import dependent_launch
 from ftc_runtime.decode.cpu_doorbell import DONE, RING, CpuDoorbell, DoorbellError
 from ftc_runtime.decode.device_plan import LayerPlan, PlanRule
 from ftc_runtime.decode.plan_kernel import padded_entries
-from ftc_runtime.dependent_launch import wait_for_previous
 from ftc_runtime.io.host_memory import mapped_address
 
 XBLOCK = 4096  # elements of x a step of `post_job` moves
@@ -85,9 +83,7 @@ def _copy(src, dst, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _post_job(counts, cpu_ids, cpu_offsets, cpu_tok, cpu_w, x, n_tokens, n, hidden, box_n_tokens, box_counts,
-              box_ids, box_offsets, box_tok, box_w, box_x, counter, ring, NP: tl.constexpr, XBLOCK: tl.constexpr,
-              PDL: tl.constexpr):
-    wait_for_previous(PDL)
+              box_ids, box_offsets, box_tok, box_w, box_x, counter, ring, NP: tl.constexpr, XBLOCK: tl.constexpr):
     if tl.load(counts + 2) > 0:  # a job for the CPU: a call whose experts are all on the GPU rings nothing
         e = tl.arange(0, NP)  # NP > n: the offsets' n + 1 entries too
         tl.store(box_ids + e, tl.load(cpu_ids + e, mask=e < n), mask=e < n)
@@ -148,10 +144,9 @@ def _answered(done, relay, seq, status, counts, bias, step, SPINS: tl.constexpr,
 @triton.jit
 def _wait_and_join(done, relay, counter, box_out, out, hits, fills, phase_pairs, n, status, counts, bias, step,
                    SPINS: tl.constexpr, T: tl.constexpr, H: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr,
-                   TUNE: tl.constexpr, PDL: tl.constexpr):
+                   TUNE: tl.constexpr):
     """out[t] = the CPU's row t + Σ of the call's device pairs of token t (each entry's row of
     `hits` or `fills`, where its phase gave it a slot), BLOCK columns a program."""
-    wait_for_previous(PDL)
     e = tl.arange(0, NP)
     emask = e < n
     on_hit = tl.load(phase_pairs + e, mask=emask, other=-1) >= 0
@@ -192,12 +187,10 @@ class DoorbellKernels:
     def post_job(self, plan: LayerPlan, x: torch.Tensor) -> None:
         """Writes the plan's CPU job and `x` ([T, hidden] fp32) into the mailbox and rings."""
         n, b = plan.cpu_tok.numel(), self.box
-        pdl = dependent_launch.enabled(x.device)
         _post_job[(1,)](plan.counts, plan.cpu_ids, plan.cpu_offsets, plan.cpu_tok, plan.cpu_w, x.contiguous(),
                         x.shape[0], n, x.shape[1], b["n_tokens"], b["counts"], b["cpu_ids"], b["cpu_offsets"],
                         b["cpu_tok"], b["cpu_w"], b["x"], self.counter, self.ring,
-                        NP=max(16, triton.next_power_of_2(n + 1)), XBLOCK=XBLOCK, PDL=pdl, launch_pdl=pdl,
-                        num_warps=4)
+                        NP=max(16, triton.next_power_of_2(n + 1)), XBLOCK=XBLOCK, num_warps=4)
 
     def wait_and_join(self, out: torch.Tensor, plan: LayerPlan, rule: PlanRule, hits: torch.Tensor,
                       fills: torch.Tensor) -> None:
@@ -208,11 +201,10 @@ class DoorbellKernels:
         (t, hidden), n = out.shape, plan.pairs.shape[1]
         np2 = padded_entries(n)
         block = max(16, min(triton.next_power_of_2(hidden), JOIN_ELEMENTS // np2))
-        pdl = dependent_launch.enabled(out.device)
         _wait_and_join[(triton.cdiv(hidden, block),)](
             self.done, self.relay, self.counter, self.box["out"], out, hits, fills, plan.phase_pairs, n, self.status,
             plan.counts, rule.bias, rule.tune_step, SPINS=SPINS, T=t, H=hidden, NP=np2, BLOCK=block,
-            TUNE=rule.tune_step > 0, PDL=pdl, launch_pdl=pdl, num_warps=8)
+            TUNE=rule.tune_step > 0, num_warps=8)
 
     def check(self) -> None:
         """Raises if a wait gave up since the last check (reads a device flag: a safe point only)."""

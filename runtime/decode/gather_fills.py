@@ -15,9 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftc_runtime import dependent_launch
 from ftc_runtime.decode.device_plan import LayerPlan
-from ftc_runtime.dependent_launch import wait_for_previous
 
 PARTS = 32  # programs per row
 CHUNK = 2048  # 32-bit words a program moves per step
@@ -36,10 +34,8 @@ class MappedRows:
 
 
 @triton.jit
-def _gather_rows(src, dst, rows, slots, counts, row_words, STEPS: tl.constexpr, CHUNK: tl.constexpr,
-                 PDL: tl.constexpr):
+def _gather_rows(src, dst, rows, slots, counts, row_words, STEPS: tl.constexpr, CHUNK: tl.constexpr):
     """Program (j, p) copies chunks p·STEPS .. (p + 1)·STEPS − 1 of fill j's row."""
-    wait_for_previous(PDL)
     j = tl.program_id(0)
     if j < tl.load(counts + 1):
         row = tl.load(rows + j).to(tl.int64)
@@ -60,7 +56,5 @@ def gather_fills(src: MappedRows | torch.Tensor, slots: torch.Tensor, plan: Laye
         raise ValueError(f"gather_fills: slot stride {stride} is not a multiple of 4 bytes")
     n = plan.fill_rows.numel()
     words = stride // 4
-    pdl = dependent_launch.enabled(slots.device)
     _gather_rows[(n, parts)](src, slots.view(torch.int32), plan.fill_rows, plan.fill_slots, plan.counts, words,
-                             STEPS=triton.cdiv(words, parts * chunk), CHUNK=chunk, PDL=pdl, launch_pdl=pdl,
-                             num_warps=num_warps)
+                             STEPS=triton.cdiv(words, parts * chunk), CHUNK=chunk, num_warps=num_warps)

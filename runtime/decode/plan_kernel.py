@@ -20,17 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ftc_runtime import dependent_launch
 from ftc_runtime.decode.device_plan import CacheTables, LayerPlan, PlanRule
-from ftc_runtime.dependent_launch import wait_for_previous
 
 _LAST: tl.constexpr = tl.constexpr(2**63 - 1)
 BLOCK = 1024  # slots per candidate program
 
 
 @triton.jit
-def _lru_candidates(last_used, n_slots, cands, NP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+def _lru_candidates(last_used, n_slots, cands, NP: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     s = b * BLOCK + tl.arange(0, BLOCK)
     used = tl.load(last_used + s, mask=s < n_slots, other=0)
@@ -54,9 +51,7 @@ def _victims(cands, n_cands, n_slots, slot, hit, NP: tl.constexpr, CANDS: tl.con
 @triton.jit
 def _plan(ids, ids_stride, weights, weights_stride, base_id, n, k, slot_of, id_of, last_used, cpu_step, step_ptr,
           q_for_m, bias, recent_steps, allow_fills, cands, n_cands, n_slots, pair_slot, fill_rows, fill_slots, cpu_ids,
-          cpu_offsets, cpu_tok, cpu_w, counts, pairs, phase_pairs, NP: tl.constexpr, CANDS: tl.constexpr,
-          PDL: tl.constexpr):
-    wait_for_previous(PDL)
+          cpu_offsets, cpu_tok, cpu_w, counts, pairs, phase_pairs, NP: tl.constexpr, CANDS: tl.constexpr):
     e = tl.arange(0, NP)
     valid = e < n
     # entry e is token e // k's j = e % k: its id and weight read in place (rows `*_stride` apart)
@@ -157,9 +152,7 @@ def lru_candidates(t: CacheTables, n: int, cands: torch.Tensor) -> None:
     on `last_used` alone, so a decode step computes the next call's beside the rest of a layer."""
     blocks = triton.cdiv(t.n_slots, BLOCK)
     if blocks:
-        pdl = dependent_launch.enabled(cands.device)
-        _lru_candidates[(blocks,)](t.last_used, t.n_slots, cands, NP=padded_entries(n), BLOCK=BLOCK, PDL=pdl,
-                                   launch_pdl=pdl)
+        _lru_candidates[(blocks,)](t.last_used, t.n_slots, cands, NP=padded_entries(n), BLOCK=BLOCK)
 
 
 def padded_entries(n: int) -> int:
@@ -186,11 +179,10 @@ def plan_layer_triton(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.T
     dtypes = {6: torch.float32, 8: torch.int32, 9: torch.int32}
     out = LayerPlan(*(torch.empty(shape, dtype=dtypes.get(i, torch.int64), device=dev)
                       for i, shape in enumerate(shapes)))
-    pdl = dependent_launch.enabled(dev)
     _plan[(1,)](ids, ids.stride(0), weights, weights.stride(0), base_id, n, k,
                 t.slot_of, t.id_of, t.last_used, t.cpu_step, t.step, rule.q_for_m, rule.bias, rule.recent_steps,
                 int(rule.allow_fills), cands, blocks * np2, max(t.n_slots, 1), out.pair_slot, out.fill_rows,
                 out.fill_slots, out.cpu_ids, out.cpu_offsets, out.cpu_tok, out.cpu_w, out.counts, out.pairs,
-                out.phase_pairs, NP=np2, CANDS=max(np2, triton.next_power_of_2(blocks * np2)), PDL=pdl,
-                launch_pdl=pdl, num_warps=max(4, min(32, np2 // 4)))
+                out.phase_pairs, NP=np2, CANDS=max(np2, triton.next_power_of_2(blocks * np2)),
+                num_warps=max(4, min(32, np2 // 4)))
     return out

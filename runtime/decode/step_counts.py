@@ -10,14 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ftc_runtime import dependent_launch
-from ftc_runtime.dependent_launch import wait_for_previous
 from ftc_runtime.experts.miss_planner import MissPlanner
 
 
 @triton.jit
-def _count_call(plan_counts, counts, bound_s, seconds, PDL: tl.constexpr):
-    wait_for_previous(PDL)
+def _count_call(plan_counts, counts, bound_s, seconds):
     hits, fills, cpu = tl.load(plan_counts), tl.load(plan_counts + 1), tl.load(plan_counts + 2)
     tl.store(counts, tl.load(counts) + 1)
     tl.store(counts + 1, tl.load(counts + 1) + hits)
@@ -44,8 +41,7 @@ class StepCounts:
 
     def add(self, plan_counts: torch.Tensor) -> None:
         """Counts one call whose plan counted `plan_counts` (hits, fills, CPU experts, ...)."""
-        pdl = dependent_launch.enabled(plan_counts.device)
-        _count_call[(1,)](plan_counts, self.counts, self.bound_s, self.seconds, PDL=pdl, launch_pdl=pdl, num_warps=1)
+        _count_call[(1,)](plan_counts, self.counts, self.bound_s, self.seconds, num_warps=1)
 
     def take(self) -> tuple[list[int], float]:
         """The counts and the bound so far, the counters then reset (reads the device)."""

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ftc_runtime import dependent_launch
 from ftc_runtime.experts.base import swiglu
 from ftc_runtime.experts.cache import CachePolicy, ExpertCache
 from ftc_runtime.io.ftw import ExpertPool
@@ -33,12 +32,11 @@ DeviceKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 class GpuExpertKernels(NamedTuple):
     """The engine's generated device kernels of its expert format (kernels/expert_ffn_triton.py):
     `decode` for a few tokens per expert (pairs with a negative slot skipped), `pair_outputs` the
-    same with each pair's output row left unsummed (its sixth argument [pairs, hidden] fp32, written;
-    `pdl=`: launched with programmatic dependent launch, as the decode step's kernels are),
+    same with each pair's output row left unsummed (last argument [pairs, hidden] fp32, written),
     `grouped` for many tokens per expert (pairs sorted by slot; None: torch)."""
 
     decode: DeviceKernel
-    pair_outputs: Callable[..., None]
+    pair_outputs: DeviceKernel
     grouped: DeviceKernel | None
 
 
@@ -122,8 +120,7 @@ class SlotStore:
     def pair_outputs_on_device(self, x: torch.Tensor, pairs: torch.Tensor, pair_out: torch.Tensor) -> None:
         """pair_out [P, hidden] fp32 = each pair's weighted expert output, a zero row for a pair
         whose slot is negative (the decode kernel's: `kernels` needed)."""
-        self.kernels.pair_outputs(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), pair_out,
-                                  pdl=dependent_launch.enabled(x.device))
+        self.kernels.pair_outputs(x, self.slots, pairs[0], pairs[1], pairs[2].view(torch.float32), pair_out)
 
     def _run(self, kernel: DeviceKernel | None, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
         if kernel is None:
