@@ -32,6 +32,9 @@
 #                                         uncompiled graphs at one seed), then the adaptive rows with FTC_PDL=0 and 1
 #                                         on one machine (qwen3-30b-a3b bf16 32 GiB trace and uniform, mxfp4 8 GiB;
 #                                         qwen3.6 nvfp4 8 GiB in the time left); FTC_CALL_S: the call's seconds
+#   bash bench/device_body.sh OUT_DIR 14  part 13 with PDL on the body's kernels alone, after the GPU tests that
+#                                         close issue 22 (DeepSeek-V4's, with the prompt's pairs summed in a fixed
+#                                         order) and the expert kernels' (the grouped one run twice, bit-equal)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -121,16 +124,22 @@ elif [ "$part" = 11 ] || [ "$part" = 12 ]; then
   timeout $(( end - $(date +%s) )) python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 8GiB \
     --override expert_format=mxfp4 --policies adaptive --routings uniform --new-tokens 66 -o "$out/q30_mxfp4" 2>&1 \
     | grep "tok/s"
-elif [ "$part" = 13 ]; then
+elif [ "$part" = 13 ] || [ "$part" = 14 ]; then
   end=$(( $(date +%s) + ${FTC_CALL_S:-560} ))  # FTC_CALL_S: seconds this call may take
-  tests="dependent_launch or device_step_graphs or (test_decode_graphs_equal and bf16-True) or gpu_rings \
-    or wait_tunes"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
-    -k "$tests" 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
-  # DeepSeek-V4's uncompiled graphs at the seed that failed at 7357b10 (step 0 8.65e-03 against the eager step)
-  FTC_TEST_SEED=710485181 timeout 45 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
-    -k "deepseek_v4_decode_graphs_equal and False-False-None" 2>&1 | tee "$out/pytest_dsv4_seed.txt" \
-    | grep -E "passed|failed|^E  " | tail -4
+  if [ "$part" = 13 ]; then
+    tests="dependent_launch or device_step_graphs or (test_decode_graphs_equal and bf16-True) or gpu_rings \
+      or wait_tunes"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
+      -k "$tests" 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
+    # DeepSeek-V4's uncompiled graphs at the seed that failed at 7357b10 (step 0 8.65e-03 against the eager step)
+    FTC_TEST_SEED=710485181 timeout 45 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+      -k "deepseek_v4_decode_graphs_equal and False-False-None" 2>&1 | tee "$out/pytest_dsv4_seed.txt" \
+      | grep -E "passed|failed|^E  " | tail -4
+  else
+    timeout 230 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_deepseek_v4_family.py \
+      -k "deepseek or grouped_expert_kernel or triton_expert or dependent_launch" 2>&1 \
+      | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -30
+  fi
   export FTC_DEVICE_PLAN=1
   pdl="--variant FTC_PDL=0 --variant FTC_PDL=1"
   timeout 150 python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB $pdl \
