@@ -116,7 +116,7 @@ def main() -> None:
 def prefill(engine: Path, pool, a: argparse.Namespace) -> None:
     """The prompt lengths of `--prefill-lengths` on the engine, one summary line each."""
     cfg = OffloadConfig(device=a.device, vram_budget=parse_size(a.vram_budget))
-    runs = bench_prefill(engine, cfg, [int(n) for n in a.prefill_lengths.split(",")], [True], pool=pool)["runs"]
+    runs = bench_prefill(engine, [cfg], [int(n) for n in a.prefill_lengths.split(",")], [True], pool=pool)["runs"]
     with open(a.output / "prefill.jsonl", "a") as f:
         for r in runs:
             f.write(json.dumps(r) + "\n")

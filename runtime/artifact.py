@@ -31,7 +31,7 @@ from ftc_runtime.sampling import check_defaults
 from ftc_runtime.spec import ModelSpec, SpecError, from_plain, short_repr
 
 FORMAT = "ftc-engine"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 MANIFEST = "engine.json"
 EXPERTS_FILE = "experts.ftw"
 DENSE_FILE = "dense.safetensors"

@@ -37,6 +37,7 @@ from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.experts.elastic_vram import ElasticVram, cuda_memory_info
 from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.offload import OffloadedExperts
+from ftc_runtime.experts.prompt_split import PromptSplit, parse_prefill_split
 from ftc_runtime.experts.slots import GpuExpertKernels
 from ftc_runtime.experts.vram_plan import VramPlan, plan_vram
 from ftc_runtime.io import ftw
@@ -70,6 +71,10 @@ class OffloadConfig:
     # Decode calls planned on the device as data (`decode.device_plan`), the host cache written
     # back at safe points: the plan that the one-graph decode step is built on.
     device_plan: bool = False
+    # Streamed prompt chunks: "auto" lets the CPU compute part of each layer's uncached experts in
+    # place, as many as the measured rates say it finishes beside the copies (`PromptSplit`; none
+    # where the target has no rates); "off" copies them all; a number in [0, 1] is a fixed share.
+    prefill_split: str = "auto"
 
 
 @dataclass
@@ -143,12 +148,13 @@ class Engine:
                   file=sys.stderr)
             vram = dataclasses.replace(vram, n_slots=0)
         planner = _miss_planner(manifest, offload)
+        prompt_split = _prompt_split(manifest, offload, planner, pool.header.expert_stride)
         gpu_kernels = _gpu_expert_kernels(manifest, offload.device)
         stream_min = offload.stream_min_tokens or plan.prefill_stream_min_tokens
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
                                    offload.cache_policy, gpu_kernels, stream_min, offload.prefill_overlap,
                                    offload.device_plan or settings().device_plan,
-                                   spec.moe.swiglu_limit)
+                                   spec.moe.swiglu_limit, prompt_split)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, fam.decode_graphs, settings().decode_graphs,
                                                 settings().torch_compile, settings().fused_body)
@@ -281,6 +287,20 @@ def _miss_planner(manifest: EngineManifest, offload: OffloadConfig) -> MissPlann
     measured = offload.b_p is None and offload.b_h is None
     return MissPlanner(offload.miss_policy, b_p, b_h, manifest.target.get("b_p_concurrent") if measured else None,
                        manifest.target.get("b_h_concurrent") if measured else None)
+
+
+def _prompt_split(manifest: EngineManifest, offload: OffloadConfig, planner: MissPlanner,
+                  expert_bytes: int) -> PromptSplit | None:
+    """The CPU's share of streamed prompt layers (`OffloadConfig.prefill_split`) at the planner's
+    rates while both run; `auto` on a target without rates (a CPU target) copies every expert."""
+    mode = parse_prefill_split(offload.prefill_split)
+    has_rates = (offload.b_p or manifest.target.get("b_p")) and (offload.b_h or manifest.target.get("b_h"))
+    if mode is None or (mode == "auto" and not has_rates):
+        return None
+    copy, cpu = planner.rates()
+    moe = manifest.spec.moe
+    return PromptSplit(expert_bytes, moe.top_k, moe.num_experts, copy, cpu, max(manifest.plan.batch_buckets),
+                       share=None if mode == "auto" else mode)
 
 
 def _worker_cpus(plan: Plan, offload: OffloadConfig | None) -> tuple[list[int], bool]:

@@ -455,18 +455,23 @@ def test_bench_experts_prints_positive_throughputs(engine):
 
 def test_bench_prefill_reports_both_modes_and_plots(engine, tmp_path, monkeypatch):
     """The CPU standing in for the GPU: both modes stream the layers of every long enough chunk
-    (16 experts per layer, 40 slots: two buffers fit); the plot is a PNG."""
+    (16 experts per layer, 40 slots: two buffers fit), each with every expert copied and with half
+    of them computed by the CPU in place; the plot is a PNG."""
     lengths = sorted(random.sample(range(12, 90), 2))
     args = ["bench", "prefill", engine, "--device", "cpu", "--slots", "40", "--lengths", ",".join(map(str, lengths)),
-            "--compare", "--prefill-chunk", "32"]
+            "--compare", "--prefill-chunk", "32", "--prefill-split", "off,0.5"]
     plot = tmp_path / "prefill.png"
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     r = ok(*args, *(["--plot", plot] if has_matplotlib else []))
     runs = json.loads(r.stdout)["runs"]
-    assert [(x["tokens"], x["overlap"]) for x in runs] == [(n, o) for o in (True, False) for n in lengths]
+    assert [(x["tokens"], x["overlap"], x["prefill_split"]) for x in runs] == \
+        [(n, o, s) for s in ("off", "0.5") for o in (True, False) for n in lengths]
     for x in runs:
         assert x["chunks"] == -(-x["tokens"] // 32) and x["tok_s"] > 0 and x["streaming"]
         assert x["stream_layers"] > 0 and x["pcie_ceiling_s"] is None  # no PCIe link to compare with
+        assert (x["stream_cpu_experts"] > 0) == (x["prefill_split"] == "0.5"), x
+        assert x["uncached_bytes"] > x["pcie_bytes"] if x["prefill_split"] == "0.5" else \
+            x["uncached_bytes"] == x["pcie_bytes"]
     if has_matplotlib:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # without matplotlib, refused before the benchmark runs in one line naming what to install
@@ -689,7 +694,9 @@ def bad_option_cases(engine: Path, tmp: Path) -> list[tuple[str, list, str]]:
         (pre, "--plot", [missing]), (pre, "--stream-min-tokens", ["0"]), (pre, "--seed", ["-1"]),
         (dec, "--synthetic-locality", ["2", "-0.1", "nan"]), (dec, "--slots", ["-1"]), (dec, "--prompt-tokens", ["0"]),
         (dec, "--new-tokens", ["1"]), (dec, "--sequences", ["0", "1,-2", ","]), (agent, "--session-tokens", ["0"]),
-        (agent, "--tool-output-tokens", ["0"]),
+        (agent, "--tool-output-tokens", ["0"]), (gen, "--prefill-split", ["off"]),
+        ([*gen, "--device", "cpu"], "--prefill-split", ["half", "1.5", "nan"]), (pre, "--prefill-split", ["off,2", ","]),
+        (dec, "--prefill-split", ["-0.5"]), (agent, "--prefill-split", ["sometimes"]),
         (prof, "--seconds", ["0", "nan"]), (prof, "-o", [missing]), (trace, "--max-new-tokens", ["0"]),
         (["trace", engine, "--prompt-ids", "1"], "-o", [missing])) for v in vs]
     if not torch.cuda.is_available():  # without a GPU, the default --device of `bench decode` and cuda itself

@@ -178,6 +178,12 @@ def test_parse_size():
     assert np.isclose(parse_size("1e9"), 10**9)
 
 
+def uncached(stats) -> int:
+    """Experts that streamed chunks found uncached: copied, or computed on the CPU in place (the
+    prompt split, on by default where the engine has rates)."""
+    return stats.streamed + stats.stream_cpu
+
+
 def _prefill(engine: Engine, ids: list[int]):
     cache = engine.model.new_cache()
     logits = engine.prefill(torch.tensor(ids), cache, all_logits=True)
@@ -190,13 +196,14 @@ def test_prefill_streaming_equals_the_cpu_engine(engine_dir, cpu_engine, overlap
     """Prompt chunks stream whole MoE layers through one or two layer buffers borrowed from the
     cache (E = 16 slots each) when the chunk is long enough and the cache can lend them; otherwise
     (31 < 2E, 15 < E) routed experts load on demand. Logits of every token and the KV cache equal
-    the all-CPU engine's, chunks split the prompt unevenly, and streamed slots stay valid entries."""
+    the all-CPU engine's, chunks split the prompt unevenly, and streamed slots stay valid entries.
+    Every uncached expert is copied here (no prompt split: test_prompt_split.py has it)."""
     rng = random.Random(seed)
     e = cpu_engine.spec.moe.num_experts
     ids = [rng.randrange(256) for _ in range(rng.randrange(30, 60))]
     threshold = rng.choice([None, rng.randrange(1, 70)])  # None: the plan's
     cfg = OffloadConfig(device="cpu", n_slots=slots, b_p=rng.uniform(5, 50), b_h=rng.uniform(20, 100),
-                        prefill_overlap=overlap, stream_min_tokens=threshold)
+                        prefill_overlap=overlap, stream_min_tokens=threshold, prefill_split="off")
     off = Engine.load(engine_dir, offload=cfg, prefill_chunk=chunk)
     threshold = threshold or off.manifest.plan.prefill_stream_min_tokens
     got, got_cache = _prefill(off, ids)
@@ -260,9 +267,9 @@ def test_a_second_streamed_chunk_finds_the_first_layers_cached(engine_dir, cpu_e
     ids = [rng.randrange(256) for _ in range(2 * chunk)]
     experts = off.model.experts
     first, cache = _prefill(off, ids[:chunk])
-    streamed_first = experts.stats.streamed
+    streamed_first = uncached(experts.stats)
     second = off.prefill(torch.tensor(ids[chunk:]), cache, all_logits=True)
-    streamed_second = experts.stats.streamed - streamed_first
+    streamed_second = uncached(experts.stats) - streamed_first
     assert experts.stats.stream_layers == 2 * n_moe
     assert streamed_first == n_moe * e
     buffers = e * (2 if overlap else 1)
@@ -291,10 +298,10 @@ def test_turns_of_an_agent_stream_at_most_the_uncached_share(engine_dir, cpu_eng
     got, cache = [], off.model.new_cache()
     for turn in range(5):
         prompt, answer = ids[turn * (chunk + 3):][:chunk], ids[turn * (chunk + 3) + chunk:][:3]
-        before = experts.stats.streamed
+        before = uncached(experts.stats)
         got.append(off.prefill(torch.tensor(prompt), cache, all_logits=True))
         if turn:
-            assert experts.stats.streamed - before <= n_moe * e - (slots - buffers)
+            assert uncached(experts.stats) - before <= n_moe * e - (slots - buffers)
         got += [off.model.forward(torch.tensor([t]), cache) for t in answer]
     want, _ = _prefill(cpu_engine, ids)
     assert torch.allclose(torch.cat(got), want, rtol=1e-4, atol=1e-4)

@@ -103,20 +103,25 @@ def test_prompt_in_uneven_chunks_matches_transformers(parity, offloaded, seed):
     parity.bounds.prompt.check(chunked.logits(ids), reference_logits(parity.model, ids), f"ids={ids}")
 
 
-def test_chunked_streamed_prefill_matches_transformers(parity, seed):
+@pytest.mark.parametrize("split", ["off", "auto", "share"])
+def test_chunked_streamed_prefill_matches_transformers(parity, split, seed):
     """A prompt in uneven chunks, each long enough to stream its MoE layers whole through two layer
-    buffers (the CPU standing in for the GPU)."""
+    buffers (the CPU standing in for the GPU); every uncached expert copied (`off`), or part of
+    them computed by the CPU kernel in place, as the rates say (`auto`) or a random share."""
     engine, spec = parity.engine, parity.engine.spec
     rng = random.Random(seed)
+    mode = f"{rng.uniform(0.2, 1.0):.3f}" if split == "share" else split
     min_tokens = engine.manifest.plan.prefill_stream_min_tokens
     chunk = min_tokens + rng.randrange(0, 5)
     ids = parity.ids(rng, 2 * chunk + rng.randrange(min_tokens, chunk + 1))
     n_moe, experts = len(spec.moe_layers), spec.moe.num_experts
     slots = min(n_moe * experts, 2 * experts + rng.randrange(0, 8))  # at most the whole pool
-    cfg = OffloadConfig(device="cpu", n_slots=slots, b_p=20.0, b_h=40.0)
+    cfg = OffloadConfig(device="cpu", n_slots=slots, b_p=20.0, b_h=40.0, prefill_split=mode)
     streamed = Engine.load(engine.manifest.root, offload=cfg, prefill_chunk=chunk)
     ours = streamed.logits(ids)
-    assert streamed.model.experts.stats.stream_layers == 3 * n_moe  # every chunk streamed
+    stats = streamed.model.experts.stats
+    assert stats.stream_layers == 3 * n_moe  # every chunk streamed
+    assert (stats.stream_cpu > 0) == (split == "share") or split == "auto", stats.stream_cpu
     parity.bounds.prompt.check(ours, reference_logits(parity.model, ids), f"ids={ids}")
 
 

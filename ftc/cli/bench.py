@@ -19,6 +19,7 @@ from ftc.cli.options import (
     CpuExpertsArg,
     MissPolicyArg,
     PrefillChunkArg,
+    PrefillSplitArg,
     SlotsArg,
     VramBudgetArg,
     check_plot,
@@ -131,6 +132,7 @@ def decode(
     cache_policy: CachePolicyArg = "lru",
     cpu_experts: CpuExpertsArg = False,
     stream_min_tokens: StreamMinTokensArg = None,
+    prefill_split: PrefillSplitArg = None,
     output: OutputArg = None,
     random_weights: RandomWeightsArg = False,
     seed: SeedArg = 0,
@@ -148,7 +150,7 @@ def decode(
 
     with failing_on_user_errors():
         offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
-                                 stream_min_tokens)
+                                 stream_min_tokens, prefill_split)
         counts = parse_ids(sequences, "--sequences", low=1) if sequences is not None else None
         if counts is not None and (routing_trace is not None or synthetic_locality is not None):
             raise ValueError("--sequences decodes with the model's own router: leave out --routing-trace and "
@@ -178,6 +180,9 @@ def prefill(
     cache_policy: CachePolicyArg = "lru",
     cpu_experts: CpuExpertsArg = False,
     stream_min_tokens: StreamMinTokensArg = None,
+    prefill_split: Annotated[str, typer.Option(metavar="MODE[,MODE...]", help="Streamed chunks' CPU share: auto, "
+                                               "off or a share in [0, 1]; several, comma-separated, are each "
+                                               "measured (e.g. off,auto).")] = "auto",
     plot: PlotArg = None,
     output: OutputArg = None,
     random_weights: RandomWeightsArg = False,
@@ -188,17 +193,20 @@ def prefill(
     """Prefill speed by prompt length, against the PCIe ceiling.
 
     The MoE layers stream through two layer buffers (the next layer's copies beside this one's
-    compute) or, with --no-overlap, one. --plot: tok/s against length."""
+    compute) or, with --no-overlap, one; the CPU computes part of each layer's uncached experts in
+    place (--prefill-split). The ceiling: every uncached expert over PCIe. --plot: tok/s against
+    length."""
     from ftc.bench.prefill import bench_prefill, plot_prefill
 
     with failing_on_user_errors():
         check_plot(plot)
-        offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
-                                 stream_min_tokens)
+        splits = [part.strip() for part in prefill_split.split(",")]
+        offloads = [offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
+                                   stream_min_tokens, split) for split in splits]
         prompt_lengths = parse_ids(lengths, "--lengths", low=1)
         modes = [True, False] if compare else [not no_overlap]
         with _engine(engine, random_weights, seed, target, override) as (path, pool):
-            result = bench_prefill(path, offload, prompt_lengths, modes, prefill_chunk, seed, pool)
+            result = bench_prefill(path, offloads, prompt_lengths, modes, prefill_chunk, seed, pool)
         if plot:
             plot_prefill(result, plot)
         text = _report(result, output)
@@ -228,6 +236,7 @@ def agent(
     cache_policy: CachePolicyArg = "lru",
     cpu_experts: CpuExpertsArg = False,
     stream_min_tokens: StreamMinTokensArg = None,
+    prefill_split: PrefillSplitArg = None,
     plot: PlotArg = None,
     output: OutputArg = None,
     random_weights: RandomWeightsArg = False,
@@ -245,7 +254,7 @@ def agent(
     with failing_on_user_errors():
         check_plot(plot)
         offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
-                                 stream_min_tokens)
+                                 stream_min_tokens, prefill_split)
         modes = (["cache", "no-checkpoints", "no-prefix-cache"] if compare else
                  ["no-prefix-cache" if no_prefix_cache else "no-checkpoints" if no_checkpoints else "cache"])
         with _engine(engine, random_weights, seed, target, override) as (path, pool):

@@ -35,6 +35,7 @@ from ftc.cli.options import (
     MissPolicyArg,
     PortArg,
     PrefillChunkArg,
+    PrefillSplitArg,
     PrefixCacheArg,
     ServedModelNameArg,
     SlotsArg,
@@ -215,6 +216,7 @@ def run(
     reprofile: Annotated[bool, typer.Option("--reprofile", help="Measure B_P/B_H again, record them in "
                                             "engine.json and split misses by them.")] = False,
     prefill_chunk: PrefillChunkArg = None,
+    prefill_split: PrefillSplitArg = None,
     serve: Annotated[bool, typer.Option("--serve", help="Serve the OpenAI and Anthropic APIs over HTTP "
                                         "instead.")] = False,
     host: HostArg = "127.0.0.1",
@@ -239,7 +241,8 @@ def run(
     try:
         check_run_mode(ctx, serve)
         engine = resolve_engine(engine)
-        offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts)
+        offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
+                                 prefill_split=prefill_split)
         penalties = sampling_penalties(repeat_penalty, presence_penalty, frequency_penalty)
         if serve:
             config = server_config(host, api_key, api_keys_file, allowed_hosts, max_body_bytes=max_body_bytes,

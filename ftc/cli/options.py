@@ -91,6 +91,11 @@ CachePolicyArg = Annotated[CachePolicyOpt, typer.Option(help="lru, or static (th
 CpuExpertsArg = Annotated[bool, typer.Option("--cpu-experts", help="With --device: every routed expert on the CPU, "
                                              "the rest of the model on the device.")]
 PrefillChunkArg = Annotated[int | None, typer.Option(min=1, help="Prompt chunk in tokens (default: the plan's).")]
+PrefillSplitArg = Annotated[str | None, typer.Option(metavar="auto|off|SHARE", help="With --device: streamed prompt "
+                                                     "chunks leave part of each layer's uncached experts to the "
+                                                     "CPU, which computes them in place: auto (as many as finish "
+                                                     "beside the copies at the measured rates; the default), off "
+                                                     "(copy them all), or a fixed share in [0, 1].")]
 
 # --serve's options.
 HostArg = Annotated[str, typer.Option(help="--serve: address to bind (loopback unless told).")]
@@ -148,19 +153,24 @@ def check_device(device: str) -> str:
 
 
 def offload_config(device: str | None, vram_budget: int | None, slots: int | None, miss_policy: str = "adaptive",
-                   cache_policy: str = "lru", cpu_experts: bool = False, stream_min_tokens: int | None = None):
+                   cache_policy: str = "lru", cpu_experts: bool = False, stream_min_tokens: int | None = None,
+                   prefill_split: str | None = None):
     """The OffloadConfig for --device and its options (None: every expert on the CPU)."""
     from ftc_runtime.engine import OffloadConfig
+    from ftc_runtime.experts.prompt_split import parse_prefill_split
 
     if device is None:
-        if vram_budget is not None or slots is not None or cpu_experts or stream_min_tokens is not None:
-            raise ValueError("--vram-budget, --slots, --cpu-experts and --stream-min-tokens need --device (cuda, "
-                             "or cpu to emulate a GPU)")
+        if vram_budget is not None or slots is not None or cpu_experts or stream_min_tokens is not None \
+                or prefill_split is not None:
+            raise ValueError("--vram-budget, --slots, --cpu-experts, --stream-min-tokens and --prefill-split need "
+                             "--device (cuda, or cpu to emulate a GPU)")
         return None
+    if prefill_split is not None:
+        parse_prefill_split(prefill_split)  # a bad value is refused before the engine loads
     return OffloadConfig(device=check_device(device), vram_budget=vram_budget, n_slots=slots,
                          miss_policy=str(getattr(miss_policy, "value", miss_policy)),
                          cache_policy=str(getattr(cache_policy, "value", cache_policy)), cpu_experts=cpu_experts,
-                         stream_min_tokens=stream_min_tokens)
+                         stream_min_tokens=stream_min_tokens, prefill_split=prefill_split or "auto")
 
 
 # `ftc run` options of one mode only: given in the other, they would be silently ignored. Every
@@ -171,7 +181,7 @@ GENERATE_ONLY = ("prompt", "prompt_file", "prompt_ids", "system", "raw", "max_ne
                  "top_k", "seed", "repeat_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "stop",
                  "as_json", "reprofile")
 RUN_SHARED = ("engine", "device", "vram_budget", "slots", "miss_policy", "cache_policy", "cpu_experts",
-              "prefill_chunk", "serve")
+              "prefill_chunk", "prefill_split", "serve")
 
 
 def sampling_penalties(repeat: float | None, presence: float | None, frequency: float | None) -> dict:

@@ -4,6 +4,8 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <chrono>
+
 namespace ftc {
 
 namespace {
@@ -18,6 +20,11 @@ constexpr uint64_t kSpinCycles = 500000;
 // put every job behind a wake-up (on the device, under one CPU expert per layer cost 0.3-0.44 ms
 // per layer). They spin about 40 ms, longer than a decode token, and sleep only between requests.
 constexpr uint64_t kBackgroundSpinCycles = 100000000;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 void pin_to_cpu(pthread_t thread, int cpu) {
   if (cpu < 0) return;
@@ -61,11 +68,15 @@ void WorkerPool::worker_loop(int tid, int cpu) {
     seen = g;
     if (stop_) return;
     fn_(tid, n_, ctx_);
+    stamp_end();
     pending_.fetch_sub(1, std::memory_order_acq_rel);
   }
 }
 
 void WorkerPool::wake(JobFn fn, void* ctx) {
+  const int64_t t = now_ns();
+  job_start_ns_.store(t, std::memory_order_relaxed);
+  job_end_ns_.store(t, std::memory_order_relaxed);
   fn_ = fn;
   ctx_ = ctx;
   pending_.store(static_cast<int>(threads_.size()), std::memory_order_relaxed);
@@ -76,6 +87,7 @@ void WorkerPool::wake(JobFn fn, void* ctx) {
 void WorkerPool::run(JobFn fn, void* ctx) {
   wake(fn, ctx);
   if (caller_joins_) fn(0, n_, ctx);
+  if (caller_joins_) stamp_end();
   wait();
 }
 
@@ -89,6 +101,20 @@ void WorkerPool::start(JobFn fn, void* ctx) {
 
 void WorkerPool::wait() {
   while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+}
+
+void WorkerPool::stamp_end() {
+  // The job's end is its last thread's: each thread raises it to its own end before it reports
+  // done (the release that wait() acquires), so a finished job's end is never read half-stamped.
+  const int64_t t = now_ns();
+  int64_t seen = job_end_ns_.load(std::memory_order_relaxed);
+  while (seen < t && !job_end_ns_.compare_exchange_weak(seen, t, std::memory_order_relaxed)) {
+  }
+}
+
+double WorkerPool::job_seconds() const {
+  return static_cast<double>(job_end_ns_.load(std::memory_order_relaxed) -
+                             job_start_ns_.load(std::memory_order_relaxed)) * 1e-9;
 }
 
 void WorkerPool::barrier() {
@@ -111,4 +137,5 @@ void* ftc_pool_create(int n_threads, const int* cpus, int caller_joins) {
 void ftc_pool_wait(void* pool) { static_cast<ftc::WorkerPool*>(pool)->wait(); }
 void ftc_pool_destroy(void* pool) { delete static_cast<ftc::WorkerPool*>(pool); }
 int ftc_pool_size(void* pool) { return static_cast<ftc::WorkerPool*>(pool)->size(); }
+double ftc_pool_job_seconds(void* pool) { return static_cast<ftc::WorkerPool*>(pool)->job_seconds(); }
 }

@@ -34,10 +34,14 @@ class WorkerPool {
   void wait();
   // Waits until every thread of the running job has reached this barrier.
   void barrier();
+  // Seconds from the start of the last finished job to its last thread's end: its own time, also
+  // when its caller wait()s for it late.
+  double job_seconds() const;
 
  private:
   void worker_loop(int tid, int cpu);
   void wake(JobFn fn, void* ctx);
+  void stamp_end();
 
   int n_;
   bool caller_joins_;
@@ -50,6 +54,8 @@ class WorkerPool {
   alignas(64) std::atomic<int> pending_{0};
   alignas(64) std::atomic<int> barrier_count_{0};
   alignas(64) std::atomic<uint32_t> barrier_phase_{0};
+  std::atomic<int64_t> job_start_ns_{0};
+  std::atomic<int64_t> job_end_ns_{0};
 };
 
 }  // namespace ftc
@@ -59,4 +65,5 @@ void* ftc_pool_create(int n_threads, const int* cpus, int caller_joins);
 void ftc_pool_wait(void* pool);
 void ftc_pool_destroy(void* pool);
 int ftc_pool_size(void* pool);
+double ftc_pool_job_seconds(void* pool);
 }

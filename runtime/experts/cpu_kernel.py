@@ -49,6 +49,8 @@ class CpuExpertKernel:
         self.lib.ftc_pool_create.argtypes = [_i32, ctypes.POINTER(ctypes.c_int), _i32]
         self.lib.ftc_pool_destroy.argtypes = [_p]
         self.lib.ftc_pool_wait.argtypes = [_p]
+        self.lib.ftc_pool_job_seconds.restype = ctypes.c_double
+        self.lib.ftc_pool_job_seconds.argtypes = [_p]
         self.lib.ftc_expert_ffn_workspace_bytes.restype = _i64
         self.lib.ftc_expert_ffn_workspace_bytes.argtypes = [_i32, _i32]
         for fn in (self.lib.ftc_expert_ffn, self.lib.ftc_expert_ffn_start):
@@ -117,6 +119,11 @@ class CpuExpertKernel:
         self.lib.ftc_pool_wait(self._pool)
         self._in_flight = None
         self._lock.release()
+
+    def job_seconds(self) -> float:
+        """The last finished job's own time on the pool, from its start to its last thread's end
+        (not to the `wait` that joined it)."""
+        return self.lib.ftc_pool_job_seconds(self._pool)
 
     def _call(self, fn, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor,
               offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:

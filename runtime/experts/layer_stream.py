@@ -15,6 +15,11 @@ buffering is measured against.
 Layers whose routing is known before their router runs (DeepSeek-V4's hash layers route by token
 id) load only the experts their tokens route to, and do not stop the loading ahead: their copies
 are queued as soon as the slots allow, from the chunk's start, behind the copies before them.
+
+With a CPU part (`StreamCpuPart`, FreeToken's split applied to prompts), each layer's copies
+leave out some of its uncached experts, as many as `PromptSplit` says the CPU computes in the
+time the copies take: those stay in host memory (not filled: the cache keeps its set) and the
+CPU computes them in place while the device computes the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 
 from ftc_runtime.experts.slots import SlotStore
 from ftc_runtime.experts.stats import OffloadStats
+from ftc_runtime.experts.stream_cpu import FIRST_CPU_CODE, StreamCpuPart, cpu_codes
 
 
 def stream_slots(num_experts: int, overlap: bool) -> int:
@@ -35,11 +41,15 @@ def stream_slots(num_experts: int, overlap: bool) -> int:
 
 class LayerStream:
     """`known`: MoE layer → the experts (ids within the layer) its tokens route to, for the layers
-    whose routing is known before the chunk runs; the chunk's routing there must be within it."""
+    whose routing is known before the chunk runs; the chunk's routing there must be within it.
+    `cpu`: the CPU's part of each layer (None: every uncached expert is copied), for a chunk of
+    `n_tokens` tokens."""
 
     def __init__(self, store: SlotStore, stats: OffloadStats, overlap: bool,
-                 known: Mapping[int, np.ndarray] | None = None):
-        self.store, self.stats, self.overlap = store, stats, overlap
+                 known: Mapping[int, np.ndarray] | None = None, cpu: StreamCpuPart | None = None,
+                 n_tokens: int = 0):
+        self.store, self.stats, self.overlap, self.cpu, self.n_tokens = store, stats, overlap, cpu, n_tokens
+        self.on_cpu: dict[int, np.ndarray] = {}  # MoE layer → FTW rows of the experts the CPU computes
         self.known = {j: np.unique(np.asarray(experts, dtype=np.int64)) for j, experts in (known or {}).items()}
         need = stream_slots(store.num_experts, overlap)
         if store.cache.n_slots < need:
@@ -65,10 +75,15 @@ class LayerStream:
         ids = j * e + self.known.get(j, np.arange(e, dtype=np.int64))
         slots = cache.slot_of[ids]
         missing = ids[slots < 0]
+        on_cpu = self.cpu.split.cpu_count(missing.size, self.n_tokens) if self.cpu is not None else 0
+        missing, computed_in_place = missing[:missing.size - on_cpu], missing[missing.size - on_cpu:]
         dst = cache.scan_victims(missing.size, np.concatenate([slots[slots >= 0], held]), now,
                                  self.num_layers)
         if dst.size < missing.size:
             return False
+        if on_cpu:
+            self.on_cpu[j] = computed_in_place
+            self.stats.stream_cpu += on_cpu
         self.loaded[j] = missing.size
         cache.install(dst, missing)
         cache.touch(dst)
@@ -99,6 +114,8 @@ class LayerStream:
     def abandon(self) -> None:
         """The chunk ended before its last MoE layer: later work on the device waits for the copies
         queued so far, since the cache already lists their slots as filled."""
+        if self.cpu is not None:
+            self.cpu.abandon()
         if self.copy_stream is not None:
             torch.cuda.current_stream(self.store.device).wait_stream(self.copy_stream)
 
@@ -123,7 +140,11 @@ class LayerStream:
         cache.touch(layer_slots[layer_slots >= 0])
         if self.overlap:
             self.load_ahead(j)  # the next uncached layer crosses PCIe while this one computes
-        slot_table = torch.from_numpy(layer_slots.astype(np.int32))
+        table = layer_slots.astype(np.int32)
+        on_cpu = self.on_cpu.pop(j, None)
+        if on_cpu is not None:
+            table[on_cpu - j * e] = cpu_codes(on_cpu.size)
+        slot_table = torch.from_numpy(table)
         if self.on_gpu:  # pinned, so that the copy does not wait for the device's queue
             slot_table = slot_table.pin_memory()
         flat_slot = slot_table.to(x.device, non_blocking=True)[ids.reshape(-1)]
@@ -131,10 +152,17 @@ class LayerStream:
         tokens = torch.arange(t * k, device=x.device, dtype=torch.int32) // k
         pairs = torch.stack([flat_slot[order], tokens[order], weights.reshape(-1).float()[order].view(torch.int32)])
         out = torch.zeros_like(x)
+        n_cpu = int((flat_slot <= FIRST_CPU_CODE).sum()) if on_cpu is not None else 0  # waits for the routing
+        if n_cpu:  # the CPU's pairs lead the list; it starts on them before this layer's copies land
+            self.cpu.start(x, pairs[:, :n_cpu], on_cpu)
+            pairs = pairs[:, n_cpu:]
         if self.on_gpu and j in self.ready:
             torch.cuda.current_stream(x.device).wait_event(self.ready.pop(j))
-        with self.stats.compute.measure():
-            self.store.grouped_on_device(x.contiguous(), pairs, out)
+        if pairs.shape[1]:
+            with self.stats.compute.measure():
+                self.store.grouped_on_device(x.contiguous(), pairs, out)
+        if n_cpu:
+            self.cpu.finish(out)
         if self.on_gpu:
             self.last_done = torch.cuda.Event()
             self.last_done.record(torch.cuda.current_stream(x.device))

@@ -25,8 +25,10 @@ from ftc_runtime.experts.cache import CachePolicy, ExpertCache
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.experts.layer_stream import LayerStream, stream_slots
 from ftc_runtime.experts.miss_planner import MissPlanner
+from ftc_runtime.experts.prompt_split import PromptSplit
 from ftc_runtime.experts.slots import GpuExpertKernels, SlotStore
 from ftc_runtime.experts.stats import OffloadStats
+from ftc_runtime.experts.stream_cpu import StreamCpuPart
 from ftc_runtime.experts.token_plan import TokenPlanner
 from ftc_runtime.io.ftw import ExpertPool
 from ftc_runtime.io.host_memory import mapped_address
@@ -71,7 +73,7 @@ class OffloadedExperts(ExpertBackend):
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
                  planner: MissPlanner, cache_policy: CachePolicy = "lru", kernels: GpuExpertKernels | None = None,
                  stream_min_tokens: int | None = None, stream_overlap: bool = True, device_plan: bool = False,
-                 swiglu_limit: float = 0.0):
+                 swiglu_limit: float = 0.0, prompt_split: PromptSplit | None = None):
         h = pool.header
         self.pool, self.kernel, self.planner = pool, kernel, planner
         # The slots, their cache and the engine's generated device kernels (None: torch).
@@ -87,8 +89,10 @@ class OffloadedExperts(ExpertBackend):
         self._buffers: dict[tuple[str, bool], torch.Tensor] = {}
         self._outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         # Prompt chunks of at least stream_min_tokens (None: never) stream whole layers when the
-        # cache can lend the layer buffers; else their routed experts load on demand.
+        # cache can lend the layer buffers; else their routed experts load on demand. With a
+        # prompt split the CPU computes part of each streamed layer's uncached experts in place.
         self.stream_min_tokens, self.stream_overlap = stream_min_tokens, stream_overlap
+        self.prompt_split = prompt_split
         self._stream: LayerStream | None = None
         self._said_no_stream = False
         self._plan_s = self._fills_s = 0.0  # host time of the current call's planning and fills
@@ -188,8 +192,13 @@ class OffloadedExperts(ExpertBackend):
                       file=sys.stderr)
                 self._said_no_stream = True
             return
+        cpu = None
+        if self.prompt_split is not None:
+            self._close_doorbell()  # the CPU part starts the kernel itself
+            cpu = StreamCpuPart(self.kernel, self.pool.experts, self.prompt_split,
+                                lambda name, t, width, dtype: self._buffer(name, t, width, dtype=dtype), self.stats)
         self._stream = LayerStream(self.store, self.stats, self.stream_overlap,
-                                   known_routes if self.routing is None else None)
+                                   known_routes if self.routing is None else None, cpu, n_tokens)
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 first_position: int = 0) -> torch.Tensor:

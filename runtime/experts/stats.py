@@ -69,6 +69,7 @@ class OffloadStats:
     miss_bound_s: float = 0.0  # Σ MissPlanner.bound_s(m, q) over the calls
     stream_layers: int = 0  # MoE layers of prompt chunks streamed whole (`LayerStream`)
     streamed: int = 0  # experts those layers copied to the device
+    stream_cpu: int = 0  # experts of those layers that the CPU computed in place instead (`PromptSplit`)
     cpu_s: float = 0.0
     # Host time of each phase of a call: waiting for the device's routing, planning (cache, split,
     # CPU start), queueing the fills, launching the device's experts, waiting for the CPU's; and
@@ -99,7 +100,7 @@ class OffloadStats:
         return {"calls": self.calls, "unique": self.unique, "hits": self.hits, "fills": self.fills, "cpu": self.cpu,
                 "misses": self.misses, "miss_rate": self.misses / self.unique if self.unique else 0.0,
                 "mean_m": self.misses / n, "mean_q": self.fills / n,
-                "stream_layers": self.stream_layers, "streamed": self.streamed,
+                "stream_layers": self.stream_layers, "streamed": self.streamed, "stream_cpu": self.stream_cpu,
                 "ms_per_call": {"cpu": 1e3 * self.cpu_s / n, "copy": 1e3 * self.copy.seconds() / n,
                                 "device": 1e3 * self.compute.seconds() / n},
                 "host_ms_per_call": {k: round(1e3 * v / n, 4) for k, v in self.host_s.items()}}

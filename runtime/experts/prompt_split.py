@@ -1,0 +1,100 @@
+"""`PromptSplit`: how many of a streamed prompt chunk's uncached experts, per MoE layer, the CPU
+computes in place instead of copying them over PCIe (FreeToken's miss split, applied to prompts).
+
+A streamed layer with u uncached experts copies u − c of them, t_p = S / B_P' each (S the expert's
+bytes, B_P' the host→device rate while the CPU computes), and the CPU computes c in place,
+t_c(n) each for n tokens per expert (a chunk of T tokens gives each expert n ≈ T·k / E). Both
+take the same time when c = u · t_p / (t_p + t_c(n)); of the whole numbers beside it, the one
+whose slower side finishes first.
+
+t_c starts from the CPU kernel's own model: it reads an expert's rows once per token bucket (its
+largest, `bucket` tokens, computed per row read) at B_H', its rate while copies run. From the
+first CPU part on, it follows what the layers measure: the seconds per expert-token of the last
+parts, kept per power of two of n (a chunk's experts see about the same n, the next chunk's may
+not), so that the split tracks the machine it runs on and its kernel's real matrix speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+PREFILL_SPLIT_MODES = "off, auto, or a share in [0, 1]"
+EMA = 0.5  # weight of the newest measurement in the CPU's running estimate
+
+
+def parse_prefill_split(value: str) -> float | None | str:
+    """`off` (None: every uncached expert streams), `auto` (the measured rates decide) or a fixed
+    share in [0, 1] of each layer's uncached experts for the CPU (benchmarks and tests)."""
+    text = str(value).strip().lower()
+    if text in ("off", "auto"):
+        return None if text == "off" else "auto"
+    try:
+        share = float(text)
+    except ValueError:
+        share = math.nan
+    if not 0.0 <= share <= 1.0:  # NaN fails too
+        raise ValueError(f"--prefill-split {value!r}: expected {PREFILL_SPLIT_MODES}")
+    return share
+
+
+@dataclass
+class PromptSplit:
+    """`share` None: the rates decide (auto); else that share of each layer's uncached experts,
+    rounded to nearest, goes to the CPU. Rates in GB/s; `expert_bytes` one expert's FTW stretch."""
+
+    expert_bytes: int
+    top_k: int
+    num_experts: int
+    copy_gbps: float  # B_P': host→device while the CPU kernel runs
+    cpu_gbps: float  # B_H': the CPU kernel's weight reads while copies run (one token per expert)
+    bucket: int  # the CPU kernel's largest token bucket: rows are read once per bucket of tokens
+    share: float | None = None
+    # power of two of n → seconds per expert-token measured at about that many tokens per expert
+    measured: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if min(self.copy_gbps, self.cpu_gbps) <= 0 or self.bucket < 1:
+            raise ValueError(f"prompt split: rates must be positive (B_P' {self.copy_gbps}, B_H' {self.cpu_gbps} "
+                             f"GB/s) and the kernel's bucket at least 1 ({self.bucket})")
+
+    def tokens_per_expert(self, n_tokens: int) -> float:
+        """Tokens each expert of a layer sees, on average, in a chunk of n_tokens."""
+        return n_tokens * self.top_k / self.num_experts
+
+    def cpu_seconds(self, n: float) -> float:
+        """The CPU kernel's time for one expert of n tokens: measured near n, else its model."""
+        rate = self.measured.get(_octave(n))
+        if rate is not None:
+            return rate * max(n, 1.0)
+        return math.ceil(max(n, 1.0) / self.bucket) * self.expert_bytes / (self.cpu_gbps * 1e9)
+
+    def copy_seconds(self) -> float:
+        return self.expert_bytes / (self.copy_gbps * 1e9)
+
+    def cpu_count(self, uncached: int, n_tokens: int) -> int:
+        """How many of a layer's `uncached` experts the CPU computes, for a chunk of n_tokens."""
+        if uncached <= 0:
+            return 0
+        if self.share is not None:
+            return min(uncached, math.floor(uncached * self.share + 0.5))
+        t_p, t_c = self.copy_seconds(), self.cpu_seconds(self.tokens_per_expert(n_tokens))
+        balance = uncached * t_p / (t_p + t_c)  # both sides take equally long here
+        # whole experts: the neighbour of the balance whose slower side finishes first
+        return min((math.floor(balance), min(math.ceil(balance), uncached)),
+                   key=lambda c: (max((uncached - c) * t_p, c * t_c), c))
+
+    def record(self, experts: int, pairs: int, seconds: float) -> None:
+        """A CPU part took `seconds` for `experts` experts of `pairs` (token, expert) pairs in all."""
+        if experts <= 0 or pairs <= 0 or seconds <= 0:
+            return
+        n = pairs / experts
+        rate = seconds / pairs
+        key = _octave(n)
+        old = self.measured.get(key)
+        self.measured[key] = rate if old is None else (1 - EMA) * old + EMA * rate
+
+
+def _octave(n: float) -> int:
+    """The power of two nearest n (in log scale): the key of the CPU's measured rates."""
+    return round(math.log2(max(n, 1.0)))

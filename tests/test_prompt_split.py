@@ -1,0 +1,164 @@
+"""The prompt split (FreeToken's miss split applied to streamed prompt chunks): `PromptSplit`'s rule
+against a brute-force search, and engines whose CPU computes part of each streamed layer in place
+(the device played by the CPU) giving the logits and KV of the engine that copies every expert,
+and the all-CPU engine's; the experts the CPU computes are never put into the cache. Every family
+and expert format: test_transformers_parity.py's streamed-prefill test, with and without it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ftc_runtime import Engine
+from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.experts.prompt_split import PromptSplit, parse_prefill_split
+from ftc_runtime.experts.stream_cpu import StreamCpuPart
+
+from slot_checks import check_slots_hold_their_rows
+
+
+def _random_split(rng: random.Random) -> PromptSplit:
+    return PromptSplit(expert_bytes=rng.randrange(1 << 12, 1 << 25), top_k=rng.choice([2, 4, 6, 8]),
+                       num_experts=rng.choice([16, 64, 128, 256]), copy_gbps=rng.uniform(5, 60),
+                       cpu_gbps=rng.uniform(5, 120), bucket=rng.choice([1, 4, 8]))
+
+
+def test_prefill_split_values():
+    assert parse_prefill_split("off") is None
+    assert parse_prefill_split("AUTO") == "auto"
+    assert parse_prefill_split("0.25") == 0.25
+    assert parse_prefill_split("1") == 1.0
+    for bad in ("", "half", "-0.1", "1.5", "nan", "inf"):
+        with pytest.raises(ValueError, match="--prefill-split"):
+            parse_prefill_split(bad)
+    with pytest.raises(ValueError, match="rates must be positive"):
+        PromptSplit(1 << 20, 8, 128, copy_gbps=0.0, cpu_gbps=50.0, bucket=8)
+
+
+@pytest.mark.parametrize("run", range(10))
+def test_auto_split_finishes_copies_and_cpu_soonest(run, seed):
+    """The CPU's count makes the slower of the two sides (u − c copies, c CPU experts) as quick
+    as any whole count can: a search over every c from 0 to u, at the split's own estimates, some
+    of them measured."""
+    rng = random.Random(seed)
+    split = _random_split(rng)
+    for _ in range(rng.randrange(0, 4)):  # measurements at some token counts
+        split.record(rng.randrange(1, 40), rng.randrange(40, 20000), rng.uniform(1e-4, 0.05))
+    t_p = split.expert_bytes / (split.copy_gbps * 1e9)
+    for _ in range(50):
+        u, n_tokens = rng.randrange(0, split.num_experts + 1), rng.randrange(1, 16385)
+        c = split.cpu_count(u, n_tokens)
+        t_c = split.cpu_seconds(n_tokens * split.top_k / split.num_experts)
+        best = min(max((u - k) * t_p, k * t_c) for k in range(u + 1))
+        assert 0 <= c <= u
+        assert max((u - c) * t_p, c * t_c) == pytest.approx(best, rel=1e-12, abs=1e-15), f"seed={seed} u={u}"
+
+
+def test_the_cpu_estimate_follows_its_measurements(seed):
+    """Before any measurement, one expert of n tokens costs the kernel's model (its rows read once
+    per bucket of tokens at B_H'); a measurement near n replaces it (seconds per expert-token, each
+    later one averaged in), and leaves other token counts to the model."""
+    rng = random.Random(seed)
+    split = _random_split(rng)
+    n = rng.uniform(20, 30)  # about 2^4.5: a pair count of 16 to 45 per expert shares its octave
+    model = math.ceil(n / split.bucket) * split.expert_bytes / (split.cpu_gbps * 1e9)
+    assert split.cpu_seconds(n) == pytest.approx(model)
+    experts, seconds = rng.randrange(1, 20), rng.uniform(1e-3, 1e-1)
+    split.record(experts, round(experts * n), seconds)
+    first = seconds / round(experts * n)
+    assert split.cpu_seconds(n) == pytest.approx(first * n)
+    split.record(experts, round(experts * n), 3 * seconds)
+    assert split.cpu_seconds(n) == pytest.approx((first + 3 * first) / 2 * n)
+    far = 1000.0
+    assert split.cpu_seconds(far) == pytest.approx(math.ceil(far / split.bucket) * split.expert_bytes
+                                                   / (split.cpu_gbps * 1e9))
+    fixed = PromptSplit(1 << 20, 8, 128, 30.0, 60.0, 8, share=0.3)
+    assert [fixed.cpu_count(u, 4096) for u in (0, 1, 2, 5, 10)] == [0, 0, 1, 2, 3]  # rounded half up
+
+
+def _prefill(engine: Engine, ids: list[int]):
+    cache = engine.model.new_cache()
+    return engine.prefill(torch.tensor(ids), cache, all_logits=True), cache
+
+
+@pytest.mark.parametrize("split", ["auto", "share"])
+@pytest.mark.parametrize("overlap,slots,chunk", [(True, 40, 13), (False, 16, 11), (True, 32, 64),
+                                                 (True, 64, 24), (False, 20, 30)])
+def test_split_chunks_equal_copying_every_expert(engine_dir, cpu_engine, monkeypatch, split, overlap, slots, chunk,
+                                                 seed):
+    """Prompts in chunks that stream whole layers, the CPU computing part of each layer's uncached
+    experts (the rates decide, or a random fixed share): the logits of every token and the KV cache
+    equal those of the same engine copying every expert, and the all-CPU engine's. The experts the
+    CPU computes are uncached when it starts and when it ends (never filled), the first chunk's
+    experts are all either copied or computed in place, and the slots hold their rows."""
+    rng = random.Random(seed)
+    e, n_moe = cpu_engine.spec.moe.num_experts, len(cpu_engine.spec.moe_layers)
+    ids = [rng.randrange(256) for _ in range(rng.randrange(30, 90))]
+    mode = f"{rng.uniform(0.1, 1.0):.3f}" if split == "share" else "auto"
+    # auto: at these rates the kernel's model gives the CPU a share of the first layer (then its
+    # measured time on these tiny experts, next to their µs of copying, may give it none)
+    rates = {"b_p": rng.uniform(5, 50), "b_h": rng.uniform(20, 100)} if split == "share" else {"b_p": 20.0,
+                                                                                              "b_h": 100.0}
+    with_split = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=slots, prefill_overlap=overlap,
+                                                               stream_min_tokens=8, prefill_split=mode, **rates),
+                             prefill_chunk=chunk)
+    copying = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=slots, prefill_overlap=overlap,
+                                                            stream_min_tokens=8, prefill_split="off", **rates),
+                          prefill_chunk=chunk)
+    experts = with_split.model.experts
+    computed: list[np.ndarray] = []
+    real_start, real_finish = StreamCpuPart.start, StreamCpuPart.finish
+
+    def start(part, x, pairs, rows):
+        assert (experts.store.cache.slot_of[rows] < 0).all(), f"seed={seed}: the CPU's experts are cached"
+        computed.append(rows.copy())
+        real_start(part, x, pairs, rows)
+
+    def finish(part, out):
+        real_finish(part, out)
+        assert (experts.store.cache.slot_of[computed[-1]] < 0).all(), f"seed={seed}: a CPU expert was filled"
+
+    monkeypatch.setattr(StreamCpuPart, "start", start)
+    monkeypatch.setattr(StreamCpuPart, "finish", finish)
+    first, _ = _prefill(with_split, ids[:chunk])
+    assert experts.stats.streamed + experts.stats.stream_cpu == (n_moe * e if experts.stats.stream_layers else 0)
+    got, got_cache = _prefill(with_split, ids)
+    want, want_cache = _prefill(copying, ids)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), f"seed={seed}"
+    assert torch.allclose(got, _prefill(cpu_engine, ids)[0], rtol=1e-4, atol=1e-4), f"seed={seed}"
+    for layer in range(cpu_engine.spec.num_layers):
+        assert torch.allclose(got_cache.kv.keys(layer), want_cache.kv.keys(layer), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(got_cache.kv.values(layer), want_cache.kv.values(layer), rtol=1e-4, atol=1e-5)
+    if slots >= experts.stream_slots:
+        assert experts.stats.stream_cpu > 0 and computed, f"seed={seed}: the CPU computed nothing"
+    check_slots_hold_their_rows(experts)
+
+
+def test_a_chunk_failing_while_the_cpu_computes_leaves_the_kernel_free(engine_dir, cpu_engine, monkeypatch, seed):
+    """A chunk that fails between the CPU part's start and its end (the device's part raising)
+    joins the kernel when the next pass begins: the next prompt runs and equals the CPU engine."""
+    from ftc_runtime.experts.slots import SlotStore
+
+    rng = random.Random(seed)
+    off = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=40, b_p=20.0, b_h=40.0,
+                                                        stream_min_tokens=8, prefill_split="0.5"))
+    real = SlotStore.grouped_on_device
+    calls = [0]
+
+    def failing(store, *args):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("device lost")
+        real(store, *args)
+
+    monkeypatch.setattr(SlotStore, "grouped_on_device", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        off.logits([rng.randrange(256) for _ in range(32)])
+    off.model.experts.begin_pass(1, prompt=False)
+    assert off.model.experts.kernel._in_flight is None  # joined (a kernel left running would deadlock)
+    ids = [rng.randrange(256) for _ in range(rng.randrange(20, 40))]
+    assert torch.allclose(off.logits(ids), cpu_engine.logits(ids), rtol=1e-4, atol=1e-4), f"seed={seed}"
