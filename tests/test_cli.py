@@ -695,8 +695,9 @@ def bad_option_cases(engine: Path, tmp: Path) -> list[tuple[str, list, str]]:
         (dec, "--synthetic-locality", ["2", "-0.1", "nan"]), (dec, "--slots", ["-1"]), (dec, "--prompt-tokens", ["0"]),
         (dec, "--new-tokens", ["1"]), (dec, "--sequences", ["0", "1,-2", ","]), (agent, "--session-tokens", ["0"]),
         (agent, "--tool-output-tokens", ["0"]), (gen, "--prefill-split", ["off"]),
-        ([*gen, "--device", "cpu"], "--prefill-split", ["half", "1.5", "nan"]), (pre, "--prefill-split", ["off,2", ","]),
-        (dec, "--prefill-split", ["-0.5"]), (agent, "--prefill-split", ["sometimes"]),
+        ([*gen, "--device", "cpu"], "--prefill-split", ["half", "1.5", "nan"]),
+        (pre, "--prefill-split", ["off,2", ","]), (dec, "--prefill-split", ["-0.5"]),
+        (agent, "--prefill-split", ["sometimes"]),
         (prof, "--seconds", ["0", "nan"]), (prof, "-o", [missing]), (trace, "--max-new-tokens", ["0"]),
         (["trace", engine, "--prompt-ids", "1"], "-o", [missing])) for v in vs]
     if not torch.cuda.is_available():  # without a GPU, the default --device of `bench decode` and cuda itself

@@ -91,6 +91,22 @@ def _reference(weights: list, x: torch.Tensor, rows: torch.Tensor, router_w: tor
     return out
 
 
+def _grouped_reference(weights: list, x: torch.Tensor, rows: torch.Tensor, router_w: torch.Tensor,
+                       limit: float = 0.0) -> torch.Tensor:
+    """`_reference` with each expert computed once over all its tokens (matrices, not vectors): the
+    same float64 sums for calls of thousands of tokens."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for row in rows.unique().tolist():
+        t, j = (rows == row).nonzero(as_tuple=True)
+        gate_up, down = weights[row]
+        h = x[t].double() @ gate_up.T
+        gate, up = h[:, :gate_up.shape[0] // 2], h[:, gate_up.shape[0] // 2:]
+        if limit > 0:
+            gate, up = torch.clamp(gate, max=limit), torch.clamp(up, -limit, limit)
+        out.index_add_(0, t, router_w[t, j, None].double() * ((gate * torch.sigmoid(gate) * up) @ down.T))
+    return out
+
+
 def _routing(rng: random.Random, e: int, n: int, same: bool = False) -> torch.Tensor:
     """ids [n, 2] of distinct experts per token (the same two for every token with `same`)."""
     first = rng.sample(range(e), 2)
@@ -114,7 +130,8 @@ def _check(setup, rng: random.Random, ids: torch.Tensor, threads: int, backgroun
         kernel.wait()
     else:
         kernel.run(*args)
-    ref = _reference(expert_weights, x, ids + layer * e, weights, spec.moe.swiglu_limit)
+    reference = _grouped_reference if n > 64 else _reference
+    ref = reference(expert_weights, x, ids + layer * e, weights, spec.moe.swiglu_limit)
     got = out.double() - start.double()
     # Each expert's share is added into the fp32 `out` once, rounding it by up to half an ulp of
     # |out|: that much is the output's storage, not the kernel (it dominates when the router's
@@ -150,6 +167,42 @@ def test_background_job_equals_the_reference(setup, threads, seed):
     rng = random.Random(seed)
     for n in (1, 4, 9):
         _check(setup, rng, _routing(rng, spec.moe.num_experts, n), threads=threads, background=True)
+
+
+def test_experts_of_many_tokens(setup, seed):
+    """From TILE_MIN_TOKENS routed tokens an expert runs as tile GEMMs where its kernel has them
+    (AMX, else AVX-512 BF16): blocks of 16 tokens, a partial last one, tiled experts beside
+    bucketed ones in one call (a skewed routing), one thread and all; up to 4096 tokens on
+    qwen3-30b-a3b's shape."""
+    _, spec, *_, lib = setup
+    rng = random.Random(seed)
+    e = spec.moe.num_experts
+    counts = (15, 16, 17, 33, 100) + ((4096,) if spec.hidden_size == 2048 else (300,))
+    for n in counts:
+        _check(setup, rng, _routing(rng, e, n, same=True), threads=rng.choice([1, len(physical_cpus())]))
+    hot = rng.sample(range(e), 2)  # most tokens go to two experts, the rest anywhere
+    skewed = torch.tensor([hot if rng.random() < 0.7 else rng.sample(range(e), 2) for _ in range(60)])
+    _check(setup, rng, skewed, threads=len(physical_cpus()))
+
+
+def test_tiles_run_on_amx_where_the_cpu_has_it(setup, tmp_path: Path, monkeypatch):
+    """The tile backend is AMX where the CPU has AMX-TILE and AMX-BF16 (and the OS grants them),
+    else AVX-512 BF16; FTC_AMX=0, read when the library loads, takes AVX-512 BF16 either way. The
+    other tests compare whichever runs here with the reference."""
+    from ftc_runtime.cpu_info import cpu_flags
+
+    isa, spec, *_, lib = setup
+    kernel = CpuExpertKernel(lib, isa, spec.hidden_size, spec.moe.expert_intermediate_size, [0])
+    if isa != "avx512_bf16":
+        assert kernel.tile_backend == "none"
+        return
+    copy = tmp_path / "lib.so"  # another path: loaded anew, its FTC_AMX read again
+    copy.write_bytes(lib.read_bytes())
+    monkeypatch.setenv("FTC_AMX", "0")
+    assert CpuExpertKernel(copy, isa, spec.hidden_size, spec.moe.expert_intermediate_size, [0]).tile_backend == "avx512"
+    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        pytest.skip("this CPU has no AMX (amx_bf16, amx_tile): its tiles ran on AVX-512 BF16")
+    assert kernel.tile_backend == "amx"
 
 
 def test_library_reports_its_isa_and_shapes(setup, tmp_path: Path):

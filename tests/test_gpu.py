@@ -132,6 +132,28 @@ def test_gpu_prefill_streaming_matches_the_cpu_engine(engine_dir, overlap, seed)
     assert near_best_share(a, b) >= 0.95
 
 
+@pytest.mark.parametrize("split", ["0.5", "auto"])
+def test_gpu_prefill_split_matches_copying_every_expert(engine_dir, split, seed):
+    """Streamed chunks whose CPU computes part of each layer's uncached experts in place (half of
+    them, or as the rates say) beside the copies of the rest: logits against the same GPU engine
+    copying every expert and against the fp32 CPU engine; the CPU's experts never fill a slot."""
+    rng = random.Random(seed)
+    cpu = Engine.load(engine_dir)
+    chunk = rng.randrange(24, 48)
+    ids = [rng.randrange(256) for _ in range(rng.randrange(60, 120))]
+    engines = [Engine.load(engine_dir, offload=OffloadConfig(device="cuda", n_slots=40, b_p=25.0, b_h=50.0,
+                                                             prefill_split=mode), prefill_chunk=chunk)
+               for mode in (split, "off")]
+    (a, b), want = (e.logits(ids).cpu() for e in engines), cpu.logits(ids)
+    stats = engines[0].model.experts.stats
+    assert stats.stream_cpu > 0 and stats.stream_layers > 0
+    assert engines[1].model.experts.stats.stream_cpu == 0
+    for got in (a, b):
+        assert float((got - want).norm() / want.norm()) < 8e-2, f"seed={seed}"
+        assert near_best_share(got, want) >= 0.95, f"seed={seed}"
+    check_slots_hold_their_rows(engines[0].model.experts)
+
+
 def test_grouped_expert_kernel_matches_the_torch_path(engine_dir, seed):
     """Prompt-sized groups (up to hundreds of tokens per expert, uneven, tile edges crossed): the
     grouped GEMM against torch in fp32 (bf16 tokens and activations cost ~4e-3 relative), and the

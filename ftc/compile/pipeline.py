@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from ftc import __version__
 from ftc.codegen.kernel_check import check_expert_kernel
-from ftc.codegen.render import render_cpu_kernels, render_triton_kernels
+from ftc.codegen.render import TILE_MIN_TOKENS, render_cpu_kernels, render_triton_kernels
 from ftc.compile.checkpoint_tokenizer import check_checkpoint_tokenizer, control_tokenizer
 from ftc.compile.fp8_checkpoint import quantize_fp8_blocks
 from ftc.compile.ftw_writer import FtwWriter
@@ -196,7 +196,7 @@ def _build_engine(spec: ModelSpec, target: Target, plan: Plan, weights: WeightSo
             console.print(f"kernel check not run: this CPU lacks {', '.join(lacking)} ({plan.isa})")
             checks = [{"not_run": f"compiling machine lacks {', '.join(lacking)}"}]
         else:
-            task = progress.add_task("kernel check", total=len(plan.batch_buckets))
+            task = progress.add_task("kernel check", total=len(plan.batch_buckets) + 1)
             checks = _check_kernels(spec, plan, staging, pool, lambda: progress.advance(task))
     files = [*hashes, DENSE_FILE, TOKENIZER_FILE, CHAT_TEMPLATE_FILE, LIBRARY_FILE] + [k["source"] for k in kernels]
     manifest = {
@@ -339,6 +339,10 @@ def _check_kernels(spec: ModelSpec, plan: Plan, staging: Path, pool: ExpertPool 
         results.append(check_expert_kernel(kernel, pool, spec.moe.top_k, n_tokens, seed=n_tokens,
                                            swiglu_limit=spec.moe.swiglu_limit))
         tick()
+    # a prompt chunk's many tokens per expert: the tiles, where the kernel has them
+    results.append(check_expert_kernel(kernel, pool, spec.moe.top_k, 2 * TILE_MIN_TOKENS + 3, seed=0,
+                                       swiglu_limit=spec.moe.swiglu_limit, shared_experts=True))
+    tick()
     return results
 
 

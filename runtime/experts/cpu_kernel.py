@@ -120,6 +120,15 @@ class CpuExpertKernel:
         self._in_flight = None
         self._lock.release()
 
+    @property
+    def tile_backend(self) -> str:
+        """Where experts of many tokens run: "amx", "avx512" (tile GEMMs), or "none" (the row
+        buckets only: a kernel without tiles, as the AVX2 ones)."""
+        if not hasattr(self.lib, "ftc_tile_backend"):
+            return "none"
+        self.lib.ftc_tile_backend.restype = ctypes.c_char_p
+        return self.lib.ftc_tile_backend().decode()
+
     def job_seconds(self) -> float:
         """The last finished job's own time on the pool, from its start to its last thread's end
         (not to the `wait` that joined it)."""

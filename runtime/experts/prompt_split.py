@@ -78,11 +78,15 @@ class PromptSplit:
             return 0
         if self.share is not None:
             return min(uncached, math.floor(uncached * self.share + 0.5))
-        t_p, t_c = self.copy_seconds(), self.cpu_seconds(self.tokens_per_expert(n_tokens))
+        n = self.tokens_per_expert(n_tokens)
+        t_p, t_c = self.copy_seconds(), self.cpu_seconds(n)
         balance = uncached * t_p / (t_p + t_c)  # both sides take equally long here
         # whole experts: the neighbour of the balance whose slower side finishes first
-        return min((math.floor(balance), min(math.ceil(balance), uncached)),
-                   key=lambda c: (max((uncached - c) * t_p, c * t_c), c))
+        c = min((math.floor(balance), min(math.ceil(balance), uncached)),
+                key=lambda c: (max((uncached - c) * t_p, c * t_c), c))
+        if c == 0 and uncached >= 2 and _octave(n) not in self.measured:
+            return 1  # the model, unmeasured, gave the CPU nothing: one expert measures it
+        return c
 
     def record(self, experts: int, pairs: int, seconds: float) -> None:
         """A CPU part took `seconds` for `experts` experts of `pairs` (token, expert) pairs in all."""

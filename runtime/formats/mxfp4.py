@@ -58,6 +58,7 @@ class Mxfp4Format(BlockFp4Format):
 
 FORMAT = Mxfp4Format(
     name="mxfp4",
-    cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_mxfp4_avx512.cpp.j2", 64, work_rows=32, prefetch_rows=32),
+    cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_mxfp4_avx512.cpp.j2", 64, work_rows=32,
+                                              prefetch_rows=32, tiles=True),
                    "avx2": CpuTemplate("cpu/expert_ffn_mxfp4_avx2.cpp.j2", 64, prefetch_rows=16)},
     triton_template="triton/expert_ffn_mxfp4.py.j2", slot_dtype=torch.uint8, block=BLOCK, scale_dtype="ue8m0")

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 24 on the device: prompt chunks on both paths (the CPU computing part of each streamed
+# layer's uncached experts in place, `--prefill-split`) and the tile kernels for many tokens per
+# expert (AMX there). Calls of under 10 minutes on one machine (carry .whl: fla-core, einops):
+#   bash bench/device_prompt_split.sh OUT_DIR 1   the GPU tests of the split and of streaming, the CPU
+#                                                 kernels' tests (AMX tiles: their first run on AMX), the
+#                                                 tile kernels' TFLOP/s against torch's bf16 matmul at 16-1024
+#                                                 tokens per expert (AMX, then FTC_AMX=0: AVX-512 BF16), per
+#                                                 format; qwen3-30b-a3b bf16 32 GiB prefill 2K-8K, split off
+#                                                 against auto (bar: 8K at 1.3x the PCIe ceiling)
+#   bash bench/device_prompt_split.sh OUT_DIR 2   the agent session (qwen3.6-35b-a3b bf16 32 GiB, 20K tokens,
+#                                                 --compare) with the split, then its edit turn without
+#   bash bench/device_prompt_split.sh OUT_DIR 3   prefill at 8 GiB of the 4-bit engines (qwen3-30b-a3b mxfp4,
+#                                                 qwen3.6-35b-a3b nvfp4), split off against auto
+source bench/device_setup.sh "$@"
+q30=model_specs/qwen3-30b-a3b.yaml
+q36=model_specs/qwen3.6-35b-a3b.yaml
+throughput() {  # FORMAT: a 1-layer qwen3-30b-a3b engine's CPU kernel against torch, AMX and not
+  ftc compile $q30 --random-weights --target auto --override num_layers=1 --quant "$1" -o "/tmp/q30-$1" \
+    --force 2>&1 | grep -E "kernel check|error" | tail -2
+  for amx in 1 0; do
+    FTC_AMX=$amx timeout 100 python3 bench/cpu_batch_throughput.py "/tmp/q30-$1" --tokens 1,16,32,64,128,256,1024 \
+      --seconds 0.5 2>&1 | tee -a "$out/cpu_tiles_$1.jsonl" | tail -7
+  done
+}
+if [ "$part" = 1 ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "prefill or streamed" 2>&1 \
+    | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cpu_kernels.py -k avx512 2>&1 \
+    | tee "$out/pytest_cpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|SKIP" | tail -20
+  for fmt in bf16 mxfp4 nvfp4; do throughput $fmt; done
+  timeout 150 ftc bench prefill $q30 --random-weights --target h200 --vram-budget 32GiB --lengths 2048,8192 \
+    --prefill-split off,auto -o "$out/prefill_q30_bf16.json" 2>&1 | grep -v "━" | tail -n 60
+elif [ "$part" = 2 ]; then
+  timeout 420 ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
+    --compare --prefill-split auto -o "$out/agent_q36_split.json" 2>&1 | grep -v "━" | tail -n 40
+  timeout 150 ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
+    --prefill-split off -o "$out/agent_q36_off.json" 2>&1 | grep -v "━" | tail -n 20
+elif [ "$part" = 3 ]; then
+  timeout 200 ftc bench prefill $q30 --random-weights --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
+    --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q30_mxfp4.json" 2>&1 | grep -v "━" | tail -n 40
+  timeout 300 ftc bench prefill $q36 --random-weights --target h200 --vram-budget 8GiB \
+    --override expert_format=nvfp4 --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q36_nvfp4.json" \
+    2>&1 | grep -v "━" | tail -n 40
+fi
