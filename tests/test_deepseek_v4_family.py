@@ -351,9 +351,9 @@ def test_the_hash_layers_stream_only_their_routed_experts(tmp_path, monkeypatch,
     at_start: list[dict[int, int]] = []
     real_init = LayerStream.__init__
 
-    def recording_init(self, *args, **kwargs):
+    def recording_init(self, *args, **kwargs):  # experts copied, or left to the CPU (the prompt split)
         real_init(self, *args, **kwargs)
-        at_start.append(dict(self.loaded))
+        at_start.append({j: n + len(self.on_cpu.get(j, ())) for j, n in self.loaded.items()})
 
     monkeypatch.setattr(LayerStream, "__init__", recording_init)
     got, want = off.logits(ids).cpu(), cpu.logits(ids)
