@@ -1,6 +1,6 @@
 """The engine's CPU kernel with T tokens routed to the same k experts (T tokens per expert, as a
-prompt chunk gives each expert: from TILE_MIN_TOKENS on, its tile GEMMs, AMX where the CPU has it
-unless FTC_AMX=0), against torch's bf16 matmul of the same experts (oneDNN, which uses AMX tiles
+prompt chunk gives each expert: from the kernel's `tile_min` on, its tile GEMMs, AMX where the CPU
+has it unless FTC_AMX=0), against torch's bf16 matmul of the same experts (oneDNN, which uses AMX tiles
 where the CPU has them), their weights dequantized to bf16 before the timing. Prints TFLOP/s and
 GB/s of expert bytes per T.
 
@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ftc.codegen.render import TILE_MIN_TOKENS
 from ftc_runtime.artifact import EXPERTS_FILE, LIBRARY_FILE, EngineManifest
 from ftc_runtime.cpu_info import worker_cpus
 from ftc_runtime.experts.base import group_by_expert
@@ -67,7 +66,7 @@ def main() -> None:
         ref = bf16_matmul_seconds(weights, x.to(torch.bfloat16), args.seconds)
         flops = 2 * t * k * 3 * h * inter
         print(json.dumps({"format": spec.expert_format, "threads": len(cpus), "tokens_per_expert": t,
-                          "tile_backend": kernel.tile_backend if t >= TILE_MIN_TOKENS else "none",
+                          "tile_backend": kernel.tile_backend if t >= (kernel.tile_min or t + 1) else "none",
                           "kernel_ms": round(ours * 1e3, 4), "kernel_tflops": round(flops / ours / 1e12, 3),
                           "kernel_gbps": round(k * row_bytes / ours / 1e9, 2),
                           "torch_bf16_ms": round(ref * 1e3, 4), "torch_bf16_tflops": round(flops / ref / 1e12, 3)}),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.codegen.render import render_cpu_kernels
+from ftc.codegen.render import TILE_MIN_AMX, render_cpu_kernels
 from ftc.compile.ftw_writer import FtwWriter
 from ftc.compile.pipeline import make_plan
 from ftc.compile.targets import Target
@@ -170,18 +170,19 @@ def test_background_job_equals_the_reference(setup, threads, seed):
 
 
 def test_experts_of_many_tokens(setup, seed):
-    """From TILE_MIN_TOKENS routed tokens an expert runs as tile GEMMs where its kernel has them
-    (AMX, else AVX-512 BF16): blocks of 16 tokens, a partial last one, tiled experts beside
-    bucketed ones in one call (a skewed routing), one thread and all; up to 4096 tokens on
-    qwen3-30b-a3b's shape."""
-    _, spec, *_, lib = setup
+    """From the kernel's `tile_min` routed tokens on an expert runs as tile GEMMs where its kernel
+    has them (AMX, else AVX-512 BF16): either side of it, blocks of 16 tokens, a partial last one,
+    tiled experts beside bucketed ones in one call (a skewed routing), one thread and all; up to
+    4096 tokens on qwen3-30b-a3b's shape."""
+    isa, spec, *_, lib = setup
     rng = random.Random(seed)
     e = spec.moe.num_experts
-    counts = (15, 16, 17, 33, 100) + ((4096,) if spec.hidden_size == 2048 else (300,))
+    least = CpuExpertKernel(lib, isa, spec.hidden_size, spec.moe.expert_intermediate_size, [0]).tile_min or 16
+    counts = (15, least - 1, least, least + 1, least + 17, 100) + ((4096,) if spec.hidden_size == 2048 else (300,))
     for n in counts:
         _check(setup, rng, _routing(rng, e, n, same=True), threads=rng.choice([1, len(physical_cpus())]))
     hot = rng.sample(range(e), 2)  # most tokens go to two experts, the rest anywhere
-    skewed = torch.tensor([hot if rng.random() < 0.7 else rng.sample(range(e), 2) for _ in range(60)])
+    skewed = torch.tensor([hot if rng.random() < 0.7 else rng.sample(range(e), 2) for _ in range(least + 40)])
     _check(setup, rng, skewed, threads=len(physical_cpus()))
 
 
@@ -194,15 +195,17 @@ def test_tiles_run_on_amx_where_the_cpu_has_it(setup, tmp_path: Path, monkeypatc
     isa, spec, *_, lib = setup
     kernel = CpuExpertKernel(lib, isa, spec.hidden_size, spec.moe.expert_intermediate_size, [0])
     if isa != "avx512_bf16":
-        assert kernel.tile_backend == "none"
+        assert kernel.tile_backend == "none" and kernel.tile_min is None
         return
     copy = tmp_path / "lib.so"  # another path: loaded anew, its FTC_AMX read again
     copy.write_bytes(lib.read_bytes())
     monkeypatch.setenv("FTC_AMX", "0")
-    assert CpuExpertKernel(copy, isa, spec.hidden_size, spec.moe.expert_intermediate_size, [0]).tile_backend == "avx512"
+    soft = CpuExpertKernel(copy, isa, spec.hidden_size, spec.moe.expert_intermediate_size, [0])
+    assert soft.tile_backend == "avx512"
+    assert soft.tile_min == expert_format(spec.expert_format).cpu_templates[isa].tile_min_avx512
     if not {"amx_bf16", "amx_tile"} <= cpu_flags():
         pytest.skip("this CPU has no AMX (amx_bf16, amx_tile): its tiles ran on AVX-512 BF16")
-    assert kernel.tile_backend == "amx"
+    assert kernel.tile_backend == "amx" and kernel.tile_min == TILE_MIN_AMX
 
 
 def test_library_reports_its_isa_and_shapes(setup, tmp_path: Path):

@@ -24,9 +24,10 @@ ISA_COMPILE_FLAGS = {
 }
 
 
-# Routed tokens from which an expert runs as tile GEMMs, where its kernel has them: the row buckets
-# read each row once per 8 tokens, a tile once per 16 (and packs the tokens first).
-TILE_MIN_TOKENS = 16
+# Routed tokens from which an expert runs as AMX tile GEMMs, where its kernel has tiles (on AVX-512
+# BF16 the format's `CpuTemplate.tile_min_avx512`): the row buckets read each row once per 8
+# tokens, a tile once per 16 (and packs the tokens first).
+TILE_MIN_AMX = 16
 
 
 class CodegenError(ValueError):
@@ -59,8 +60,8 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
         template=kernel.path, expert_format=fmt.name, isa=plan.isa, hidden=h, intermediate=i,
         bank_offsets={b.name: b.offset for b in header.banks}, block=header.banks[0].block,
         buckets=list(plan.batch_buckets), gate_up_chunk=plan.gate_up_chunk, down_chunk=plan.down_chunk,
-        prefetch_rows=plan.prefetch_rows, swiglu_limit=float(spec.moe.swiglu_limit), tiles=kernel.tiles,
-        tile_min=TILE_MIN_TOKENS))
+        prefetch_rows=plan.prefetch_rows, swiglu_limit=float(spec.moe.swiglu_limit),
+        tiles=kernel.tile_min_avx512 is not None, tile_min_amx=TILE_MIN_AMX, tile_min_avx512=kernel.tile_min_avx512))
     for name in RUNTIME_SOURCES:
         shutil.copyfile(CSRC_DIR / name, kernels_dir / name)
     sources = [source, *(name for name in RUNTIME_SOURCES if name.endswith(".cpp"))]

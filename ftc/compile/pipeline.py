@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from ftc import __version__
 from ftc.codegen.kernel_check import check_expert_kernel
-from ftc.codegen.render import TILE_MIN_TOKENS, render_cpu_kernels, render_triton_kernels
+from ftc.codegen.render import render_cpu_kernels, render_triton_kernels
 from ftc.compile.checkpoint_tokenizer import check_checkpoint_tokenizer, control_tokenizer
 from ftc.compile.fp8_checkpoint import quantize_fp8_blocks
 from ftc.compile.ftw_writer import FtwWriter
@@ -340,7 +340,7 @@ def _check_kernels(spec: ModelSpec, plan: Plan, staging: Path, pool: ExpertPool 
                                            swiglu_limit=spec.moe.swiglu_limit))
         tick()
     # a prompt chunk's many tokens per expert: the tiles, where the kernel has them
-    results.append(check_expert_kernel(kernel, pool, spec.moe.top_k, 2 * TILE_MIN_TOKENS + 3, seed=0,
+    results.append(check_expert_kernel(kernel, pool, spec.moe.top_k, (kernel.tile_min or 16) + 19, seed=0,
                                        swiglu_limit=spec.moe.swiglu_limit, shared_experts=True))
     tick()
     return results

@@ -129,6 +129,11 @@ class CpuExpertKernel:
         self.lib.ftc_tile_backend.restype = ctypes.c_char_p
         return self.lib.ftc_tile_backend().decode()
 
+    @property
+    def tile_min(self) -> int | None:
+        """Routed tokens from which an expert runs as tiles on this machine (None: no tiles)."""
+        return self.lib.ftc_tile_min() if hasattr(self.lib, "ftc_tile_min") else None
+
     def job_seconds(self) -> float:
         """The last finished job's own time on the pool, from its start to its last thread's end
         (not to the `wait` that joined it)."""

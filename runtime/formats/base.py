@@ -79,15 +79,16 @@ class CpuTemplate:
     """A CPU expert kernel of a format for one ISA: its primitives' template (which extends the
     skeleton `cpu/expert_ffn.cpp.j2`), the step that hidden and intermediate sizes must be
     multiples of (its vector width, or its scale block), and its measured tiling: matrix rows per
-    work item and rows prefetched ahead (docs/performance.md has the sweeps). `tiles`: experts of
-    many tokens run as 16 × 16 tile GEMMs (templates/cpu/expert_tiles.cpp.j2: AMX, else AVX-512
-    BF16), the kernel saying where its rows are as bf16."""
+    work item and rows prefetched ahead (docs/performance.md has the sweeps). `tile_min_avx512`:
+    experts of at least that many routed tokens run as 16 × 16 tile GEMMs on AVX-512 BF16 (from
+    16 on AMX; templates/cpu/expert_tiles.cpp.j2), the kernel saying where its rows are as bf16;
+    None: no tiles."""
 
     path: str  # under templates/
     step: int
     work_rows: int = 16
     prefetch_rows: int = 2
-    tiles: bool = False
+    tile_min_avx512: int | None = None
 
 
 @dataclass(frozen=True)

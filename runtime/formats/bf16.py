@@ -42,6 +42,6 @@ class Bf16Format(ExpertFormat):
 
 FORMAT = Bf16Format(
     name="bf16",
-    cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_bf16_avx512.cpp.j2", 32, tiles=True),
+    cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_bf16_avx512.cpp.j2", 32, tile_min_avx512=16),
                    "avx2": CpuTemplate("cpu/expert_ffn_bf16_avx2.cpp.j2", 8)},
     triton_template="triton/expert_ffn_bf16.py.j2", slot_dtype=torch.bfloat16)

@@ -82,9 +82,14 @@ class Nvfp4Format(BlockFp4Format):
         return QuantizedMatrix(codes, scales, std / (RMS_E2M1 * 1.5), name)
 
 
+
+# Tokens per expert from which the AVX-512 BF16 tiles beat the row kernel (vpdpbusd on int8 activations)
+# in this format, their 16-row groups dequantized to bf16 once per work item (docs/performance.md).
+TILE_MIN_AVX512 = 256
+
 FORMAT = Nvfp4Format(
     name="nvfp4",
     cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_nvfp4_avx512.cpp.j2", 64, work_rows=32,
-                                              prefetch_rows=32, tiles=True),
+                                              prefetch_rows=32, tile_min_avx512=TILE_MIN_AVX512),
                    "avx2": CpuTemplate("cpu/expert_ffn_nvfp4_avx2.cpp.j2", 64, prefetch_rows=16)},
     triton_template="triton/expert_ffn_nvfp4.py.j2", slot_dtype=torch.uint8, block=BLOCK, scale_dtype="e4m3")
