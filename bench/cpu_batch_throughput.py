@@ -65,8 +65,9 @@ def main() -> None:
         ours = kernel_seconds(kernel, pool, x, out, group_by_expert(0, ids, w), args.seconds)
         ref = bf16_matmul_seconds(weights, x.to(torch.bfloat16), args.seconds)
         flops = 2 * t * k * 3 * h * inter
+        tiled = kernel.tile_min is not None and t >= kernel.tile_min
         print(json.dumps({"format": spec.expert_format, "threads": len(cpus), "tokens_per_expert": t,
-                          "tile_backend": kernel.tile_backend if t >= (kernel.tile_min or t + 1) else "none",
+                          "tile_backend": kernel.tile_backend if tiled else "none",
                           "kernel_ms": round(ours * 1e3, 4), "kernel_tflops": round(flops / ours / 1e12, 3),
                           "kernel_gbps": round(k * row_bytes / ours / 1e9, 2),
                           "torch_bf16_ms": round(ref * 1e3, 4), "torch_bf16_tflops": round(flops / ref / 1e12, 3)}),

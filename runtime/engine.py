@@ -278,12 +278,16 @@ def _expert_pool(manifest: EngineManifest, pool: ftw.ExpertPool | None, show_pro
     return pool
 
 
+def _rates(manifest: EngineManifest, offload: OffloadConfig) -> tuple[float, float] | None:
+    """(B_P, B_H): the options', else the target's; None where a CPU-only target has none."""
+    b_p, b_h = offload.b_p or manifest.target.get("b_p"), offload.b_h or manifest.target.get("b_h")
+    return None if b_p is None or b_h is None else (b_p, b_h)
+
+
 def _miss_planner(manifest: EngineManifest, offload: OffloadConfig) -> MissPlanner:
     """The miss split at the measured rates (explicit rates replace the whole profile); a CPU-only
     target has none, and every miss is filled."""
-    b_p, b_h = offload.b_p or manifest.target.get("b_p"), offload.b_h or manifest.target.get("b_h")
-    if b_p is None or b_h is None:
-        b_p = b_h = 1.0
+    b_p, b_h = _rates(manifest, offload) or (1.0, 1.0)
     measured = offload.b_p is None and offload.b_h is None
     return MissPlanner(offload.miss_policy, b_p, b_h, manifest.target.get("b_p_concurrent") if measured else None,
                        manifest.target.get("b_h_concurrent") if measured else None)
@@ -294,8 +298,7 @@ def _prompt_split(manifest: EngineManifest, offload: OffloadConfig, planner: Mis
     """The CPU's share of streamed prompt layers (`OffloadConfig.prefill_split`) at the planner's
     rates while both run; `auto` on a target without rates (a CPU target) copies every expert."""
     mode = parse_prefill_split(offload.prefill_split)
-    has_rates = (offload.b_p or manifest.target.get("b_p")) and (offload.b_h or manifest.target.get("b_h"))
-    if mode is None or (mode == "auto" and not has_rates):
+    if mode is None or (mode == "auto" and _rates(manifest, offload) is None):
         return None
     copy, cpu = planner.rates()
     moe = manifest.spec.moe

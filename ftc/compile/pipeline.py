@@ -339,8 +339,10 @@ def _check_kernels(spec: ModelSpec, plan: Plan, staging: Path, pool: ExpertPool 
         results.append(check_expert_kernel(kernel, pool, spec.moe.top_k, n_tokens, seed=n_tokens,
                                            swiglu_limit=spec.moe.swiglu_limit))
         tick()
-    # a prompt chunk's many tokens per expert: the tiles, where the kernel has them
-    results.append(check_expert_kernel(kernel, pool, spec.moe.top_k, (kernel.tile_min or 16) + 19, seed=0,
+    # a prompt chunk's many tokens per expert: the tiles where the kernel has them (past its
+    # threshold, a partial block), else its largest bucket over and over
+    many = (kernel.tile_min or 2 * max(plan.batch_buckets)) + 19
+    results.append(check_expert_kernel(kernel, pool, spec.moe.top_k, many, seed=0,
                                        swiglu_limit=spec.moe.swiglu_limit, shared_experts=True))
     tick()
     return results

@@ -51,6 +51,8 @@ class CpuExpertKernel:
         self.lib.ftc_pool_wait.argtypes = [_p]
         self.lib.ftc_pool_job_seconds.restype = ctypes.c_double
         self.lib.ftc_pool_job_seconds.argtypes = [_p]
+        if hasattr(self.lib, "ftc_tile_backend"):  # kernels with tiles (expert_tiles.cpp.j2)
+            self.lib.ftc_tile_backend.restype = ctypes.c_char_p
         self.lib.ftc_expert_ffn_workspace_bytes.restype = _i64
         self.lib.ftc_expert_ffn_workspace_bytes.argtypes = [_i32, _i32]
         for fn in (self.lib.ftc_expert_ffn, self.lib.ftc_expert_ffn_start):
@@ -124,10 +126,7 @@ class CpuExpertKernel:
     def tile_backend(self) -> str:
         """Where experts of many tokens run: "amx", "avx512" (tile GEMMs), or "none" (the row
         buckets only: a kernel without tiles, as the AVX2 ones)."""
-        if not hasattr(self.lib, "ftc_tile_backend"):
-            return "none"
-        self.lib.ftc_tile_backend.restype = ctypes.c_char_p
-        return self.lib.ftc_tile_backend().decode()
+        return self.lib.ftc_tile_backend().decode() if hasattr(self.lib, "ftc_tile_backend") else "none"
 
     @property
     def tile_min(self) -> int | None:

@@ -41,6 +41,9 @@ GROUP = 64  # what hidden and intermediate sizes must be multiples of (whole 64-
 ROW_GROUP = 16  # rows interleaved in FTW
 UNIT = 8  # columns of a row in one 64-byte unit
 PACKING = "e2m1r16"  # the header's names for the packing above: codes, scales
+# Tokens per expert from which the AVX-512 BF16 tiles beat the 4-bit row kernel (vpdpbusd on int8
+# activations), their 16-row groups dequantized to bf16 once per work item (docs/performance.md).
+TILE_MIN_AVX512 = 256
 SCALE_PACKING = "r16"
 
 

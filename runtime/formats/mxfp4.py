@@ -17,7 +17,7 @@ import math
 import torch
 
 from ftc_runtime.formats.base import CpuTemplate, QuantizedMatrix
-from ftc_runtime.formats.e2m1 import RMS_E2M1, BlockFp4Format, pack_pairs, round_to_e2m1
+from ftc_runtime.formats.e2m1 import RMS_E2M1, TILE_MIN_AVX512, BlockFp4Format, pack_pairs, round_to_e2m1
 
 BLOCK = 32
 NAN_SCALE = 255
@@ -55,11 +55,6 @@ class Mxfp4Format(BlockFp4Format):
         codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator)
         e = 127 + round(math.log2(std / RMS_E2M1))
         return QuantizedMatrix(codes, torch.full((rows, cols // BLOCK), e, dtype=torch.uint8), None, name)
-
-
-# Tokens per expert from which the AVX-512 BF16 tiles beat the row kernel (vpdpbusd on int8 activations)
-# in this format, their 16-row groups dequantized to bf16 once per work item (docs/performance.md).
-TILE_MIN_AVX512 = 256
 
 FORMAT = Mxfp4Format(
     name="mxfp4",

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from ftc_runtime.formats.base import BankLayout, CpuTemplate, QuantizedMatrix
-from ftc_runtime.formats.e2m1 import RMS_E2M1, BlockFp4Format, ftw_scales, pack_pairs, round_to_e2m1
+from ftc_runtime.formats.e2m1 import RMS_E2M1, TILE_MIN_AVX512, BlockFp4Format, ftw_scales, pack_pairs, round_to_e2m1
 
 BLOCK = 16
 E4M3_MAX = 448.0
@@ -81,11 +81,6 @@ class Nvfp4Format(BlockFp4Format):
         scales = torch.randint(0x38, 0x40, (rows, cols // BLOCK), dtype=torch.uint8, generator=generator)
         return QuantizedMatrix(codes, scales, std / (RMS_E2M1 * 1.5), name)
 
-
-
-# Tokens per expert from which the AVX-512 BF16 tiles beat the row kernel (vpdpbusd on int8 activations)
-# in this format, their 16-row groups dequantized to bf16 once per work item (docs/performance.md).
-TILE_MIN_AVX512 = 256
 
 FORMAT = Nvfp4Format(
     name="nvfp4",
