@@ -12,6 +12,9 @@
 #                                                 --compare) with the split, then its edit turn without
 #   bash bench/device_prompt_split.sh OUT_DIR 3   prefill at 8 GiB of the 4-bit engines (qwen3-30b-a3b mxfp4,
 #                                                 qwen3.6-35b-a3b nvfp4), split off against auto
+#   bash bench/device_prompt_split.sh OUT_DIR 4   recurrent-state captures: fla's kernels against the torch
+#                                                 recurrence and the hybrid engine's checkpoint tests, then
+#                                                 bench/capture_cost.py at qwen3.6-35b-a3b's shapes (bar: 5 ms)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -42,4 +45,8 @@ elif [ "$part" = 3 ]; then
   timeout 300 ftc bench prefill $q36 --random-weights --target h200 --vram-budget 8GiB \
     --override expert_format=nvfp4 --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q36_nvfp4.json" \
     2>&1 | grep -v "━" | tail -n 40
+elif [ "$part" = 4 ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "fla or hybrid or checkpoint" 2>&1 \
+    | tee "$out/pytest_gpu_captures.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
+  timeout 200 python3 bench/capture_cost.py $q36 --tokens 2048,8192 --captures 0,1,8,64 -o "$out" 2>&1 | tail -n 20
 fi

@@ -105,14 +105,17 @@ def test_the_chunked_recurrence_equals_the_token_by_token_one(trial, seed):
 @pytest.mark.parametrize("trial", range(4))
 @torch.no_grad()
 def test_states_captured_inside_a_chunk_equal_the_states_of_a_cut(trial, seed):
-    """The state after token i, taken inside one chunk (any block, a ragged one included), equals
-    the state after running only the first i + 1 tokens; the chunk's output does not change."""
+    """The state after token i, taken inside one chunk (any block, a ragged one included; one of
+    the first tokens, whose convolution state holds inputs from before the chunk), equals the state
+    after running only the first i + 1 tokens; the chunk's output does not change."""
     rng = random.Random(seed)
     _, w, shape = _layer(rng.randrange(2**31))
     x = torch.randn(rng.randrange(2, 200), 48)
     start = DeltaNetState.zeros(shape, x.dtype)
     start.recurrent.normal_()
-    capture = tuple(sorted(rng.sample(range(x.shape[0]), rng.randrange(1, min(6, x.shape[0]) + 1))))
+    start.conv.normal_()  # a token among the first K − 1 keeps some of the inputs before the chunk
+    picked = rng.sample(range(x.shape[0]), rng.randrange(1, min(6, x.shape[0]) + 1)) + [rng.randrange(2)]
+    capture = tuple(sorted(set(picked)))
     out, _, taken = gated_deltanet(x, w, shape, start, capture)
     plain, _, _ = gated_deltanet(x, w, shape, start)
     assert torch.equal(out, plain) and len(taken) == len(capture)

@@ -381,9 +381,10 @@ def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path, quant, seed):
 @pytest.mark.parametrize("trial", range(4))  # four draws: each test id has its own seed
 @torch.inference_mode()
 def test_fla_delta_rule_matches_the_torch_recurrence(trial, seed, monkeypatch):
-    """flash-linear-attention's kernels (chunked for prompts, fused recurrent for one token, pieces
-    ending at captured tokens) against the torch recurrence on the same bf16 inputs, from a random
-    state, with grouped value heads."""
+    """flash-linear-attention's kernels (chunked for prompts, fused recurrent for one token, the
+    states captured inside a prompt from its blocks' states) against the torch recurrence on the
+    same bf16 inputs, from a random state, with grouped value heads; captures at and beside the
+    64-token blocks' edges, the first and the last token among them."""
     pytest.importorskip("fla.ops.gated_delta_rule")
     from ftc_runtime.models.layers import gated_deltanet as gd
 
@@ -396,9 +397,13 @@ def test_fla_delta_rule_matches_the_torch_recurrence(trial, seed, monkeypatch):
     g = -torch.rand(t, nk * group, device="cuda") * rng.choice([0.05, 1.0, 4.0])
     beta = torch.rand(t, nk * group, device="cuda").bfloat16().float()  # what the kernels are given
     state = torch.randn(nk * group, d, d, device="cuda")
-    capture = tuple(sorted(rng.sample(range(t), min(t, rng.randrange(0, 4)))))
+    edges = {i for i in (0, 62, 63, 64, 65, 127, 128, t - 2, t - 1) if 0 <= i < t}
+    candidates = sorted(edges | set(rng.sample(range(t), min(t, 4))))
+    capture = tuple(sorted(rng.sample(candidates, min(len(candidates), rng.randrange(0, 6)))))
     assert gd.fla_available()
     got = gd.delta_rule(q, k, v, g, beta, state, capture)
+    plain = gd.delta_rule(q, k, v, g, beta, state)  # the same chunked stages, captures or not
+    assert rel(got[0], plain[0]) < 1e-3 and rel(got[1], plain[1]) < 1e-3
     monkeypatch.setattr(gd, "fla_available", lambda: False)
     want = gd.delta_rule(q, k, v, g, beta, state, capture)
     # bf16 outputs of fp32 sums (the kernels round their matmul inputs to bf16 too): 1 % is loose

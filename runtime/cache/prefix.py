@@ -79,8 +79,8 @@ class PrefixCache:
     @property
     def takes_checkpoints(self) -> bool:
         """Prompts capture their linear layers' state at boundaries: a hybrid model, with room for
-        checkpoints (each capture cuts the recurrence into one more kernel call per linear layer,
-        which is wasted without that room; docs/performance.md has its cost)."""
+        checkpoints (each capture copies every linear layer's state, which is wasted without that
+        room; docs/performance.md has its cost)."""
         return self.recurrent and self.checkpoint_budget > 0
 
     # -- lookup ------------------------------------------------------------------------------

@@ -99,12 +99,18 @@ def gated_deltanet(x: torch.Tensor, w: DeltaNetWeights, shape: DeltaNetShape, st
     after each token index in `capture` (ascending), without cutting x there)."""
     q, k, v, g, beta, inputs, conv = project(x, *w.projections(), state.conv, shape.heads)
     out, recurrent, taken = delta_rule(q, k, v, g, beta, state.recurrent, capture)
-    # The convolution's state after token i: its last K − 1 inputs up to i (a prompt without
-    # captures skips the copy of its whole input).
-    seq = torch.cat([state.conv.to(inputs.dtype), inputs.t()], dim=1) if capture else None
-    convs = [seq[:, i + 1:i + shape.conv_kernel].clone() for i in capture]
+    convs = [_conv_state(state.conv, inputs, i) for i in capture]
     return (finish(out, x, *w.outputs(), shape.eps), DeltaNetState(conv, recurrent),
             [DeltaNetState(c, r) for c, r in zip(convs, taken, strict=True)])
+
+
+def _conv_state(prev: torch.Tensor, inputs: torch.Tensor, i: int) -> torch.Tensor:
+    """The convolution's state after token i of `inputs` [T, C] (which follow the state `prev`
+    [C, K − 1]): its last K − 1 inputs up to i, [C, K − 1], a copy."""
+    back = prev.shape[1]
+    if i + 1 >= back:
+        return inputs[i + 1 - back:i + 1].t().contiguous()
+    return torch.cat([prev[:, i + 1:].to(inputs.dtype), inputs[:i + 1].t()], dim=1)
 
 
 def decode_step(x: torch.Tensor, w: DeltaNetWeights, shape: DeltaNetShape, state: DeltaNetState) -> torch.Tensor:
