@@ -378,6 +378,42 @@ def test_gpu_hybrid_engine_matches_the_cpu_engine(tmp_path, quant, seed):
     assert per_step[len(per_step) // 2] < 2e-2 and per_step[-1] < 0.35, per_step
 
 
+@torch.inference_mode()
+def test_gpu_prompt_checkpoints_equal_the_state_of_a_cut_prompt(tmp_path, seed):
+    """The hybrid engine on the GPU (fla's kernels) captures its linear layers' state after each
+    boundary token inside the prompt's chunks; each equals the state after prefilling the prompt
+    only up to that token, and the prefix cache, which keeps checkpoints in host memory, gives it
+    back to a prompt that resumes there."""
+    spec = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3.6-moe-tiny.yaml"
+    engine = Engine.load(compile_engine(CompileOptions(source=spec, random_weights=True, seed=5,
+                                                       output=tmp_path / "hybrid")),
+                         offload=OffloadConfig(device="cuda", n_slots=24, b_p=25.0, b_h=50.0), prefill_chunk=150)
+    rng = random.Random(seed)
+    ids = [rng.randrange(500) for _ in range(300)]
+    marks = sorted(engine.boundary_ids)
+    for i in rng.sample([62, 63, 64, 65, 127, 149, 150, 151, *range(1, 299)], 6):
+        ids[i] = rng.choice(marks)
+    cache = engine.model.new_cache()
+    engine.prefill(torch.tensor(ids), cache, checkpoints=True)
+    assert sorted(cache.checkpoints) == [i + 1 for i in engine.boundaries_in(ids)], f"seed {seed}"
+    for at, checkpoint in cache.checkpoints.items():
+        cut = engine.model.new_cache()
+        engine.prefill(torch.tensor(ids[:at]), cut)
+        # The first linear layer reads the embeddings alone; the later ones also what the experts
+        # added, which a router near tie between the two prompts' chunk shapes can move.
+        first, want = checkpoint.states[0], cut.linear[0]
+        assert rel(first.recurrent, want.recurrent) < 1e-2 and rel(first.conv, want.conv) < 1e-2, f"{at}, seed {seed}"
+        errors = sorted(rel(a.recurrent, b.recurrent) for a, b in zip(checkpoint.states, cut.linear, strict=True))
+        assert errors[len(errors) // 2] < 3e-2, f"token {at}: {errors} (seed {seed})"
+    prefix = engine.enable_prefix_cache(kv_budget=1 << 30, checkpoint_budget=1 << 30)
+    prefix.insert(ids, cache, cache.checkpoints)
+    last = max(cache.checkpoints)
+    resumed = engine.model.new_cache()
+    assert prefix.resume([*ids[:last], 7, 8], resumed).length == last
+    for a, b in zip(resumed.linear, cache.checkpoints[last].states, strict=True):
+        assert torch.equal(a.recurrent, b.recurrent) and torch.equal(a.conv, b.conv)
+
+
 @pytest.mark.parametrize("trial", range(4))  # four draws: each test id has its own seed
 @torch.inference_mode()
 def test_fla_delta_rule_matches_the_torch_recurrence(trial, seed, monkeypatch):

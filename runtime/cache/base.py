@@ -18,7 +18,7 @@ class RecurrentState(Protocol):
 
     def clone(self) -> RecurrentState: ...
 
-    def to(self, device: torch.device | str) -> RecurrentState: ...
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RecurrentState: ...
 
     def assign(self, other: RecurrentState) -> None: ...
 
@@ -37,8 +37,10 @@ class RecurrentCheckpoint:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.states)
 
-    def to(self, device: torch.device | str) -> RecurrentCheckpoint:
-        return RecurrentCheckpoint(self.length, tuple(s.to(device) for s in self.states))
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RecurrentCheckpoint:
+        """A copy on `device`; `non_blocking` from a GPU to the host: into pinned memory, complete
+        only once the current stream has run the copy (what a copy back to the GPU waits for)."""
+        return RecurrentCheckpoint(self.length, tuple(s.to(device, non_blocking) for s in self.states))
 
 
 class SequenceState(Protocol):

@@ -197,7 +197,8 @@ class PrefixCache:
         if self._depth(path) > len(prefix):
             node = self._split(node, len(node.tokens) - (self._depth(path) - len(prefix)))
         if node.checkpoint is None:
-            node.checkpoint = checkpoint.to("cpu")
+            # Not waited for: every reader copies it back to the GPU, behind this copy on the stream.
+            node.checkpoint = checkpoint.to("cpu", non_blocking=True)
             self.checkpoint_used += node.checkpoint.nbytes
 
     # -- eviction ----------------------------------------------------------------------------

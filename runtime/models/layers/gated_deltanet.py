@@ -79,8 +79,9 @@ class DeltaNetState:
     def clone(self) -> DeltaNetState:
         return DeltaNetState(self.conv.clone(), self.recurrent.clone())
 
-    def to(self, device: torch.device | str) -> DeltaNetState:
-        return DeltaNetState(self.conv.to(device), self.recurrent.to(device))
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> DeltaNetState:
+        return DeltaNetState(self.conv.to(device, non_blocking=non_blocking),
+                             self.recurrent.to(device, non_blocking=non_blocking))
 
     @property
     def nbytes(self) -> int:
