@@ -48,7 +48,7 @@ class SequenceState(Protocol):
     models build it with `new_cache`)."""
 
     kv: KVCache
-    checkpoints: dict[int, RecurrentCheckpoint]  # taken inside prompt chunks, by length
+    checkpoints: dict[int, RecurrentCheckpoint]  # kept (`keep`) in host memory, by length
 
     @property
     def length(self) -> int: ...
@@ -66,5 +66,7 @@ class SequenceState(Protocol):
     def bytes_for(self, n: int) -> int: ...
 
     def take(self) -> RecurrentCheckpoint: ...
+
+    def keep(self, checkpoint: RecurrentCheckpoint) -> None: ...
 
     def restore(self, checkpoint: RecurrentCheckpoint) -> None: ...

@@ -197,8 +197,7 @@ class PrefixCache:
         if self._depth(path) > len(prefix):
             node = self._split(node, len(node.tokens) - (self._depth(path) - len(prefix)))
         if node.checkpoint is None:
-            # Not waited for: every reader copies it back to the GPU, behind this copy on the stream.
-            node.checkpoint = checkpoint.to("cpu", non_blocking=True)
+            node.checkpoint = checkpoint.to("cpu", non_blocking=True)  # `keep` has moved a sequence's
             self.checkpoint_used += node.checkpoint.nbytes
 
     # -- eviction ----------------------------------------------------------------------------
