@@ -46,7 +46,7 @@ elif [ "$part" = 3 ]; then
     --override expert_format=nvfp4 --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q36_nvfp4.json" \
     2>&1 | grep -v "━" | tail -n 40
 elif [ "$part" = 4 ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "fla or hybrid or checkpoint" 2>&1 \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "fla or checkpoint or hybrid_engine" 2>&1 \
     | tee "$out/pytest_gpu_captures.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
   timeout 200 python3 bench/capture_cost.py $q36 --tokens 2048,8192 --captures 0,1,8,64 -o "$out" 2>&1 | tail -n 20
 fi
