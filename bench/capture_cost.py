@@ -32,7 +32,7 @@ from ftc_runtime.models.layers import gated_deltanet as gd
 
 def layer(spec_path: str, device: str) -> tuple[gd.DeltaNetWeights, gd.DeltaNetShape, int, int]:
     """Random weights at the spec's DeltaNet shapes, the shape, hidden size and linear layers."""
-    spec, _ = load_spec(spec_path, [])
+    spec, _ = load_spec(Path(spec_path), [])
     la = spec.linear_attention
     shape = gd.DeltaNetShape(la.num_k_heads, la.num_v_heads, la.k_head_dim, la.v_head_dim, la.conv_kernel,
                              spec.norm.eps)

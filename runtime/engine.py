@@ -211,7 +211,7 @@ class Engine:
         """Runs the prompt `ids` after the cache's tokens in chunks of `prefill_chunk` tokens;
         returns the logits of its last token [1, vocab] (every token's with all_logits). With
         `checkpoints` (a hybrid model), the linear layers' state after every boundary token goes
-        into `cache.checkpoints` (host memory), taken inside the chunks."""
+        into `cache.checkpoints`, taken inside the chunks."""
         outs = []
         for a in range(0, ids.numel(), self.prefill_chunk):
             chunk = ids[a:a + self.prefill_chunk]
@@ -253,7 +253,7 @@ class Engine:
                     logits = self.model.forward(torch.tensor([token]), cache)[-1]
                     seq.append(token)
                     if checkpoints and token in self.boundary_ids:
-                        cache.keep(cache.take())
+                        cache.checkpoints[cache.length] = cache.take()
                     token = sample(logits)
             finally:
                 if resume is not None:

@@ -1,6 +1,7 @@
 """fla_delta_rule (flash-linear-attention's kernels, here under Triton's interpreter) against the
 torch recurrence of gated_deltanet.py, with states captured inside the prompt at and beside the
-64-token blocks' edges; fp16 inputs, grouped value heads. Run by bench/dev/fla_interpreted.sh.
+64-token blocks' edges (and its outputs against those of the same prompt without captures); fp16
+inputs, grouped value heads. Run by bench/dev/fla_interpreted.sh.
 
     python bench/dev/fla_interpreted_check.py FIRST_SEED LAST_SEED
 """
@@ -38,7 +39,9 @@ def check(seed: int) -> bool:
     want = gd.delta_rule(q, k, v, g, beta, state, capture)  # CPU tensors: the torch code
     errors = [rel(got[0], want[0]), rel(got[1], want[1])]
     errors += [rel(a, b) for a, b in zip(got[2], want[2], strict=True)]
+    plain = fla_delta_rule(q, k, v, g, beta, state)  # the same kernels, captures or not
     ok = len(got[2]) == len(capture) and max(errors) < 1e-2
+    ok = ok and rel(got[0], plain[0]) < 1e-3 and rel(got[1], plain[1]) < 1e-3
     print(f"seed {seed}: T={t} capture={capture} max rel {max(errors):.3g} {'ok' if ok else 'FAILED'}", flush=True)
     return ok
 

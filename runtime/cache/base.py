@@ -18,7 +18,7 @@ class RecurrentState(Protocol):
 
     def clone(self) -> RecurrentState: ...
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> RecurrentState: ...
+    def to(self, device: torch.device | str) -> RecurrentState: ...
 
     def assign(self, other: RecurrentState) -> None: ...
 
@@ -37,10 +37,8 @@ class RecurrentCheckpoint:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.states)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> RecurrentCheckpoint:
-        """A copy on `device`; `non_blocking` from a GPU to the host: into pinned memory, complete
-        only once the current stream has run the copy (what a copy back to the GPU waits for)."""
-        return RecurrentCheckpoint(self.length, tuple(s.to(device, non_blocking) for s in self.states))
+    def to(self, device: torch.device | str) -> RecurrentCheckpoint:
+        return RecurrentCheckpoint(self.length, tuple(s.to(device) for s in self.states))
 
 
 class SequenceState(Protocol):
@@ -48,7 +46,7 @@ class SequenceState(Protocol):
     models build it with `new_cache`)."""
 
     kv: KVCache
-    checkpoints: dict[int, RecurrentCheckpoint]  # kept (`keep`) in host memory, by length
+    checkpoints: dict[int, RecurrentCheckpoint]  # taken inside prompt chunks, by length
 
     @property
     def length(self) -> int: ...
@@ -66,7 +64,5 @@ class SequenceState(Protocol):
     def bytes_for(self, n: int) -> int: ...
 
     def take(self) -> RecurrentCheckpoint: ...
-
-    def keep(self, checkpoint: RecurrentCheckpoint) -> None: ...
 
     def restore(self, checkpoint: RecurrentCheckpoint) -> None: ...

@@ -197,7 +197,7 @@ class PrefixCache:
         if self._depth(path) > len(prefix):
             node = self._split(node, len(node.tokens) - (self._depth(path) - len(prefix)))
         if node.checkpoint is None:
-            node.checkpoint = checkpoint.to("cpu", non_blocking=True)  # `keep` has moved a sequence's
+            node.checkpoint = checkpoint.to("cpu")
             self.checkpoint_used += node.checkpoint.nbytes
 
     # -- eviction ----------------------------------------------------------------------------

@@ -19,8 +19,7 @@ class SequenceCache:
     def __init__(self, kv: KVCache, linear: list[RecurrentState] | None = None):
         self.kv = kv  # indexed by attention layer (the i-th such layer is KV layer i)
         self.linear = linear or []  # indexed by recurrent layer
-        # Checkpoints taken inside prompt chunks (`forward(checkpoint_at=...)`) and after decoded
-        # boundary tokens, by length, in host memory until the prefix cache takes them (`keep`).
+        # Checkpoints taken inside prompt chunks (`forward(checkpoint_at=...)`), by length.
         self.checkpoints: dict[int, RecurrentCheckpoint] = {}
 
     @property
@@ -56,12 +55,6 @@ class SequenceCache:
     def take(self) -> RecurrentCheckpoint:
         """The recurrent layers' state at the current token, copied on its device."""
         return RecurrentCheckpoint(self.length, tuple(s.clone() for s in self.linear))
-
-    def keep(self, checkpoint: RecurrentCheckpoint) -> None:
-        """Holds `checkpoint` (of this sequence) among `checkpoints`, moved to host memory without a
-        wait (pinned, behind the stream): a prompt's checkpoints take none of the device's budget,
-        which the elastic split gives to expert slots."""
-        self.checkpoints[checkpoint.length] = checkpoint.to("cpu", non_blocking=True)
 
     def restore(self, checkpoint: RecurrentCheckpoint) -> None:
         """Rewinds the sequence to `checkpoint.length` tokens (at most its current length: the

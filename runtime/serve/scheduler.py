@@ -272,7 +272,7 @@ class Scheduler:
     def _checkpoint(self, r: Request) -> None:
         """Keeps the linear layers' state when the token just decoded is a boundary."""
         if r.checkpoints and r.seq[-1] in self.engine.boundary_ids:
-            r.cache.keep(r.cache.take())
+            r.cache.checkpoints[len(r.seq)] = r.cache.take()
 
     def _accept(self, r: Request, token: int) -> None:
         r.produced += 1

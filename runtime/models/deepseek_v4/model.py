@@ -84,7 +84,7 @@ class DeepseekV4Model:
             outs.append(self._pass(ids[begin:end], [(cache, slice(0, end - begin))], between_layers))
             begin = end
             if end - 1 in checkpoint_at:
-                cache.keep(cache.take())
+                cache.checkpoints[cache.length] = cache.take()
         logits = torch.cat(outs)
         return logits if all_logits else logits[-1:]
 

@@ -165,8 +165,8 @@ class LayerState:
     def clone(self) -> LayerState:
         return self._moved(torch.clone)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> LayerState:
-        return self._moved(lambda t: t.to(device, non_blocking=non_blocking))
+    def to(self, device: torch.device | str) -> LayerState:
+        return self._moved(lambda t: t.to(device))
 
     def assign(self, other: LayerState) -> None:
         """Takes `other`'s state into this one's storage (copied onto its device)."""

@@ -64,13 +64,14 @@ def fla_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     fla = _kernels()
     q, k, v, g = (x.contiguous()[None] for x in (q, k, v, g))
     beta, s0, scale = beta.to(v.dtype).contiguous()[None], state[None].float(), q.shape[-1] ** -0.5
-    if capture:
+    t = q.shape[1]
+    if capture and t > 1:
         out, final, blocks = _chunked_keeping_block_states(fla, q, k, v, g, beta, s0, scale)
         return out[0], final[0], _captured(fla, q, k, v, g, beta, s0, scale, blocks, final, capture)
-    kernel = fla.recurrent if q.shape[1] == 1 else fla.chunked
+    kernel = fla.recurrent if t == 1 else fla.chunked
     out, final = kernel(q, k, v, g=g, beta=beta, scale=scale, initial_state=s0, output_final_state=True,
                         use_qk_l2norm_in_kernel=True)
-    return out[0], final[0], []
+    return out[0], final[0], [final[0].clone()] if capture else []  # one token: its state is the final one
 
 
 def _chunked_keeping_block_states(fla: _Fla, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

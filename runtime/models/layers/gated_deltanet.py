@@ -79,9 +79,8 @@ class DeltaNetState:
     def clone(self) -> DeltaNetState:
         return DeltaNetState(self.conv.clone(), self.recurrent.clone())
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> DeltaNetState:
-        return DeltaNetState(self.conv.to(device, non_blocking=non_blocking),
-                             self.recurrent.to(device, non_blocking=non_blocking))
+    def to(self, device: torch.device | str) -> DeltaNetState:
+        return DeltaNetState(self.conv.to(device), self.recurrent.to(device))
 
     @property
     def nbytes(self) -> int:

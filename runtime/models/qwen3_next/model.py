@@ -140,7 +140,7 @@ class Qwen3NextModel:
             if between_layers is not None:
                 between_layers()
         for c, at in enumerate(checkpoint_at):
-            cache.keep(RecurrentCheckpoint(start + at + 1, tuple(t[c] for t in taken)))
+            cache.checkpoints[start + at + 1] = RecurrentCheckpoint(start + at + 1, tuple(t[c] for t in taken))
         cache.length = start + n
         return self.head(x if all_logits else x[-1:])
 
