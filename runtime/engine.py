@@ -74,7 +74,7 @@ class OffloadConfig:
     # Streamed prompt chunks: "auto" lets the CPU compute part of each layer's uncached experts in
     # place, as many as the measured rates say it finishes beside the copies (`PromptSplit`; none
     # where the target has no rates); "off" copies them all; a number in [0, 1] is a fixed share.
-    prefill_split: str = "auto"
+    prefill_split: str = "off"
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc.codegen.render import TILE_MIN_AMX, render_cpu_kernels
+from ftc.codegen.render import render_cpu_kernels
 from ftc.compile.ftw_writer import FtwWriter
 from ftc.compile.pipeline import make_plan
 from ftc.compile.targets import Target
@@ -202,10 +202,11 @@ def test_tiles_run_on_amx_where_the_cpu_has_it(setup, tmp_path: Path, monkeypatc
     monkeypatch.setenv("FTC_AMX", "0")
     soft = CpuExpertKernel(copy, isa, spec.hidden_size, spec.moe.expert_intermediate_size, [0])
     assert soft.tile_backend == "avx512"
-    assert soft.tile_min == expert_format(spec.expert_format).cpu_templates[isa].tile_min_avx512
+    template = expert_format(spec.expert_format).cpu_templates[isa]
+    assert soft.tile_min == template.tile_min_avx512
     if not {"amx_bf16", "amx_tile"} <= cpu_flags():
         pytest.skip("this CPU has no AMX (amx_bf16, amx_tile): its tiles ran on AVX-512 BF16")
-    assert kernel.tile_backend == "amx" and kernel.tile_min == TILE_MIN_AMX
+    assert kernel.tile_backend == "amx" and kernel.tile_min == template.tile_min_amx
 
 
 def test_library_reports_its_isa_and_shapes(setup, tmp_path: Path):

@@ -182,7 +182,7 @@ def prefill(
     stream_min_tokens: StreamMinTokensArg = None,
     prefill_split: Annotated[str, typer.Option(metavar="MODE[,MODE...]", help="Streamed chunks' CPU share: auto, "
                                                "off or a share in [0, 1]; several, comma-separated, are each "
-                                               "measured (e.g. off,auto).")] = "auto",
+                                               "measured (e.g. off,auto).")] = "off",
     plot: PlotArg = None,
     output: OutputArg = None,
     random_weights: RandomWeightsArg = False,

@@ -94,8 +94,8 @@ PrefillChunkArg = Annotated[int | None, typer.Option(min=1, help="Prompt chunk i
 PrefillSplitArg = Annotated[str | None, typer.Option(metavar="auto|off|SHARE", help="With --device: streamed prompt "
                                                      "chunks leave part of each layer's uncached experts to the "
                                                      "CPU, which computes them in place: auto (as many as finish "
-                                                     "beside the copies at the measured rates; the default), off "
-                                                     "(copy them all), or a fixed share in [0, 1].")]
+                                                     "beside the copies at the measured rates), off (copy them "
+                                                     "all; the default), or a fixed share in [0, 1].")]
 
 # --serve's options.
 HostArg = Annotated[str, typer.Option(help="--serve: address to bind (loopback unless told).")]
@@ -170,7 +170,7 @@ def offload_config(device: str | None, vram_budget: int | None, slots: int | Non
     return OffloadConfig(device=check_device(device), vram_budget=vram_budget, n_slots=slots,
                          miss_policy=str(getattr(miss_policy, "value", miss_policy)),
                          cache_policy=str(getattr(cache_policy, "value", cache_policy)), cpu_experts=cpu_experts,
-                         stream_min_tokens=stream_min_tokens, prefill_split=prefill_split or "auto")
+                         stream_min_tokens=stream_min_tokens, prefill_split=prefill_split or "off")
 
 
 # `ftc run` options of one mode only: given in the other, they would be silently ignored. Every

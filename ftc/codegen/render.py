@@ -24,12 +24,6 @@ ISA_COMPILE_FLAGS = {
 }
 
 
-# Routed tokens from which an expert runs as AMX tile GEMMs, where its kernel has tiles (on AVX-512
-# BF16 the format's `CpuTemplate.tile_min_avx512`): the row buckets read each row once per 8
-# tokens, a tile once per 16 (and packs the tokens first).
-TILE_MIN_AMX = 16
-
-
 class CodegenError(ValueError):
     """The spec's shapes or format do not fit the chosen kernel; the message names the field."""
 
@@ -61,7 +55,8 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
         bank_offsets={b.name: b.offset for b in header.banks}, block=header.banks[0].block,
         buckets=list(plan.batch_buckets), gate_up_chunk=plan.gate_up_chunk, down_chunk=plan.down_chunk,
         prefetch_rows=plan.prefetch_rows, swiglu_limit=float(spec.moe.swiglu_limit),
-        tiles=kernel.tile_min_avx512 is not None, tile_min_amx=TILE_MIN_AMX, tile_min_avx512=kernel.tile_min_avx512))
+        tiles=kernel.tile_min_avx512 is not None, tile_min_amx=kernel.tile_min_amx,
+        tile_min_avx512=kernel.tile_min_avx512))
     for name in RUNTIME_SOURCES:
         shutil.copyfile(CSRC_DIR / name, kernels_dir / name)
     sources = [source, *(name for name in RUNTIME_SOURCES if name.endswith(".cpp"))]

@@ -80,15 +80,17 @@ class CpuTemplate:
     skeleton `cpu/expert_ffn.cpp.j2`), the step that hidden and intermediate sizes must be
     multiples of (its vector width, or its scale block), and its measured tiling: matrix rows per
     work item and rows prefetched ahead (docs/performance.md has the sweeps). `tile_min_avx512`:
-    experts of at least that many routed tokens run as 16 × 16 tile GEMMs on AVX-512 BF16 (from
-    16 on AMX; templates/cpu/expert_tiles.cpp.j2), the kernel saying where its rows are as bf16;
-    None: no tiles."""
+    experts of at least that many routed tokens run as 16 × 16 tile GEMMs on AVX-512 BF16
+    (templates/cpu/expert_tiles.cpp.j2), the kernel saying where its rows are as bf16; None: no
+    tiles. `tile_min_amx`: the same on AMX, where the row buckets (each row read once per 8 tokens)
+    lose to the tiles from 16 tokens for bf16."""
 
     path: str  # under templates/
     step: int
     work_rows: int = 16
     prefetch_rows: int = 2
     tile_min_avx512: int | None = None
+    tile_min_amx: int = 16
 
 
 @dataclass(frozen=True)

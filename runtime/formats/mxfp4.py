@@ -17,7 +17,7 @@ import math
 import torch
 
 from ftc_runtime.formats.base import CpuTemplate, QuantizedMatrix
-from ftc_runtime.formats.e2m1 import RMS_E2M1, TILE_MIN_AVX512, BlockFp4Format, pack_pairs, round_to_e2m1
+from ftc_runtime.formats.e2m1 import RMS_E2M1, TILE_MIN_AMX, TILE_MIN_AVX512, BlockFp4Format, pack_pairs, round_to_e2m1
 
 BLOCK = 32
 NAN_SCALE = 255
@@ -59,6 +59,7 @@ class Mxfp4Format(BlockFp4Format):
 FORMAT = Mxfp4Format(
     name="mxfp4",
     cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_mxfp4_avx512.cpp.j2", 64, work_rows=32,
-                                              prefetch_rows=32, tile_min_avx512=TILE_MIN_AVX512),
+                                              prefetch_rows=32, tile_min_avx512=TILE_MIN_AVX512,
+                                              tile_min_amx=TILE_MIN_AMX),
                    "avx2": CpuTemplate("cpu/expert_ffn_mxfp4_avx2.cpp.j2", 64, prefetch_rows=16)},
     triton_template="triton/expert_ffn_mxfp4.py.j2", slot_dtype=torch.uint8, block=BLOCK, scale_dtype="ue8m0")

@@ -22,7 +22,15 @@ from collections.abc import Mapping
 import torch
 
 from ftc_runtime.formats.base import BankLayout, CpuTemplate, QuantizedMatrix
-from ftc_runtime.formats.e2m1 import RMS_E2M1, TILE_MIN_AVX512, BlockFp4Format, ftw_scales, pack_pairs, round_to_e2m1
+from ftc_runtime.formats.e2m1 import (
+    RMS_E2M1,
+    TILE_MIN_AMX,
+    TILE_MIN_AVX512,
+    BlockFp4Format,
+    ftw_scales,
+    pack_pairs,
+    round_to_e2m1,
+)
 
 BLOCK = 16
 E4M3_MAX = 448.0
@@ -85,6 +93,7 @@ class Nvfp4Format(BlockFp4Format):
 FORMAT = Nvfp4Format(
     name="nvfp4",
     cpu_templates={"avx512_bf16": CpuTemplate("cpu/expert_ffn_nvfp4_avx512.cpp.j2", 64, work_rows=32,
-                                              prefetch_rows=32, tile_min_avx512=TILE_MIN_AVX512),
+                                              prefetch_rows=32, tile_min_avx512=TILE_MIN_AVX512,
+                                              tile_min_amx=TILE_MIN_AMX),
                    "avx2": CpuTemplate("cpu/expert_ffn_nvfp4_avx2.cpp.j2", 64, prefetch_rows=16)},
     triton_template="triton/expert_ffn_nvfp4.py.j2", slot_dtype=torch.uint8, block=BLOCK, scale_dtype="e4m3")
