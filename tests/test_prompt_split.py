@@ -41,27 +41,51 @@ def test_prefill_split_values():
 
 @pytest.mark.parametrize("run", range(10))
 def test_auto_split_finishes_copies_and_cpu_soonest(run, seed):
-    """The CPU's count makes the slower of the two sides (u − c copies, c CPU experts) as quick
-    as any whole count can: a search over every c from 0 to u, at the split's own estimates, some
-    of them measured. Where that gives the CPU none at a token count never measured, it gets one
-    expert, whose time measures it (else a pessimistic model would never be corrected)."""
+    """The CPU's count makes the slower of the two sides (u − c copies; c CPU experts and, for
+    any, the serial stretch a CPU part adds) as quick as any whole count can: a search over every c
+    from 0 to u, at the split's own estimates, some of them measured. Where that gives the CPU none
+    at a token count never measured, it gets one expert, whose time measures it (else a pessimistic
+    model would never be corrected)."""
     rng = random.Random(seed)
     split = _random_split(rng)
     for _ in range(rng.randrange(0, 4)):  # measurements at some token counts
         split.record(rng.randrange(1, 40), rng.randrange(40, 20000), rng.uniform(1e-4, 0.05))
+    for _ in range(rng.randrange(0, 4)):
+        split.record_serial(rng.randrange(1, 16385), rng.uniform(0.0, 0.03))
     t_p = split.expert_bytes / (split.copy_gbps * 1e9)
     for _ in range(50):
         u, n_tokens = rng.randrange(0, split.num_experts + 1), rng.randrange(1, 16385)
         c = split.cpu_count(u, n_tokens)
         n = n_tokens * split.top_k / split.num_experts
-        t_c = split.cpu_seconds(n)
-        best = min(range(u + 1), key=lambda k: max((u - k) * t_p, k * t_c))
+        t_c, g = split.cpu_seconds(n), split.serial.get(round(math.log2(max(n, 1))), 0.0)
+
+        def slower(k: int, t_c=t_c, g=g, u=u) -> float:
+            return max((u - k) * t_p, k * t_c + g if k else 0.0)
+
+        best = min(range(u + 1), key=slower)
         assert 0 <= c <= u
         if best == 0 and u >= 2 and round(math.log2(max(n, 1))) not in split.measured:
             assert c == 1, f"seed={seed} u={u}: an unmeasured token count is probed with one expert"
             continue
-        assert max((u - c) * t_p, c * t_c) == pytest.approx(max((u - best) * t_p, best * t_c), rel=1e-12,
-                                                            abs=1e-15), f"seed={seed} u={u}"
+        assert slower(c) == pytest.approx(slower(best), rel=1e-12, abs=1e-15), f"seed={seed} u={u}"
+
+
+def test_a_serial_stretch_longer_than_the_copies_gives_the_cpu_none(seed):
+    """Measured: a CPU part holds its layer up for longer than copying every uncached expert takes,
+    so the CPU gets none at that token count (measured there), and other counts keep their split;
+    the stretch is averaged as the CPU's times are."""
+    rng = random.Random(seed)
+    split = PromptSplit(1 << 23, 8, 128, copy_gbps=50.0, cpu_gbps=100.0, bucket=8)
+    n_tokens = 128 * 64 // 8  # 64 tokens per expert
+    split.record(10, 640, 640e-6)  # 0.064 ms an expert of 64 tokens: far quicker than its 0.17 ms copy
+    u = rng.randrange(20, 128)
+    assert split.cpu_count(u, n_tokens) > u // 2
+    split.record_serial(n_tokens, 2 * u * split.copy_seconds())
+    assert split.cpu_count(u, n_tokens) == 0
+    split.record(10, 10240, 10240e-7)  # 1024 tokens per expert, another octave: its own split
+    assert split.cpu_count(u, 16 * n_tokens) > 0
+    split.record_serial(n_tokens, 0.0)
+    assert split.serial[6] == pytest.approx(u * split.copy_seconds())
 
 
 def test_the_cpu_estimate_follows_its_measurements(seed):
@@ -141,6 +165,8 @@ def test_split_chunks_equal_copying_every_expert(engine_dir, cpu_engine, monkeyp
         assert torch.allclose(got_cache.kv.values(layer), want_cache.kv.values(layer), rtol=1e-4, atol=1e-5)
     if slots >= experts.stream_slots:
         assert experts.stats.stream_cpu > 0 and computed, f"seed={seed}: the CPU computed nothing"
+    if split == "share" and experts.stats.stream_cpu >= 2 * n_moe:  # every layer had a CPU part
+        assert experts.prompt_split.serial, f"seed={seed}: no stretch between CPU parts measured"
     check_slots_hold_their_rows(experts)
 
 

@@ -19,11 +19,14 @@ are queued as soon as the slots allow, from the chunk's start, behind the copies
 With a CPU part (`StreamCpuPart`, FreeToken's split applied to prompts), each layer's copies
 leave out some of its uncached experts, as many as `PromptSplit` says the CPU computes in the
 time the copies take: those stay in host memory (not filled: the cache keeps its set) and the
-CPU computes them in place while the device computes the rest.
+CPU computes them in place while the device computes the rest. The host's clock from one layer's
+CPU end to the next one's start (the next layer's input needs this one's result) tells the split
+what a CPU part costs beyond its own work.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -50,6 +53,7 @@ class LayerStream:
                  n_tokens: int = 0):
         self.store, self.stats, self.overlap, self.cpu, self.n_tokens = store, stats, overlap, cpu, n_tokens
         self.on_cpu: dict[int, np.ndarray] = {}  # MoE layer → FTW rows of the experts the CPU computes
+        self.cpu_end: tuple[int, float] | None = None  # the last CPU part's MoE layer and its end (host clock)
         self.known = {j: np.unique(np.asarray(experts, dtype=np.int64)) for j, experts in (known or {}).items()}
         need = stream_slots(store.num_experts, overlap)
         if store.cache.n_slots < need:
@@ -154,6 +158,8 @@ class LayerStream:
         out = torch.zeros_like(x)
         n_cpu = int((flat_slot <= FIRST_CPU_CODE).sum()) if on_cpu is not None else 0  # waits for the routing
         if n_cpu:  # the CPU's pairs lead the list; it starts on them before this layer's copies land
+            if self.cpu_end is not None and self.cpu_end[0] == j - 1:  # the serial stretch between them
+                self.cpu.split.record_serial(self.n_tokens, time.perf_counter() - self.cpu_end[1])
             self.cpu.start(x, pairs[:, :n_cpu], on_cpu)
             pairs = pairs[:, n_cpu:]
         if self.on_gpu and j in self.ready:
@@ -163,6 +169,7 @@ class LayerStream:
                 self.store.grouped_on_device(x.contiguous(), pairs, out)
         if n_cpu:
             self.cpu.finish(out)
+            self.cpu_end = (j, time.perf_counter())
         if self.on_gpu:
             self.last_done = torch.cuda.Event()
             self.last_done.record(torch.cuda.current_stream(x.device))

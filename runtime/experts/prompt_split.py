@@ -3,15 +3,21 @@ computes in place instead of copying them over PCIe (FreeToken's miss split, app
 
 A streamed layer with u uncached experts copies u − c of them, t_p = S / B_P' each (S the expert's
 bytes, B_P' the host→device rate while the CPU computes), and the CPU computes c in place,
-t_c(n) each for n tokens per expert (a chunk of T tokens gives each expert n ≈ T·k / E). Both
-take the same time when c = u · t_p / (t_p + t_c(n)); of the whole numbers beside it, the one
-whose slower side finishes first.
+t_c(n) each for n tokens per expert (a chunk of T tokens gives each expert n ≈ T·k / E). A CPU
+part also costs the layer a serial stretch g that nothing hides: the next layer's input needs
+this layer's CPU result, so from the CPU's end the device adds it, runs the next layer's
+attention and router, and the host waits for that routing before the CPU starts again (the copies
+run on meanwhile; without a CPU part they are the whole layer). So the CPU's side takes
+c·t_c + g, and both sides take the same time when c = (u·t_p − g) / (t_p + t_c(n)); of the whole
+numbers beside it and none, the one whose slower side finishes first.
 
 t_c starts from the CPU kernel's own model: it reads an expert's rows once per token bucket (its
 largest, `bucket` tokens, computed per row read) at B_H', its rate while copies run. From the
 first CPU part on, it follows what the layers measure: the seconds per expert-token of the last
 parts, kept per power of two of n (a chunk's experts see about the same n, the next chunk's may
-not), so that the split tracks the machine it runs on and its kernel's real matrix speed.
+not), so that the split tracks the machine it runs on and its kernel's real matrix speed; g
+follows what the layers measure too (from the end of one CPU part to the start of the next, per
+power of two of n), zero until then.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class PromptSplit:
     share: float | None = None
     # power of two of n → seconds per expert-token measured at about that many tokens per expert
     measured: dict[int, float] = field(default_factory=dict)
+    # power of two of n → seconds from one layer's CPU end to the next layer's CPU start
+    serial: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if min(self.copy_gbps, self.cpu_gbps) <= 0 or self.bucket < 1:
@@ -79,11 +87,11 @@ class PromptSplit:
         if self.share is not None:
             return min(uncached, math.floor(uncached * self.share + 0.5))
         n = self.tokens_per_expert(n_tokens)
-        t_p, t_c = self.copy_seconds(), self.cpu_seconds(n)
-        balance = uncached * t_p / (t_p + t_c)  # both sides take equally long here
-        # whole experts: the neighbour of the balance whose slower side finishes first
-        c = min((math.floor(balance), min(math.ceil(balance), uncached)),
-                key=lambda c: (max((uncached - c) * t_p, c * t_c), c))
+        t_p, t_c, g = self.copy_seconds(), self.cpu_seconds(n), self.serial.get(_octave(n), 0.0)
+        balance = max(0.0, (uncached * t_p - g) / (t_p + t_c))  # both sides take equally long here
+        # whole experts: none, or a neighbour of the balance, whichever's slower side finishes first
+        c = min((0, math.floor(balance), min(math.ceil(balance), uncached)),
+                key=lambda c: (max((uncached - c) * t_p, c * t_c + g if c else 0.0), c))
         if c == 0 and uncached >= 2 and _octave(n) not in self.measured:
             return 1  # the model, unmeasured, gave the CPU nothing: one expert measures it
         return c
@@ -94,9 +102,17 @@ class PromptSplit:
             return
         n = pairs / experts
         rate = seconds / pairs
-        key = _octave(n)
-        old = self.measured.get(key)
-        self.measured[key] = rate if old is None else (1 - EMA) * old + EMA * rate
+        _average(self.measured, _octave(n), rate)
+
+    def record_serial(self, n_tokens: int, seconds: float) -> None:
+        """From one layer's CPU part's end to the next's start took `seconds`, in a chunk of n_tokens."""
+        if seconds >= 0:
+            _average(self.serial, _octave(self.tokens_per_expert(n_tokens)), seconds)
+
+
+def _average(table: dict[int, float], key: int, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else (1 - EMA) * old + EMA * value
 
 
 def _octave(n: float) -> int:
