@@ -35,6 +35,19 @@ class StreamCpuPart:
                  stats: OffloadStats):
         self.kernel, self.host_rows, self.split, self.buffer, self.stats = kernel, host_rows, split, buffer, stats
         self._running: tuple[torch.Tensor, int, int] | None = None  # the result buffer, experts, pairs
+        self._parts = 0  # started in this chunk
+        self._zeroed: torch.Tensor | None = None  # the next part's result buffer, zeroed ahead
+
+    def prepare(self, t: int, hidden: int) -> None:
+        """Before the layer's routing is known (the host waits for it next): zeroes the result
+        buffer of its part ahead of time, one of two taken in turn, the other's copy up perhaps
+        still in flight. A chunk's first part zeroes its own after that wait: the last chunk's
+        copy up may still read either."""
+        if self._parts:
+            self._zeroed = self._result_buffer(t, hidden).zero_()
+
+    def _result_buffer(self, t: int, hidden: int) -> torch.Tensor:
+        return self.buffer(f"stream_cpu_out{self._parts % 2}", t, hidden, torch.float32)
 
     def start(self, x: torch.Tensor, pairs: torch.Tensor, rows: np.ndarray) -> None:
         """x [T, hidden] fp32 and the CPU's pairs [3, P] int32 (slot code, token, weight bits;
@@ -52,7 +65,9 @@ class StreamCpuPart:
         offsets = np.concatenate([[0], starts, [codes.size]]).astype(np.int32)
         codes = codes[offsets[:-1]]
         expert_ids = torch.from_numpy(np.ascontiguousarray(rows[FIRST_CPU_CODE - codes]))
-        out = self.buffer("stream_cpu_out", t, hidden, torch.float32).zero_()
+        out = self._zeroed if self._zeroed is not None else self._result_buffer(t, hidden).zero_()
+        self._zeroed = None
+        self._parts += 1
         self.kernel.start(self.host_rows, x_host, out, expert_ids, torch.from_numpy(offsets), pairs_host[1],
                           pairs_host[2].view(torch.float32))
         self._running = (out, codes.size, pairs.shape[1])
