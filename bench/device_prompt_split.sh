@@ -15,6 +15,8 @@
 #   bash bench/device_prompt_split.sh OUT_DIR 4   recurrent-state captures: fla's kernels against the torch
 #                                                 recurrence and the hybrid engine's checkpoint tests, then
 #                                                 bench/capture_cost.py at qwen3.6-35b-a3b's shapes (bar: 5 ms)
+#   bash bench/device_prompt_split.sh OUT_DIR 5   where a split chunk's time goes: bench/prefill_profile.py on
+#                                                 qwen3-30b-a3b bf16 32 GiB at 2K and 8K tokens, split auto (traces)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -46,7 +48,12 @@ elif [ "$part" = 3 ]; then
     --override expert_format=nvfp4 --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q36_nvfp4.json" \
     2>&1 | grep -v "━" | tail -n 40
 elif [ "$part" = 4 ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "fla or checkpoint or hybrid_engine" 2>&1 \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "fla or checkpoint or hybrid_engine" 2>&1 \
     | tee "$out/pytest_gpu_captures.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
   timeout 200 python3 bench/capture_cost.py $q36 --tokens 2048,8192 --captures 0,1,8,64 -o "$out" 2>&1 | tail -n 20
+elif [ "$part" = 5 ]; then
+  for n in 2048 8192; do
+    timeout 200 python3 bench/prefill_profile.py $q30 --tokens $n --vram-budget 32GiB --prefill-split auto \
+      --trace "$out/prefill_split_$n.json.gz" 2>&1 | tail -n 30
+  done
 fi

@@ -76,13 +76,15 @@ def main() -> None:
     ap.add_argument("--target", default="h200")
     ap.add_argument("--device", default="cuda", help="cpu: the same path with the CPU standing in (no GPU spans)")
     ap.add_argument("--override", action="append", default=[])
+    ap.add_argument("--prefill-split", default="off", help="auto, off or a share: the CPU's part of streamed layers")
     ap.add_argument("--trace", type=Path, default=None, help="write the Chrome trace here (.json.gz)")
     args = ap.parse_args()
     rng = random.Random(0)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     with tempfile.TemporaryDirectory(prefix="ftc-profile-") as tmp:
         path, pool = engine_in_memory(args.spec, True, 0, args.target, args.override, Path(tmp))
-        offload = dataclasses.replace(offload_config(args.device, args.vram_budget, None), max_context=args.tokens)
+        offload = offload_config(args.device, args.vram_budget, None, prefill_split=args.prefill_split)
+        offload = dataclasses.replace(offload, max_context=args.tokens)
         engine = Engine.load(path, offload=offload, pool=pool)
         experts, vocab = engine.model.experts, engine.spec.vocab_size
         prompt = lambda n: torch.tensor([rng.randrange(vocab) for _ in range(n)])  # noqa: E731

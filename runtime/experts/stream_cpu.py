@@ -49,6 +49,7 @@ class StreamCpuPart:
     def _result_buffer(self, t: int, hidden: int) -> torch.Tensor:
         return self.buffer(f"stream_cpu_out{self._parts % 2}", t, hidden, torch.float32)
 
+    @torch.profiler.record_function("ftc.stream_cpu.start")  # a profile's trace shows the host's parts
     def start(self, x: torch.Tensor, pairs: torch.Tensor, rows: np.ndarray) -> None:
         """x [T, hidden] fp32 and the CPU's pairs [3, P] int32 (slot code, token, weight bits;
         grouped by code) on the device; `rows[i]` the FTW row of the expert of code cpu_code(i).
@@ -78,6 +79,7 @@ class StreamCpuPart:
             self._running = None
             self.kernel.wait()
 
+    @torch.profiler.record_function("ftc.stream_cpu.finish")
     def finish(self, out: torch.Tensor) -> None:
         """Waits for the kernel, then out (on the device) += its result."""
         result, experts, pairs = self._running
