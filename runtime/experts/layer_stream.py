@@ -156,9 +156,10 @@ class LayerStream:
         tokens = torch.arange(t * k, device=x.device, dtype=torch.int32) // k
         pairs = torch.stack([flat_slot[order], tokens[order], weights.reshape(-1).float()[order].view(torch.int32)])
         out = torch.zeros_like(x)
+        n_cpu = 0
         if on_cpu is not None:
             self.cpu.prepare(t, x.shape[1])
-        n_cpu = int((flat_slot <= FIRST_CPU_CODE).sum()) if on_cpu is not None else 0  # waits for the routing
+            n_cpu = int((flat_slot <= FIRST_CPU_CODE).sum())  # waits for the routing
         if n_cpu:  # the CPU's pairs lead the list; it starts on them before this layer's copies land
             if self.cpu_end is not None and self.cpu_end[0] == j - 1:  # the serial stretch between them
                 self.cpu.split.record_serial(self.n_tokens, time.perf_counter() - self.cpu_end[1])

@@ -17,6 +17,7 @@ a share of one small kernel, not a chunked call of its own.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,13 +27,13 @@ BLOCK = 64  # tokens per block of the chunked kernels; their per-block states li
 
 @dataclass(frozen=True)
 class _Fla:
-    chunked: object  # chunk_gated_delta_rule
-    recurrent: object  # fused_recurrent_gated_delta_rule
-    l2norm: object  # the stages of the chunked call
-    cumsum: object
-    intra: object
-    block_states: object
-    outputs: object
+    chunked: Callable  # chunk_gated_delta_rule
+    recurrent: Callable  # fused_recurrent_gated_delta_rule
+    l2norm: Callable  # the stages of the chunked call
+    cumsum: Callable
+    intra: Callable
+    block_states: Callable
+    outputs: Callable
     rcp_ln2: float
 
 
