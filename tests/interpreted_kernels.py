@@ -1,7 +1,7 @@
 """Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1 (Triton reads
-it when the kernels are defined): the decode plan's, the fills', the step counters', the join's, decode
-attention's (GLM's sparse latent attention and DeepSeek-V4's with sinks too), DeepSeek-V4's
-hyper-connection weights, the router's and the
+it when the kernels are defined): the decode plan's, the fills', the host-result add's, the step
+counters', the join's, decode attention's (GLM's sparse latent attention and DeepSeek-V4's with
+sinks too), DeepSeek-V4's hyper-connection weights, the router's and the
 engines' decode expert Triton kernels, interpreted on the CPU,
 against the torch plan (`plan_layer`), a plain copy, sums of `MissPlanner.bound_s`, softmax
 attention over the tokens, torch's softmax top-k and float64 experts, on random routings, batch
@@ -33,6 +33,7 @@ from ftc_runtime.experts.replay_kernel import replay_route_gpu
 from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay
 from ftc_runtime.formats import expert_format
 from ftc_runtime.io.ftw import FtwHeader
+from ftc_runtime.io.host_add import BLOCK, add_mapped
 from ftc_runtime.models.layers.attention import attention_in
 from ftc_runtime.models.layers.decode_attention_kernel import MAX_SPANS, MIN_SPAN, decode_attention_gpu
 from ftc_runtime.models.layers.deltanet_step_kernel import deltanet_step_gpu
@@ -114,6 +115,15 @@ def check_fills(rng: random.Random, g: torch.Generator) -> None:
         want[fill_slots[:n_fill]] = host[fill_rows[:n_fill]]
         gather_fills(host.view(torch.int32), slots, plan)
         assert torch.equal(slots, want), f"fills: stride {stride}, {n_fill} fills"
+
+
+def check_host_add(rng: random.Random, g: torch.Generator) -> None:
+    """out += a host buffer, over sizes around the kernel's block (a tail program masked)."""
+    for n in (1, BLOCK - 1, BLOCK, BLOCK + 1, rng.randrange(2, 5 * BLOCK)):
+        out, src = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        want = out + src
+        add_mapped(out, src)
+        assert torch.equal(out, want), f"host add: {n} values"
 
 
 def check_counts(rng: random.Random) -> None:
@@ -504,6 +514,7 @@ def main() -> None:
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     check_plans(rng, g, runs, steps)
     check_fills(rng, g)
+    check_host_add(rng, g)
     check_counts(rng)
     check_join(rng, g)
     check_decode_attention(rng, g)

@@ -340,8 +340,8 @@ def test_gather_fills_copy_the_plans_rows_from_the_mapped_pool(seed):
     """The fill kernel reads the pinned host rows through their device mapping and writes exactly
     the plan's fills (up to its count) into their slots; every other slot keeps its bytes."""
     from ftc_runtime.decode.device_plan import LayerPlan
-    from ftc_runtime.decode.gather_fills import MappedRows, gather_fills
-    from ftc_runtime.io.host_memory import mapped_address, pin_in_place
+    from ftc_runtime.decode.gather_fills import gather_fills
+    from ftc_runtime.io.host_memory import MappedHost, mapped_address, pin_in_place
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -362,5 +362,5 @@ def test_gather_fills_copy_the_plans_rows_from_the_mapped_pool(seed):
                          unused.int().expand(2, 3, n))
         want = slots.cpu()
         want[fill_slots[:n_fill]] = pool[fill_rows[:n_fill]]
-        gather_fills(MappedRows(address), slots, plan)
+        gather_fills(MappedHost(address), slots, plan)
         assert torch.equal(slots.cpu(), want), (n_fill, stride)

@@ -154,6 +154,24 @@ def test_gpu_prefill_split_matches_copying_every_expert(engine_dir, split, seed)
     check_slots_hold_their_rows(engines[0].model.experts)
 
 
+def test_add_from_host_reads_pinned_memory_through_its_mapping(seed):
+    """The CPU part's result added on the device by a kernel reading the pinned host buffer over
+    PCIe (its mapping), for whole buffers and for views inside a larger one (the reused buffers),
+    against the sum on the host."""
+    from ftc_runtime.io.host_add import BLOCK, add_from_host
+    from ftc_runtime.io.host_memory import mapped_address
+
+    g = torch.Generator().manual_seed(seed)
+    whole = torch.randn(5 * BLOCK + 77, generator=g).pin_memory()
+    for host in (whole[:7].view(1, 7), whole[:3 * BLOCK].view(-1, 64), whole, torch.randn(333, 48).pin_memory()):
+        assert mapped_address(host, host.data_ptr()) is not None
+        out = torch.randn(host.shape, generator=g)
+        want = out + host
+        got = out.cuda()
+        add_from_host(got, host)
+        assert torch.equal(got.cpu(), want), f"seed={seed} {tuple(host.shape)}"
+
+
 def test_grouped_expert_kernel_matches_the_torch_path(engine_dir, seed):
     """Prompt-sized groups (up to hundreds of tokens per expert, uneven, tile edges crossed): the
     grouped GEMM against torch in fp32 (bf16 tokens and activations cost ~4e-3 relative), and the

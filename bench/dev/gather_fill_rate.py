@@ -14,8 +14,8 @@ import triton
 import triton.testing
 
 from ftc_runtime.decode.device_plan import LayerPlan
-from ftc_runtime.decode.gather_fills import CHUNK, PARTS, MappedRows, gather_fills
-from ftc_runtime.io.host_memory import mapped_address, pin_in_place
+from ftc_runtime.decode.gather_fills import CHUNK, PARTS, gather_fills
+from ftc_runtime.io.host_memory import MappedHost, mapped_address, pin_in_place
 
 
 def timed(fn) -> float:
@@ -33,7 +33,7 @@ def main() -> None:
     rows = 256
     pool = torch.randint(0, 256, (rows, a.expert_bytes), dtype=torch.uint8)
     assert pin_in_place(pool), "the pool could not be pinned"
-    mapped = MappedRows(mapped_address(pool, pool.data_ptr()))
+    mapped = MappedHost(mapped_address(pool, pool.data_ptr()))
     slots = torch.empty(16, a.expert_bytes, dtype=torch.uint8, device="cuda")
     for q in (int(x) for x in a.fills.split(",")):
         ids = torch.randperm(rows)[:q]

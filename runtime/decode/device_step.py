@@ -16,13 +16,14 @@ import torch
 from ftc_runtime.decode.cpu_doorbell import RING, CpuDoorbell
 from ftc_runtime.decode.device_plan import CacheTables, PlanRule
 from ftc_runtime.decode.doorbell_kernels import DoorbellKernels
-from ftc_runtime.decode.gather_fills import MappedRows, gather_fills
+from ftc_runtime.decode.gather_fills import gather_fills
 from ftc_runtime.decode.plan_kernel import candidates_buffer, lru_candidates, plan_layer_triton
 from ftc_runtime.decode.step_counts import StepCounts
 from ftc_runtime.decode.timeline import DeviceTimeline
 from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.slots import SlotStore
 from ftc_runtime.experts.stats import OffloadStats
+from ftc_runtime.io.host_memory import MappedHost
 
 
 class DeviceStep:
@@ -30,7 +31,7 @@ class DeviceStep:
     device maps it. `tables` and `rule` are the device plan's (kept at fixed addresses: a graph
     holds them)."""
 
-    def __init__(self, store: SlotStore, planner: MissPlanner, bell: CpuDoorbell, rows: MappedRows,
+    def __init__(self, store: SlotStore, planner: MissPlanner, bell: CpuDoorbell, rows: MappedHost,
                  tables: CacheTables, rule: PlanRule):
         self.store, self.rows, self.tables, self.rule = store, rows, tables, rule
         self.bell, self.kernels = bell, DoorbellKernels(bell, store.device)

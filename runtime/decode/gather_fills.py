@@ -9,28 +9,15 @@ programs per row, against 54.6 for copies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from ftc_runtime.decode.device_plan import LayerPlan
+from ftc_runtime.io.host_memory import MappedHost
 
 PARTS = 32  # programs per row
 CHUNK = 2048  # 32-bit words a program moves per step
-
-
-@dataclass(frozen=True)
-class MappedRows:
-    """The host pool's rows as the device sees them: Triton takes any object with `data_ptr()`
-    and `dtype` as a pointer argument."""
-
-    address: int  # the pool's device address (`cudaHostGetDevicePointer`)
-    dtype: torch.dtype = torch.int32
-
-    def data_ptr(self) -> int:
-        return self.address
 
 
 @triton.jit
@@ -46,7 +33,7 @@ def _gather_rows(src, dst, rows, slots, counts, row_words, STEPS: tl.constexpr, 
             tl.store(dst + slot * row_words + offs, tl.load(src + row * row_words + offs, mask=mask), mask=mask)
 
 
-def gather_fills(src: MappedRows | torch.Tensor, slots: torch.Tensor, plan: LayerPlan, parts: int = PARTS,
+def gather_fills(src: MappedHost | torch.Tensor, slots: torch.Tensor, plan: LayerPlan, parts: int = PARTS,
                  chunk: int = CHUNK, num_warps: int = 4) -> None:
     """Copies the plan's fills from `src` (the pool's rows as int32 words: its device mapping, or a
     tensor the kernel can read) into `slots` ([n_slots, stride] bytes, stride a multiple of 4).

@@ -128,6 +128,19 @@ class LayerStream:
         slots = self.store.cache.slot_of[layers.start * e:layers.stop * e]
         return slots[slots >= 0]
 
+    def _slot_table(self, layer_slots: np.ndarray, on_cpu: np.ndarray | None, first: int,
+                    device: torch.device) -> torch.Tensor:
+        """The layer's slot per expert (int32, the CPU's experts as their codes) on the device.
+        Queued before the next layer's copies: host→device copies wait their turn behind those
+        queued before them, whatever the stream, and this one gates the layer's routing."""
+        table = layer_slots.astype(np.int32)
+        if on_cpu is not None:
+            table[on_cpu - first] = cpu_codes(on_cpu.size)
+        slot_table = torch.from_numpy(table)
+        if self.on_gpu:  # pinned, so that the copy does not wait for the device's queue
+            slot_table = slot_table.pin_memory()
+        return slot_table.to(device, non_blocking=True)
+
     def forward(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """MoE layer j for the chunk's T tokens: x [T, hidden] fp32, ids/weights [T, k] on the
         device. The host never waits for the routing: every expert the layer's tokens can route to
@@ -142,16 +155,11 @@ class LayerStream:
         # leave experts its tokens do not route to uncached.
         layer_slots = cache.slot_of[j * e:(j + 1) * e]
         cache.touch(layer_slots[layer_slots >= 0])
+        on_cpu = self.on_cpu.pop(j, None)
+        slot_table = self._slot_table(layer_slots, on_cpu, j * e, x.device)
         if self.overlap:
             self.load_ahead(j)  # the next uncached layer crosses PCIe while this one computes
-        table = layer_slots.astype(np.int32)
-        on_cpu = self.on_cpu.pop(j, None)
-        if on_cpu is not None:
-            table[on_cpu - j * e] = cpu_codes(on_cpu.size)
-        slot_table = torch.from_numpy(table)
-        if self.on_gpu:  # pinned, so that the copy does not wait for the device's queue
-            slot_table = slot_table.pin_memory()
-        flat_slot = slot_table.to(x.device, non_blocking=True)[ids.reshape(-1)]
+        flat_slot = slot_table[ids.reshape(-1)]
         order = torch.argsort(flat_slot, stable=True)
         tokens = torch.arange(t * k, device=x.device, dtype=torch.int32) // k
         pairs = torch.stack([flat_slot[order], tokens[order], weights.reshape(-1).float()[order].view(torch.int32)])

@@ -31,7 +31,7 @@ from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.experts.stream_cpu import StreamCpuPart
 from ftc_runtime.experts.token_plan import TokenPlanner
 from ftc_runtime.io.ftw import ExpertPool
-from ftc_runtime.io.host_memory import mapped_address
+from ftc_runtime.io.host_memory import MappedHost, mapped_address
 
 if TYPE_CHECKING:  # Triton's: imported only beside a GPU
     from ftc_runtime.decode.device_step import DeviceStep
@@ -470,13 +470,13 @@ class OffloadedExperts(ExpertBackend):
     def _use_device_kernels(self, pool: ExpertPool) -> None:
         """The plan's Triton kernels, and its fills read straight from the pinned pool where the
         pool is mapped into the device (else they are copies)."""
-        from ftc_runtime.decode.gather_fills import MappedRows, gather_fills  # Triton: only beside a GPU
+        from ftc_runtime.decode.gather_fills import gather_fills  # Triton: only beside a GPU
         from ftc_runtime.decode.plan_kernel import plan_layer_triton
 
         self._plan_layer = plan_layer_triton
         address = mapped_address(pool.buffer, pool.experts.data_ptr()) if self.store.pinned else None
         if address is not None:
-            self._mapped_rows = rows = MappedRows(address)
+            self._mapped_rows = rows = MappedHost(address)
             self._gather_fills = lambda plan: gather_fills(rows, self.store.slots, plan)
 
     def _ring_doorbell(self, plan: LayerPlan, t: int, k: int) -> None:

@@ -5,7 +5,8 @@ In the layer's pair list (slot, token, weight bits; sorted by slot) the CPU's i-
 as the slot code `cpu_code(i)`, below every real slot, so its pairs lead the list. Those pairs and
 the layer's input come down once, the generated CPU kernel runs them on its worker pool (in the
 background beside a GPU, while the device computes the rest), and their weighted sum goes back up
-once and is added to the device's part. The kernel's own time feeds the split's estimate.
+once (read by the device's add kernel through the buffer's mapping) and is added to the
+device's part. The kernel's own time feeds the split's estimate.
 """
 
 from __future__ import annotations
@@ -88,4 +89,9 @@ class StreamCpuPart:
         seconds = self.kernel.job_seconds()
         self.split.record(experts, pairs, seconds)
         self.stats.cpu_s += seconds
-        out += result.to(out.device, non_blocking=True)
+        if out.is_cuda:
+            from ftc_runtime.io.host_add import add_from_host  # Triton: only beside a GPU
+
+            add_from_host(out, result)  # read over PCIe: not queued behind the next layers' copies
+        else:
+            out += result

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -63,3 +64,15 @@ def mapped_address(buffer: torch.Tensor, address: int) -> int | None:
         lib.cudaGetLastError()
         return None
     return base.value + (address - buffer.data_ptr())
+
+
+@dataclass(frozen=True)
+class MappedHost:
+    """Pinned host memory as the device sees it (`mapped_address`): Triton takes any object with
+    `data_ptr()` and `dtype` as a pointer argument, and its kernels read it over PCIe."""
+
+    address: int
+    dtype: torch.dtype = torch.int32
+
+    def data_ptr(self) -> int:
+        return self.address
