@@ -18,8 +18,7 @@
 #   bash bench/device_prompt_split.sh OUT_DIR 5   where a split chunk's time goes: whether a small host→device copy
 #                                                 waits behind another stream's (bench/dev/h2d_queue_probe.py), the
 #                                                 GPU tests of the split, bench/prefill_profile.py on qwen3-30b-a3b
-#                                                 bf16 32 GiB at 2K and 8K tokens, split off and auto (traces), then
-#                                                 ftc bench prefill on the same (part 1's last step)
+#                                                 bf16 32 GiB at 2K and 8K tokens, split off and auto (traces)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -56,11 +55,10 @@ elif [ "$part" = 4 ]; then
   timeout 200 python3 bench/capture_cost.py $q36 --tokens 2048,8192 --captures 0,1,8,64 -o "$out" 2>&1 | tail -n 20
 elif [ "$part" = 5 ]; then
   timeout 60 python3 bench/dev/h2d_queue_probe.py 2>&1 | tee "$out/h2d_queue_probe.json"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "prefill or streamed or add_from_host" \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "prefill or streamed or take_from_host" \
     2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
   timeout 200 python3 bench/prefill_profile.py $q30 --tokens 2048,8192 --vram-budget 32GiB --prefill-split off,auto \
-    --trace-dir "$out" 2>&1 | grep -v "━" > "$out/prefill_profile.txt"; grep -E "split|wall|unprofiled" "$out/prefill_profile.txt"
+    --trace-dir "$out" 2>&1 | grep -v "━" > "$out/prefill_profile.txt"
+  grep -E '"(prefill_split|tokens|unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|cpu_parts_s)"' "$out/prefill_profile.txt"
   find "$out" -name "*.json.gz" -size +15M -delete  # what cannot come back
-  timeout 150 ftc bench prefill $q30 --random-weights --target h200 --vram-budget 32GiB --lengths 2048,8192 \
-    --prefill-split off,auto -o "$out/prefill_q30_bf16.json" 2>&1 | grep -v "━" | tail -n 30
 fi

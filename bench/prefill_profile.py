@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ftc.cli.options import engine_in_memory, offload_config, size
 from ftc_runtime import Engine
+from ftc_runtime.experts.stats import OffloadStats
 
 
 def busy(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -101,7 +102,8 @@ def cpu_parts(events: list[dict], copy_busy: list[tuple[float, float]], kernel_b
     """The split's CPU parts on the host's clock: each from its start's end to its finish's end
     (the kernel ran in between), the copy engine's and the device kernels' busy time inside them,
     and the serial stretches between one part's finish and the next one's start."""
-    marks = {name: sorted((e for e in events if e.get("name") == f"ftc.stream_cpu.{name}"), key=lambda e: e["ts"])
+    marks = {name: sorted((e for e in events if e.get("name") == f"ftc.stream_cpu.{name}"
+                           and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])  # the host's, not the GPU's
              for name in ("start", "finish")}
     parts = [(span(s)[1], span(f)[1]) for s, f in zip(marks["start"], marks["finish"], strict=False)]
     if not parts:
@@ -122,11 +124,14 @@ def profiled(engine: Engine, n: int, rng: random.Random, sync, tmp: Path, trace_
     engine.prefill(prompt(), engine.model.new_cache())  # warm-up: kernels compiled, the split measured
     sync()
     experts.cache.clear()
+    experts.stats = OffloadStats(experts.device)
     ids = prompt()
     t0 = time.perf_counter()
     engine.prefill(ids, engine.model.new_cache())  # the same prompt unprofiled, as ftc bench prefill times it
     sync()
     plain = time.perf_counter() - t0
+    counts = {"streamed_experts": experts.stats.streamed, "cpu_experts": experts.stats.stream_cpu,
+              "cpu_s": round(experts.stats.cpu_s, 4)}
     experts.cache.clear()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -141,7 +146,8 @@ def profiled(engine: Engine, n: int, rng: random.Random, sync, tmp: Path, trace_
             shutil.copyfileobj(src, dst)
     split = experts.prompt_split
     tables = {} if split is None else {"split_measured_s_per_token": split.measured, "split_serial_s": split.serial}
-    return {"tokens": n, "unprofiled_s": round(plain, 4), **summarize(trace, wall), **tables}
+    return {"tokens": n, "unprofiled_s": round(plain, 4), "tok_s": round(n / plain, 2), **counts,
+            **summarize(trace, wall), **tables}
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Run by test_interpreted_kernels.py in a process of its own with TRITON_INTERPRET=1 (Triton reads
-it when the kernels are defined): the decode plan's, the fills', the host-result add's, the step
+it when the kernels are defined): the decode plan's, the fills', the host-result take's, the step
 counters', the join's, decode attention's (GLM's sparse latent attention and DeepSeek-V4's with
 sinks too), DeepSeek-V4's hyper-connection weights, the router's and the
 engines' decode expert Triton kernels, interpreted on the CPU,
@@ -33,7 +33,7 @@ from ftc_runtime.experts.replay_kernel import replay_route_gpu
 from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay
 from ftc_runtime.formats import expert_format
 from ftc_runtime.io.ftw import FtwHeader
-from ftc_runtime.io.host_add import BLOCK, add_mapped
+from ftc_runtime.io.host_take import BLOCK, take_mapped
 from ftc_runtime.models.layers.attention import attention_in
 from ftc_runtime.models.layers.decode_attention_kernel import MAX_SPANS, MIN_SPAN, decode_attention_gpu
 from ftc_runtime.models.layers.deltanet_step_kernel import deltanet_step_gpu
@@ -117,13 +117,15 @@ def check_fills(rng: random.Random, g: torch.Generator) -> None:
         assert torch.equal(slots, want), f"fills: stride {stride}, {n_fill} fills"
 
 
-def check_host_add(rng: random.Random, g: torch.Generator) -> None:
-    """out += a host buffer, over sizes around the kernel's block (a tail program masked)."""
+def check_host_take(rng: random.Random, g: torch.Generator) -> None:
+    """out += a host buffer, left zeroed, over sizes around the kernel's block (a tail program
+    masked: the values past out's end are neither read into it nor zeroed)."""
     for n in (1, BLOCK - 1, BLOCK, BLOCK + 1, rng.randrange(2, 5 * BLOCK)):
-        out, src = torch.randn(n, generator=g), torch.randn(n, generator=g)
-        want = out + src
-        add_mapped(out, src)
-        assert torch.equal(out, want), f"host add: {n} values"
+        out, src = torch.randn(n, generator=g), torch.randn(n + 3, generator=g)
+        want, rest = out + src[:n], src[n:].clone()
+        take_mapped(out, src)
+        assert torch.equal(out, want), f"host take: {n} values"
+        assert not src[:n].any() and torch.equal(src[n:], rest), f"host take: {n} values"
 
 
 def check_counts(rng: random.Random) -> None:
@@ -514,7 +516,7 @@ def main() -> None:
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
     check_plans(rng, g, runs, steps)
     check_fills(rng, g)
-    check_host_add(rng, g)
+    check_host_take(rng, g)
     check_counts(rng)
     check_join(rng, g)
     check_decode_attention(rng, g)

@@ -154,22 +154,26 @@ def test_gpu_prefill_split_matches_copying_every_expert(engine_dir, split, seed)
     check_slots_hold_their_rows(engines[0].model.experts)
 
 
-def test_add_from_host_reads_pinned_memory_through_its_mapping(seed):
+def test_take_from_host_reads_pinned_memory_through_its_mapping(seed):
     """The CPU part's result added on the device by a kernel reading the pinned host buffer over
-    PCIe (its mapping), for whole buffers and for views inside a larger one (the reused buffers),
-    against the sum on the host."""
-    from ftc_runtime.io.host_add import BLOCK, add_from_host
+    PCIe (its mapping) and zeroing it, for whole buffers and for views inside a larger one (the
+    reused buffers: what lies past the view is left alone), against the sum on the host."""
     from ftc_runtime.io.host_memory import mapped_address
+    from ftc_runtime.io.host_take import BLOCK, take_from_host
 
     g = torch.Generator().manual_seed(seed)
     whole = torch.randn(5 * BLOCK + 77, generator=g).pin_memory()
-    for host in (whole[:7].view(1, 7), whole[:3 * BLOCK].view(-1, 64), whole, torch.randn(333, 48).pin_memory()):
+    for n, shape in ((7, (1, 7)), (3 * BLOCK, (-1, 64)), (whole.numel(), (-1,))):
+        host, rest = whole[:n].view(shape), whole[n:].clone()
         assert mapped_address(host, host.data_ptr()) is not None
         out = torch.randn(host.shape, generator=g)
         want = out + host
         got = out.cuda()
-        add_from_host(got, host)
+        take_from_host(got, host)
+        torch.cuda.synchronize()
         assert torch.equal(got.cpu(), want), f"seed={seed} {tuple(host.shape)}"
+        assert not host.any() and torch.equal(whole[n:], rest), f"seed={seed} {tuple(host.shape)}"
+        whole.normal_(generator=g)
 
 
 def test_grouped_expert_kernel_matches_the_torch_path(engine_dir, seed):

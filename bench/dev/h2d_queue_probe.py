@@ -4,7 +4,7 @@ A streamed prompt layer queues the next layer's expert copies (about 1 GB) on a 
 small host→device copies on the compute stream that the layer needs at once (its slot table, the
 CPU part's result). This probe queues a large copy on one stream, then on another stream a small
 copy, or a kernel that reads the same bytes through the host buffer's device mapping
-(`io/host_add.py`), and prints when each finished after the large copy started (CUDA events), in ms.
+(`io/host_take.py`), and prints when each finished after the large copy started (CUDA events), in ms.
 
     python bench/dev/h2d_queue_probe.py [--large-mb 1024] [--small-mb 16] [--reps 5]
 """
@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from ftc_runtime.io.host_add import add_from_host
+from ftc_runtime.io.host_take import take_from_host
 
 
 def timed_pair(large: tuple[torch.Tensor, torch.Tensor], small: tuple[torch.Tensor, torch.Tensor], how: str
@@ -35,7 +35,7 @@ def timed_pair(large: tuple[torch.Tensor, torch.Tensor], small: tuple[torch.Tens
     if how == "copy":
         dev.copy_(host, non_blocking=True)
     elif how == "mapped":
-        add_from_host(dev, host)
+        take_from_host(dev, host)
     else:  # "d2h": the other direction, for comparison
         host.copy_(dev, non_blocking=True)
     small_done.record(main)

@@ -21,7 +21,7 @@ leave out some of its uncached experts, as many as `PromptSplit` says the CPU co
 time the copies take: those stay in host memory (not filled: the cache keeps its set) and the
 CPU computes them in place while the device computes the rest. The host's clock from one layer's
 CPU end to the next one's start (the next layer's input needs this one's result) tells the split
-what a CPU part costs beyond its own work.
+what a CPU part costs beyond its own work, where the layer's copies had landed by the CPU's end.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class LayerStream:
                  n_tokens: int = 0):
         self.store, self.stats, self.overlap, self.cpu, self.n_tokens = store, stats, overlap, cpu, n_tokens
         self.on_cpu: dict[int, np.ndarray] = {}  # MoE layer → FTW rows of the experts the CPU computes
-        self.cpu_end: tuple[int, float] | None = None  # the last CPU part's MoE layer and its end (host clock)
+        # the last CPU part's MoE layer and its end (host clock); None after one that waited for copies
+        self.cpu_end: tuple[int, float] | None = None
         self.known = {j: np.unique(np.asarray(experts, dtype=np.int64)) for j, experts in (known or {}).items()}
         need = stream_slots(store.num_experts, overlap)
         if store.cache.n_slots < need:
@@ -166,21 +167,24 @@ class LayerStream:
         out = torch.zeros_like(x)
         n_cpu = 0
         if on_cpu is not None:
-            self.cpu.prepare(t, x.shape[1])
             n_cpu = int((flat_slot <= FIRST_CPU_CODE).sum())  # waits for the routing
         if n_cpu:  # the CPU's pairs lead the list; it starts on them before this layer's copies land
             if self.cpu_end is not None and self.cpu_end[0] == j - 1:  # the serial stretch between them
                 self.cpu.split.record_serial(self.n_tokens, time.perf_counter() - self.cpu_end[1])
             self.cpu.start(x, pairs[:, :n_cpu], on_cpu)
             pairs = pairs[:, n_cpu:]
-        if self.on_gpu and j in self.ready:
-            torch.cuda.current_stream(x.device).wait_event(self.ready.pop(j))
+        landed = self.ready.pop(j, None) if self.on_gpu else None
+        if landed is not None:
+            torch.cuda.current_stream(x.device).wait_event(landed)
         if pairs.shape[1]:
             with self.stats.compute.measure():
                 self.store.grouped_on_device(x.contiguous(), pairs, out)
         if n_cpu:
             self.cpu.finish(out)
-            self.cpu_end = (j, time.perf_counter())
+            # Copies still landing at the CPU's end hold the next layer's routing back: that stretch
+            # measures the copies, not what a CPU part costs, and is not counted.
+            copy_bound = landed is not None and not landed.query()
+            self.cpu_end = None if copy_bound else (j, time.perf_counter())
         if self.on_gpu:
             self.last_done = torch.cuda.Event()
             self.last_done.record(torch.cuda.current_stream(x.device))

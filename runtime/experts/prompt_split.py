@@ -17,7 +17,8 @@ first CPU part on, it follows what the layers measure: the seconds per expert-to
 parts, kept per power of two of n (a chunk's experts see about the same n, the next chunk's may
 not), so that the split tracks the machine it runs on and its kernel's real matrix speed; g
 follows what the layers measure too (from the end of one CPU part to the start of the next, per
-power of two of n), zero until then.
+power of two of n; not where the layer's copies were still landing at the CPU's end, since the
+next routing then waits for them), zero until then.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ In the layer's pair list (slot, token, weight bits; sorted by slot) the CPU's i-
 as the slot code `cpu_code(i)`, below every real slot, so its pairs lead the list. Those pairs and
 the layer's input come down once, the generated CPU kernel runs them on its worker pool (in the
 background beside a GPU, while the device computes the rest), and their weighted sum goes back up
-once (read by the device's add kernel through the buffer's mapping) and is added to the
-device's part. The kernel's own time feeds the split's estimate.
+once, added to the device's part by a kernel that reads it through the buffer's mapping and
+leaves the buffer zeroed for the next part. The kernel's own time feeds the split's estimate.
 """
 
 from __future__ import annotations
@@ -36,19 +36,17 @@ class StreamCpuPart:
                  stats: OffloadStats):
         self.kernel, self.host_rows, self.split, self.buffer, self.stats = kernel, host_rows, split, buffer, stats
         self._running: tuple[torch.Tensor, int, int] | None = None  # the result buffer, experts, pairs
-        self._parts = 0  # started in this chunk
-        self._zeroed: torch.Tensor | None = None  # the next part's result buffer, zeroed ahead
-
-    def prepare(self, t: int, hidden: int) -> None:
-        """Before the layer's routing is known (the host waits for it next): zeroes the result
-        buffer of its part ahead of time, one of two taken in turn, the other's copy up perhaps
-        still in flight. A chunk's first part zeroes its own after that wait: the last chunk's
-        copy up may still read either."""
-        if self._parts:
-            self._zeroed = self._result_buffer(t, hidden).zero_()
+        self._zeroed_storage = 0  # the address of the result buffer known to be all zeros between parts
 
     def _result_buffer(self, t: int, hidden: int) -> torch.Tensor:
-        return self.buffer(f"stream_cpu_out{self._parts % 2}", t, hidden, torch.float32)
+        """The buffer the kernel accumulates into: all zeros between parts (zeroed whole once,
+        then left zeroed by each part's take), so no part zeroes it on the host."""
+        out = self.buffer("stream_cpu_out", t, hidden, torch.float32)
+        storage = out.untyped_storage()
+        if storage.data_ptr() != self._zeroed_storage:  # new (grown): its bytes are whatever they were
+            storage.fill_(0)
+            self._zeroed_storage = storage.data_ptr()
+        return out
 
     @torch.profiler.record_function("ftc.stream_cpu.start")  # a profile's trace shows the host's parts
     def start(self, x: torch.Tensor, pairs: torch.Tensor, rows: np.ndarray) -> None:
@@ -67,9 +65,7 @@ class StreamCpuPart:
         offsets = np.concatenate([[0], starts, [codes.size]]).astype(np.int32)
         codes = codes[offsets[:-1]]
         expert_ids = torch.from_numpy(np.ascontiguousarray(rows[FIRST_CPU_CODE - codes]))
-        out = self._zeroed if self._zeroed is not None else self._result_buffer(t, hidden).zero_()
-        self._zeroed = None
-        self._parts += 1
+        out = self._result_buffer(t, hidden)  # the last part's take is done: the device is past it
         self.kernel.start(self.host_rows, x_host, out, expert_ids, torch.from_numpy(offsets), pairs_host[1],
                           pairs_host[2].view(torch.float32))
         self._running = (out, codes.size, pairs.shape[1])
@@ -77,8 +73,10 @@ class StreamCpuPart:
     def abandon(self) -> None:
         """A chunk that failed between `start` and `finish`: the kernel is joined, its result dropped."""
         if self._running is not None:
+            result = self._running[0]
             self._running = None
             self.kernel.wait()
+            result.zero_()  # its partial sums: the next part finds the buffer zeroed
 
     @torch.profiler.record_function("ftc.stream_cpu.finish")
     def finish(self, out: torch.Tensor) -> None:
@@ -90,8 +88,9 @@ class StreamCpuPart:
         self.split.record(experts, pairs, seconds)
         self.stats.cpu_s += seconds
         if out.is_cuda:
-            from ftc_runtime.io.host_add import add_from_host  # Triton: only beside a GPU
+            from ftc_runtime.io.host_take import take_from_host  # Triton: only beside a GPU
 
-            add_from_host(out, result)  # read over PCIe: not queued behind the next layers' copies
+            take_from_host(out, result)  # read over PCIe: not queued behind the next layers' copies
         else:
             out += result
+            result.zero_()
