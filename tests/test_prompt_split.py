@@ -88,6 +88,30 @@ def test_a_serial_stretch_longer_than_the_copies_gives_the_cpu_none(seed):
     assert split.serial[6] == pytest.approx(u * split.copy_seconds())
 
 
+def test_copies_landed_by_the_routing_take_experts_from_the_cpu(seed):
+    """A layer whose copies had landed when it reached its routing gives the CPU one expert fewer
+    at that token count, each time (never below none; an unmeasured count is then not probed);
+    one whose copies were still landing gives the balance back; other token counts keep theirs."""
+    rng = random.Random(seed)
+    split = PromptSplit(1 << 23, 8, 128, copy_gbps=50.0, cpu_gbps=100.0, bucket=8)
+    n_tokens = 128 * 64 // 8  # 64 tokens per expert
+    split.record(10, 640, 640e-6)  # the CPU far quicker than the copies: the balance gives it many
+    u = rng.randrange(20, 129)
+    balance, other = split.cpu_count(u, n_tokens), split.cpu_count(u, 16 * n_tokens)
+    assert balance > u // 2
+    for fewer in range(1, 4):
+        split.record_copies(n_tokens, split.cpu_count(u, n_tokens), landed=True)
+        assert split.cpu_count(u, n_tokens) == balance - fewer, f"seed={seed}"
+    assert split.cpu_count(u, 16 * n_tokens) == other
+    split.record_copies(n_tokens, balance - 3, landed=False)
+    assert split.cpu_count(u, n_tokens) == balance
+    unmeasured = 128 * 4 // 8  # 4 tokens per expert: probed with one expert, until that lands early
+    assert split.cpu_count(u, unmeasured) >= 1
+    split.record_copies(unmeasured, 1, landed=True)
+    split.record_copies(unmeasured, 0, landed=True)
+    assert split.cpu_count(u, unmeasured) == 0 and split.cap[2] == 0
+
+
 def test_the_cpu_estimate_follows_its_measurements(seed):
     """Before any measurement, one expert of n tokens costs the kernel's model (its rows read once
     per bucket of tokens at B_H'); a measurement near n replaces it (seconds per expert-token, each

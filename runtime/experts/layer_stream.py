@@ -21,7 +21,8 @@ leave out some of its uncached experts, as many as `PromptSplit` says the CPU co
 time the copies take: those stay in host memory (not filled: the cache keeps its set) and the
 CPU computes them in place while the device computes the rest. The host's clock from one layer's
 CPU end to the next one's start (the next layer's input needs this one's result) tells the split
-what a CPU part costs beyond its own work, where the layer's copies had landed by the CPU's end.
+what a CPU part costs beyond its own work, where the layer's copies had landed by the CPU's end;
+whether they had landed by the layer's routing tells it whether the CPU got too many.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class LayerStream:
         self.ready: dict[int, torch.cuda.Event] = {}  # MoE layer → its copies have landed
         self.last_done: torch.cuda.Event | None = None  # the device is done with the last layer computed
         self.loaded: dict[int, int] = {}  # MoE layer → experts it copied (0: all were cached)
+        self.loaded_during: dict[int, int] = {}  # MoE layer → the layer computing when its copies were queued
         self.num_layers = store.header.num_moe_layers
         self.load(0, np.empty(0, dtype=np.int64), 0)
         if overlap and 0 in self.known:
@@ -89,7 +91,7 @@ class LayerStream:
         if on_cpu:
             self.on_cpu[j] = computed_in_place
             self.stats.stream_cpu += on_cpu
-        self.loaded[j] = missing.size
+        self.loaded[j], self.loaded_during[j] = missing.size, now
         cache.install(dst, missing)
         cache.touch(dst)
         self.stats.streamed += missing.size
@@ -166,14 +168,16 @@ class LayerStream:
         pairs = torch.stack([flat_slot[order], tokens[order], weights.reshape(-1).float()[order].view(torch.int32)])
         out = torch.zeros_like(x)
         n_cpu = 0
+        landed = self.ready.pop(j, None) if self.on_gpu else None
         if on_cpu is not None:
             n_cpu = int((flat_slot <= FIRST_CPU_CODE).sum())  # waits for the routing
+            if landed is not None and self.loaded_during.get(j) == j - 1:  # did the device find them done?
+                self.cpu.split.record_copies(self.n_tokens, on_cpu.size, landed.query())
         if n_cpu:  # the CPU's pairs lead the list; it starts on them before this layer's copies land
             if self.cpu_end is not None and self.cpu_end[0] == j - 1:  # the serial stretch between them
                 self.cpu.split.record_serial(self.n_tokens, time.perf_counter() - self.cpu_end[1])
             self.cpu.start(x, pairs[:, :n_cpu], on_cpu)
             pairs = pairs[:, n_cpu:]
-        landed = self.ready.pop(j, None) if self.on_gpu else None
         if landed is not None:
             torch.cuda.current_stream(x.device).wait_event(landed)
         if pairs.shape[1]:
