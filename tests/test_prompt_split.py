@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from ftc_runtime import Engine
 from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.experts.layer_stream import LayerStream
 from ftc_runtime.experts.prompt_split import PromptSplit, parse_prefill_split
 from ftc_runtime.experts.stream_cpu import StreamCpuPart
 
@@ -89,27 +91,27 @@ def test_a_serial_stretch_longer_than_the_copies_gives_the_cpu_none(seed):
 
 
 def test_copies_landed_by_the_routing_take_experts_from_the_cpu(seed):
-    """A layer whose copies had landed when it reached its routing gives the CPU one expert fewer
-    at that token count, each time (never below none; an unmeasured count is then not probed);
-    one whose copies were still landing gives the balance back; other token counts keep theirs."""
+    """In a chunk, a layer whose copies had landed when it reached its routing caps the CPU's count
+    for the next layers at one expert fewer each time (never below none; under a cap of none an
+    unmeasured token count is not probed either); one whose copies were still landing lifts it."""
     rng = random.Random(seed)
     split = PromptSplit(1 << 23, 8, 128, copy_gbps=50.0, cpu_gbps=100.0, bucket=8)
     n_tokens = 128 * 64 // 8  # 64 tokens per expert
     split.record(10, 640, 640e-6)  # the CPU far quicker than the copies: the balance gives it many
     u = rng.randrange(20, 129)
-    balance, other = split.cpu_count(u, n_tokens), split.cpu_count(u, 16 * n_tokens)
+    balance = split.cpu_count(u, n_tokens)
     assert balance > u // 2
+    chunk = SimpleNamespace(cpu_cap=None)  # a LayerStream's state
     for fewer in range(1, 4):
-        split.record_copies(n_tokens, split.cpu_count(u, n_tokens), landed=True)
-        assert split.cpu_count(u, n_tokens) == balance - fewer, f"seed={seed}"
-    assert split.cpu_count(u, 16 * n_tokens) == other
-    split.record_copies(n_tokens, balance - 3, landed=False)
-    assert split.cpu_count(u, n_tokens) == balance
-    unmeasured = 128 * 4 // 8  # 4 tokens per expert: probed with one expert, until that lands early
+        LayerStream._cap_cpu(chunk, split.cpu_count(u, n_tokens, chunk.cpu_cap), landed=True)
+        assert split.cpu_count(u, n_tokens, chunk.cpu_cap) == balance - fewer, f"seed={seed}"
+    LayerStream._cap_cpu(chunk, balance - 3, landed=False)
+    assert chunk.cpu_cap is None and split.cpu_count(u, n_tokens, chunk.cpu_cap) == balance
+    unmeasured = 128 * 4 // 8  # 4 tokens per expert: probed with one expert, unless capped
     assert split.cpu_count(u, unmeasured) >= 1
-    split.record_copies(unmeasured, 1, landed=True)
-    split.record_copies(unmeasured, 0, landed=True)
-    assert split.cpu_count(u, unmeasured) == 0 and split.cap[2] == 0
+    LayerStream._cap_cpu(chunk, 1, landed=True)
+    LayerStream._cap_cpu(chunk, 0, landed=True)
+    assert chunk.cpu_cap == 0 and split.cpu_count(u, unmeasured, chunk.cpu_cap) == 0
 
 
 def test_the_cpu_estimate_follows_its_measurements(seed):

@@ -21,8 +21,9 @@ leave out some of its uncached experts, as many as `PromptSplit` says the CPU co
 time the copies take: those stay in host memory (not filled: the cache keeps its set) and the
 CPU computes them in place while the device computes the rest. The host's clock from one layer's
 CPU end to the next one's start (the next layer's input needs this one's result) tells the split
-what a CPU part costs beyond its own work, where the layer's copies had landed by the CPU's end;
-whether they had landed by the layer's routing tells it whether the CPU got too many.
+what a CPU part costs beyond its own work, where the layer's copies had landed by the CPU's end.
+Where they had landed by the layer's routing, the CPU got too many: the chunk's next layers give
+it fewer.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class LayerStream:
         self.on_cpu: dict[int, np.ndarray] = {}  # MoE layer → FTW rows of the experts the CPU computes
         # the last CPU part's MoE layer and its end (host clock); None after one that waited for copies
         self.cpu_end: tuple[int, float] | None = None
+        self.cpu_cap: int | None = None  # at most this many CPU experts a layer from now on (None: the split's)
         self.known = {j: np.unique(np.asarray(experts, dtype=np.int64)) for j, experts in (known or {}).items()}
         need = stream_slots(store.num_experts, overlap)
         if store.cache.n_slots < need:
@@ -82,7 +84,7 @@ class LayerStream:
         ids = j * e + self.known.get(j, np.arange(e, dtype=np.int64))
         slots = cache.slot_of[ids]
         missing = ids[slots < 0]
-        on_cpu = self.cpu.split.cpu_count(missing.size, self.n_tokens) if self.cpu is not None else 0
+        on_cpu = self.cpu.split.cpu_count(missing.size, self.n_tokens, self.cpu_cap) if self.cpu is not None else 0
         missing, computed_in_place = missing[:missing.size - on_cpu], missing[missing.size - on_cpu:]
         dst = cache.scan_victims(missing.size, np.concatenate([slots[slots >= 0], held]), now,
                                  self.num_layers)
@@ -131,6 +133,17 @@ class LayerStream:
         slots = self.store.cache.slot_of[layers.start * e:layers.stop * e]
         return slots[slots >= 0]
 
+    def _cap_cpu(self, cpu_experts: int, landed: bool) -> None:
+        """A layer with `cpu_experts` on the CPU, whose copies were queued while the layer before it
+        computed, reached its routing with those copies `landed` or not. Landed, the device will
+        not wait for them: the CPU's part, and the serial stretch it costs, held the layer up, or
+        the device's own work did (4-bit experts' layers at thousands of tokens copy in less time
+        than they compute): the chunk's next layers give the CPU one expert fewer each time. Still
+        landing, the copies bound the layer, and the split's balance decides again. Kept for one
+        chunk: the next starts from the balance."""
+        self.cpu_cap = max(0, min(self.cpu_cap if self.cpu_cap is not None else cpu_experts, cpu_experts) - 1) \
+            if landed else None
+
     def _slot_table(self, layer_slots: np.ndarray, on_cpu: np.ndarray | None, first: int,
                     device: torch.device) -> torch.Tensor:
         """The layer's slot per expert (int32, the CPU's experts as their codes) on the device.
@@ -172,7 +185,7 @@ class LayerStream:
         if on_cpu is not None:
             n_cpu = int((flat_slot <= FIRST_CPU_CODE).sum())  # waits for the routing
             if landed is not None and self.loaded_during.get(j) == j - 1:  # did the device find them done?
-                self.cpu.split.record_copies(self.n_tokens, on_cpu.size, landed.query())
+                self._cap_cpu(on_cpu.size, landed.query())
         if n_cpu:  # the CPU's pairs lead the list; it starts on them before this layer's copies land
             if self.cpu_end is not None and self.cpu_end[0] == j - 1:  # the serial stretch between them
                 self.cpu.split.record_serial(self.n_tokens, time.perf_counter() - self.cpu_end[1])

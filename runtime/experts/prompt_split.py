@@ -20,10 +20,8 @@ follows what the layers measure too (from the end of one CPU part to the start o
 power of two of n; not where the layer's copies were still landing at the CPU's end, since the
 next routing then waits for them), zero until then.
 
-The estimates leave out the device's own work. So where a layer reaches its routing with its
-copies already landed (the device will not wait for them), the CPU got more than the copies
-left it time for, or the layer is the device's to begin with: the CPU gets one expert fewer at
-that token count, until a layer whose copies were still landing gives the balance back.
+The estimates leave out the device's own work; the chunk's layers cap the count where it shows
+(`LayerStream`).
 """
 
 from __future__ import annotations
@@ -66,8 +64,6 @@ class PromptSplit:
     measured: dict[int, float] = field(default_factory=dict)
     # power of two of n → seconds from one layer's CPU end to the next layer's CPU start
     serial: dict[int, float] = field(default_factory=dict)
-    # power of two of n → at most this many CPU experts, from where the layers' copies had got to
-    cap: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if min(self.copy_gbps, self.cpu_gbps) <= 0 or self.bucket < 1:
@@ -88,8 +84,9 @@ class PromptSplit:
     def copy_seconds(self) -> float:
         return self.expert_bytes / (self.copy_gbps * 1e9)
 
-    def cpu_count(self, uncached: int, n_tokens: int) -> int:
-        """How many of a layer's `uncached` experts the CPU computes, for a chunk of n_tokens."""
+    def cpu_count(self, uncached: int, n_tokens: int, cap: int | None = None) -> int:
+        """How many of a layer's `uncached` experts the CPU computes, for a chunk of n_tokens; at
+        most `cap` where the chunk's layers set one (`LayerStream`)."""
         if uncached <= 0:
             return 0
         if self.share is not None:
@@ -100,25 +97,11 @@ class PromptSplit:
         # whole experts: none, or a neighbour of the balance, whichever's slower side finishes first
         c = min((0, math.floor(balance), min(math.ceil(balance), uncached)),
                 key=lambda c: (max((uncached - c) * t_p, c * t_c + g if c else 0.0), c))
-        cap = self.cap.get(_octave(n))
         if cap is not None:
             return min(c, cap)
         if c == 0 and uncached >= 2 and _octave(n) not in self.measured:
             return 1  # the model, unmeasured, gave the CPU nothing: one expert measures it
         return c
-
-    def record_copies(self, n_tokens: int, cpu_experts: int, landed: bool) -> None:
-        """A layer with `cpu_experts` on the CPU, whose copies were queued while the layer before it
-        computed, reached its routing with those copies `landed` or not. Landed, the device will
-        not wait for them: the CPU's part, and the serial stretch it costs, held the layer up (or
-        the device's own work did, as in 4-bit experts' layers at thousands of tokens, which copy
-        in less time than they compute): at this token count the CPU gets one expert fewer from now
-        on. Still landing, the copies bound the layer, and the balance decides again."""
-        key = _octave(self.tokens_per_expert(n_tokens))
-        if landed:
-            self.cap[key] = max(0, min(self.cap.get(key, cpu_experts), cpu_experts) - 1)
-        else:
-            self.cap.pop(key, None)
 
     def record(self, experts: int, pairs: int, seconds: float) -> None:
         """A CPU part took `seconds` for `experts` experts of `pairs` (token, expert) pairs in all."""
