@@ -41,7 +41,7 @@ if [ "$part" = 1 ]; then
 elif [ "$part" = 2 ]; then
   timeout 420 ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
     --compare --prefill-split auto -o "$out/agent_q36_split.json" 2>&1 | grep -v "━" | tail -n 40
-  timeout 150 ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
+  timeout 300 ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
     --prefill-split off -o "$out/agent_q36_off.json" 2>&1 | grep -v "━" | tail -n 20
 elif [ "$part" = 3 ]; then
   timeout 200 ftc bench prefill $q30 --random-weights --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
