@@ -141,8 +141,11 @@ class LayerStream:
         than they compute): the chunk's next layers give the CPU one expert fewer each time. Still
         landing, the copies bound the layer, and the split's balance decides again. Kept for one
         chunk: the next starts from the balance."""
-        self.cpu_cap = max(0, min(self.cpu_cap if self.cpu_cap is not None else cpu_experts, cpu_experts) - 1) \
-            if landed else None
+        if not landed:
+            self.cpu_cap = None
+            return
+        cap = cpu_experts if self.cpu_cap is None else min(self.cpu_cap, cpu_experts)
+        self.cpu_cap = max(0, cap - 1)
 
     def _slot_table(self, layer_slots: np.ndarray, on_cpu: np.ndarray | None, first: int,
                     device: torch.device) -> torch.Tensor:
