@@ -108,8 +108,10 @@ class DeepseekV4Model:
         """Every layer over the pass's tokens `ids` (each run's rows after its cache's tokens):
         logits [T, vocab] fp32."""
         n, first = ids.numel(), runs[0][0].length
-        self.experts.begin_pass(n, prompt=prompt, known_routes=self.hash_routes(ids) if prompt else None)
+        known = self.hash_routes(ids) if prompt else None
+        # Before the pass queues its expert copies: a host→device copy waits for those queued before it.
         ids = ids.to(self.device)
+        self.experts.begin_pass(n, prompt=prompt, known_routes=known)
         positions = [torch.arange(c.length, c.length + rows.stop - rows.start, device=self.device) for c, rows in runs]
         x = self.w["model.embed_tokens.weight"][ids]
         streams = x[:, None, :].expand(-1, self.spec.hyper_connections.streams, -1).contiguous()

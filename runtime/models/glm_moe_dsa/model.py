@@ -86,10 +86,11 @@ class GlmMoeDsaModel:
         if self.decode_graphs is not None and ids.numel() == 1:
             return self.decode_graphs.step(ids, cache)
         start, n = cache.length, ids.numel()
+        # Before the pass queues its expert copies: a host→device copy waits for those queued before it.
+        x = self.embed[ids.to(self.device)].to(self.dtype)
         self.experts.begin_pass(n)
         positions = torch.arange(start, start + n, device=self.device)
         cos, sin = self.rope_at(positions)
-        x = self.embed[ids.to(self.device)].to(self.dtype)
         visible = None
         for i in range(self.spec.num_layers):
             h = rms_norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.spec.norm.eps)

@@ -128,8 +128,9 @@ def _advanced(fla: _Fla, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 @functools.lru_cache(maxsize=8)
 def _pieces(ends: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens from each end's block start up to it, and the pieces' bounds (cumulative
-    lengths), on `device`: built once for all the linear layers of a prompt chunk."""
+    lengths), on `device`: built once for all the linear layers of a prompt chunk, by kernels
+    alone (a host→device copy would wait behind the chunk's expert copies, the host with it)."""
     starts = [e - e % BLOCK for e in ends]
-    index = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends, strict=True)])
-    bounds = torch.tensor([0, *(e - a for a, e in zip(starts, ends, strict=True))]).cumsum(0)
-    return index.to(device), bounds.to(device)
+    index = torch.cat([torch.arange(a, e, device=device) for a, e in zip(starts, ends, strict=True)])
+    lengths = [torch.full((1,), e - a, device=device) for a, e in zip(starts, ends, strict=True)]
+    return index, torch.cat([torch.zeros(1, dtype=torch.long, device=device), *lengths]).cumsum(0)

@@ -68,9 +68,10 @@ class Qwen3MoeModel:
         if self.decode_graphs is not None and ids.numel() == 1:
             return self.decode_graphs.step(ids, cache)
         start = cache.length
+        # Before the pass queues its expert copies: a host→device copy waits for those queued before it.
+        x = self.embed[ids.to(self.device)].to(self.dtype)
         self.experts.begin_pass(ids.numel())
         cos, sin = self.rope(start, ids.numel())
-        x = self.embed[ids.to(self.device)].to(self.dtype)
         for i in range(self.spec.num_layers):
             q, k, v = attention_in(x, *self.attention_in_weights(i), cos, sin, self.spec.norm.eps, self.heads)
             x, h = attention_out(x, self.attend(i, q, k, v, cache), *self.attention_out_weights(i),

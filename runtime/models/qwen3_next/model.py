@@ -121,9 +121,10 @@ class Qwen3NextModel:
         if self.decode_graphs is not None and ids.numel() == 1 and not checkpoint_at:
             return self.decode_graphs.step(ids, cache)
         start, n = cache.length, ids.numel()
+        # Before the pass queues its expert copies: a host→device copy waits for those queued before it.
+        x = self.embed[ids.to(self.device)].to(self.dtype)
         self.experts.begin_pass(n)
         cos, sin = self.rope_at(torch.arange(start, start + n, device=self.device))
-        x = self.embed[ids.to(self.device)].to(self.dtype)
         taken: list[list[DeltaNetState]] = []  # per linear layer, per checkpoint
         for i in range(self.spec.num_layers):
             h = rms_norm(x, self.w[f"model.layers.{i}.input_layernorm.weight"], self.spec.norm.eps)
