@@ -19,6 +19,9 @@
 #                                                 waits behind another stream's (bench/dev/h2d_queue_probe.py), the
 #                                                 GPU tests of the split, bench/prefill_profile.py on qwen3-30b-a3b
 #                                                 bf16 32 GiB at 2K and 8K tokens, split off and auto (traces)
+#   bash bench/device_prompt_split.sh OUT_DIR 6   where an agent turn's time goes: bench/agent_profile.py on the
+#                                                 agent session (qwen3.6-35b-a3b bf16 32 GiB, 20K, split auto), tool
+#                                                 turns 13 and 14 against the edit turn 16 (traces)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -61,4 +64,9 @@ elif [ "$part" = 5 ]; then
     --trace-dir "$out" 2>&1 | grep -v "━" > "$out/prefill_profile.txt"
   grep -E '"(prefill_split|tokens|unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|cpu_parts_s)"' "$out/prefill_profile.txt"
   find "$out" -name "*.json.gz" -size +15M -delete  # what cannot come back
+elif [ "$part" = 6 ]; then
+  timeout 400 python3 bench/agent_profile.py $q36 --vram-budget 32GiB --session-tokens 20000 --turns 13,14,16 \
+    --prefill-split auto --trace-dir "$out" 2>&1 | grep -v "━" > "$out/agent_profile.txt"
+  grep -E '"(turn|kind|wall_s|copy_busy_s|kernel_busy_s|cpu_parts_s|serial_s)"' "$out/agent_profile.txt"
+  find "$out" -name "*.json.gz" -size +15M -delete
 fi

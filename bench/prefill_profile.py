@@ -117,6 +117,16 @@ def cpu_parts(events: list[dict], copy_busy: list[tuple[float, float]], kernel_b
             "serial_median_ms": round(sorted(b - a for a, b in gaps)[len(gaps) // 2] * 1e3, 3) if gaps else None}
 
 
+def write_trace(prof: profile, tmp: Path, path: Path | None) -> dict:
+    """The profile's Chrome trace, read back; also gzipped to `path` where one is given."""
+    raw = tmp / "trace.json"
+    prof.export_chrome_trace(str(raw))
+    if path is not None:
+        with raw.open("rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return json.loads(raw.read_text())
+
+
 def profiled(engine: Engine, n: int, rng: random.Random, sync, tmp: Path, trace_path: Path | None) -> dict:
     """One prompt of n tokens from an empty expert cache: warm-up, unprofiled, then profiled."""
     experts, vocab = engine.model.experts, engine.spec.vocab_size
@@ -138,12 +148,7 @@ def profiled(engine: Engine, n: int, rng: random.Random, sync, tmp: Path, trace_
         engine.prefill(ids, engine.model.new_cache())
         sync()
         wall = time.perf_counter() - t0
-    raw = tmp / "trace.json"
-    prof.export_chrome_trace(str(raw))
-    trace = json.loads(raw.read_text())
-    if trace_path is not None:
-        with raw.open("rb") as src, gzip.open(trace_path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+    trace = write_trace(prof, tmp, trace_path)
     split = experts.prompt_split
     tables = {} if split is None else {"split_measured_s_per_token": split.measured, "split_serial_s": split.serial}
     return {"tokens": n, "unprofiled_s": round(plain, 4), "tok_s": round(n / plain, 2), **counts,

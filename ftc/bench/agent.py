@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,21 +126,27 @@ def bench_agent(engine_dir: Path, offload: OffloadConfig | None, modes: list[str
     return result
 
 
-def _replay(engine: Engine, turns: list[Turn], new_tokens: int) -> dict:
+def prompts(turns: list[Turn], m: Markers) -> Iterator[tuple[Turn, list[int]]]:
+    """Each turn with the whole prompt the agent sends for it: the history so far, the turn
+    appended (an edit replaces a tool output instead)."""
     history: list[int] = []
     outputs: list[tuple[int, int]] = []  # where each tool output sits (its opening marker to its end)
-    rows = []
-    m = markers(engine.spec.tokens.special)
-    resp, resp_end = m.resp, m.resp_end
-    stats = getattr(engine.model.experts, "stats", None)  # offloaded experts: what prompts streamed
-    for n, turn in enumerate(turns):
+    for turn in turns:
         if turn.kind == "edit":
             a, b = outputs[EDITED]
             history = history[:a] + turn.tokens + history[b:]
         else:
-            if resp in turn.tokens:
-                outputs.append((len(history) + turn.tokens.index(resp), len(history) + turn.tokens.index(resp_end) + 1))
+            if m.resp in turn.tokens:
+                outputs.append((len(history) + turn.tokens.index(m.resp),
+                                len(history) + turn.tokens.index(m.resp_end) + 1))
             history = history + turn.tokens
+        yield turn, history
+
+
+def _replay(engine: Engine, turns: list[Turn], new_tokens: int) -> dict:
+    rows = []
+    stats = getattr(engine.model.experts, "stats", None)  # offloaded experts: what prompts streamed
+    for n, (turn, history) in enumerate(prompts(turns, markers(engine.spec.tokens.special))):
         streamed = stats.streamed if stats else 0
         t0 = time.perf_counter()
         gen = engine.generate(history, new_tokens, SamplingParams(0.0), stop_at_eos=False)
