@@ -24,10 +24,10 @@ from ftc_runtime.io.ftw import ExpertPool
 
 def bench_prefill(engine_dir: Path, offloads: list[OffloadConfig], lengths: list[int], overlap_modes: list[bool],
                   prefill_chunk: int | None = None, seed: int = 0, pool: ExpertPool | None = None) -> dict:
-    """Each configuration (offload × overlap mode) loads the engine once, prefills the shortest
-    length once untimed (kernels warm up), then each length once from a fresh KV cache and an
-    empty expert cache, as the first prompt of a session: every MoE layer crosses PCIe in the
-    first chunk, and only the layers that chunk did not leave cached in the next ones."""
+    """Each configuration (offload × overlap mode) loads the engine once, prefills each length once
+    untimed (the kernels of its shapes compile and tune), then each length once from a fresh KV
+    cache and an empty expert cache, as the first prompt of a session: every MoE layer crosses
+    PCIe in the first chunk, and only the layers that chunk did not leave cached in the next ones."""
     if not lengths or min(lengths) < 1:
         raise ValueError(f"--lengths {lengths}: expected prompt lengths of at least 1 token")
     rng = random.Random(seed)
@@ -38,8 +38,8 @@ def bench_prefill(engine_dir: Path, offloads: list[OffloadConfig], lengths: list
             engine = Engine.load(engine_dir, offload=dataclasses.replace(offload, prefill_overlap=overlap),
                                  pool=pool, prefill_chunk=prefill_chunk)
             vocab = engine.spec.vocab_size
-            engine.prefill(torch.tensor([rng.randrange(vocab) for _ in range(min(lengths))]),
-                           engine.model.new_cache())
+            for n in lengths:
+                engine.prefill(torch.tensor([rng.randrange(vocab) for _ in range(n)]), engine.model.new_cache())
             for n in lengths:
                 ids = torch.tensor([rng.randrange(vocab) for _ in range(n)])
                 runs.append(_timed(engine, ids, overlap, offload.prefill_split))
