@@ -196,7 +196,8 @@ class OffloadedExperts(ExpertBackend):
         if self.prompt_split is not None:
             self._close_doorbell()  # the CPU part starts the kernel itself
             cpu = StreamCpuPart(self.kernel, self.pool.experts, self.prompt_split,
-                                lambda name, t, width, dtype: self._buffer(name, t, width, dtype=dtype), self.stats)
+                                lambda name, t, width, dtype, zeroed: self._buffer(name, t, width, dtype=dtype,
+                                                                                   zeroed=zeroed), self.stats)
         self._stream = LayerStream(self.store, self.stats, self.stream_overlap,
                                    known_routes if self.routing is None else None, cpu, n_tokens)
 
@@ -530,16 +531,18 @@ class OffloadedExperts(ExpertBackend):
                             None if self.on_gpu else self.device)
 
     def _buffer(self, name: str, t: int, width: int, device: torch.device | None = None,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A reused buffer [t, width] on `device` (None: the host, pinned beside a GPU). One-token
-        buffers are sized once; others grow when a call needs more."""
+                dtype: torch.dtype = torch.float32, zeroed: bool = False) -> torch.Tensor:
+        """A reused buffer [t, width] on `device` (None: the host, pinned beside a GPU), all zeros
+        when made where `zeroed`. One-token buffers are sized once; others grow when a call needs
+        more."""
         key = (name, t == 1)
         n = t * width
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < n:
             on_host = device is None or device.type == "cpu"
+            make = torch.zeros if zeroed else torch.empty
             with torch.inference_mode(False):  # written in place by later calls, in or out of inference mode
-                buf = torch.empty(n, dtype=dtype, device=device or "cpu", pin_memory=on_host and self.on_gpu)
+                buf = make(n, dtype=dtype, device=device or "cpu", pin_memory=on_host and self.on_gpu)
             self._buffers[key] = buf
         return buf[:n].view(t, width)
 

@@ -22,8 +22,9 @@ from ftc_runtime.experts.stats import OffloadStats
 
 FIRST_CPU_CODE = -2  # -1 stays "not resident"; the CPU's experts are -2, -3, ...
 
-# (name, rows, width, dtype) → a reused host buffer [rows, width], pinned beside a GPU
-HostBuffer = Callable[[str, int, int, torch.dtype], torch.Tensor]
+# (name, rows, width, dtype, zeroed) → a reused host buffer [rows, width], pinned beside a GPU; all
+# zeros when made where `zeroed`
+HostBuffer = Callable[[str, int, int, torch.dtype, bool], torch.Tensor]
 
 
 def cpu_codes(n: int) -> np.ndarray:
@@ -36,17 +37,11 @@ class StreamCpuPart:
                  stats: OffloadStats):
         self.kernel, self.host_rows, self.split, self.buffer, self.stats = kernel, host_rows, split, buffer, stats
         self._running: tuple[torch.Tensor, int, int] | None = None  # the result buffer, experts, pairs
-        self._zeroed_storage = 0  # the address of the result buffer known to be all zeros between parts
 
     def _result_buffer(self, t: int, hidden: int) -> torch.Tensor:
-        """The buffer the kernel accumulates into: all zeros between parts (zeroed whole once,
-        then left zeroed by each part's take), so no part zeroes it on the host."""
-        out = self.buffer("stream_cpu_out", t, hidden, torch.float32)
-        storage = out.untyped_storage()
-        if storage.data_ptr() != self._zeroed_storage:  # new (grown): its bytes are whatever they were
-            storage.fill_(0)
-            self._zeroed_storage = storage.data_ptr()
-        return out
+        """The buffer the kernel accumulates into: all zeros between parts, of this chunk and the
+        next (made zeroed, then left zeroed by each part's take), so no part zeroes it on the host."""
+        return self.buffer("stream_cpu_out", t, hidden, torch.float32, True)
 
     @torch.profiler.record_function("ftc.stream_cpu.start")  # a profile's trace shows the host's parts
     def start(self, x: torch.Tensor, pairs: torch.Tensor, rows: np.ndarray) -> None:
@@ -54,8 +49,8 @@ class StreamCpuPart:
         grouped by code) on the device; `rows[i]` the FTW row of the expert of code cpu_code(i).
         Copies them to the host (the one wait for the device) and starts the kernel."""
         t, hidden = x.shape
-        x_host = self.buffer("stream_cpu_x", t, hidden, torch.float32)
-        pairs_host = self.buffer("stream_cpu_pairs", 3, pairs.shape[1], torch.int32)
+        x_host = self.buffer("stream_cpu_x", t, hidden, torch.float32, False)
+        pairs_host = self.buffer("stream_cpu_pairs", 3, pairs.shape[1], torch.int32, False)
         x_host.copy_(x, non_blocking=True)
         pairs_host.copy_(pairs, non_blocking=True)
         if x.is_cuda:
@@ -80,9 +75,9 @@ class StreamCpuPart:
 
     @torch.profiler.record_function("ftc.stream_cpu.finish")
     def finish(self, out: torch.Tensor) -> None:
-        """Waits for the kernel, then out (on the device) += its result."""
+        """Waits for the kernel, then out (on the device) += its result, which leaves the buffer
+        zeroed (until then the part counts as running: `abandon` zeroes what it left)."""
         result, experts, pairs = self._running
-        self._running = None
         self.kernel.wait()
         seconds = self.kernel.job_seconds()
         self.split.record(experts, pairs, seconds)
@@ -94,3 +89,4 @@ class StreamCpuPart:
         else:
             out += result
             result.zero_()
+        self._running = None
