@@ -258,9 +258,12 @@ def check_gemv(rng: random.Random, g: torch.Generator) -> None:
         row = x + part.to(dtype) if plus else x
         want_normed = rms_norm(row, norm_w, 1e-6) if norm else row
         # in fp64, rounded to the activation dtype where torch's functions round: after the
-        # projection (and bias), after the residual add; the error relative to the terms' size
+        # projection (and bias), after the residual add; the error relative to the sum's size
+        # (its rounding) and the terms' (their root-sum-square: what roundings of the inputs move
+        # the sum by, also where the sum cancels, as one output of a short row can)
         want = torch.nn.functional.linear(want_normed.double(), w.double(), None if b is None else b.double())
-        scale = want.abs() + (0 if b is None else b.double().abs())
+        terms = torch.nn.functional.linear(want_normed.double() ** 2, w.double() ** 2).sqrt()
+        scale = want.abs() + terms + (0 if b is None else b.double().abs())
         want = want.to(dtype).double()
         if residual:
             want, scale = (want + res.double()).to(dtype).double(), scale + res.double().abs()
