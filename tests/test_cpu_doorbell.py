@@ -172,8 +172,9 @@ def test_the_wait_tunes_the_split_towards_the_side_that_finished_last(seed):
     import time
 
     from ftc_runtime.decode.device_plan import TUNE_STEP, LayerPlan, PlanRule
-    from ftc_runtime.decode.doorbell_kernels import DoorbellKernels, Mapped, join_relay
+    from ftc_runtime.decode.doorbell_kernels import DoorbellKernels, join_relay
     from ftc_runtime.experts.miss_planner import MissPlanner
+    from ftc_runtime.io.host_memory import MappedHost
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -182,7 +183,7 @@ def test_the_wait_tunes_the_split_towards_the_side_that_finished_last(seed):
     done = torch.zeros(1, dtype=torch.int64).pin_memory()
     box_out = torch.randn(1, hidden, generator=g).pin_memory()
     kernels = DoorbellKernels.__new__(DoorbellKernels)  # its device side over this test's mailbox
-    kernels.done, kernels.box = Mapped.of(done), {"out": Mapped.of(box_out)}
+    kernels.done, kernels.box = MappedHost.of(done), {"out": MappedHost.of(box_out)}
     kernels.counter = torch.tensor([seq], device="cuda")
     kernels.status, kernels.relay = torch.zeros(1, dtype=torch.int64, device="cuda"), join_relay("cuda")
 

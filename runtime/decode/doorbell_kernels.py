@@ -26,8 +26,6 @@ PCIe atomics from the host bridge; the relay with their `gpu`-scope forms.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -35,29 +33,11 @@ import triton.language as tl
 from ftc_runtime.decode.cpu_doorbell import DONE, RING, CpuDoorbell, DoorbellError
 from ftc_runtime.decode.device_plan import LayerPlan, PlanRule
 from ftc_runtime.decode.plan_kernel import padded_entries
-from ftc_runtime.io.host_memory import mapped_address
+from ftc_runtime.io.host_memory import MappedHost
 
 XBLOCK = 4096  # elements of x a step of `post_job` moves
 JOIN_ELEMENTS = 8192  # (pair entry, column) elements the join holds at once
 SPINS = 1 << 24  # looks at the answer flag before a wait gives up (each crosses PCIe: seconds in all)
-
-
-@dataclass(frozen=True)
-class Mapped:
-    """A pinned host tensor as the device sees it (a Triton pointer argument: `data_ptr`, `dtype`)."""
-
-    address: int
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor, offset_elements: int = 0) -> Mapped:
-        address = mapped_address(tensor, tensor.data_ptr() + offset_elements * tensor.element_size())
-        if address is None:
-            raise RuntimeError("the CPU doorbell's mailbox is not mapped into the device (pinned memory needed)")
-        return cls(address, tensor.dtype)
-
-    def data_ptr(self) -> int:
-        return self.address
 
 
 @triton.jit
@@ -180,8 +160,8 @@ class DoorbellKernels:
         self.counter = torch.tensor([int(bell.flags[RING])], dtype=torch.int64, device=device)
         self.status = torch.zeros(1, dtype=torch.int64, device=device)  # 1: a wait gave up
         self.relay = join_relay(device)
-        self.ring, self.done = Mapped.of(bell.flags, RING), Mapped.of(bell.flags, DONE)
-        self.box = {name: Mapped.of(getattr(bell, name)) for name in
+        self.ring, self.done = MappedHost.of(bell.flags, RING), MappedHost.of(bell.flags, DONE)
+        self.box = {name: MappedHost.of(getattr(bell, name)) for name in
                     ("n_tokens", "counts", "cpu_ids", "cpu_offsets", "cpu_tok", "cpu_w", "x", "out")}
 
     def post_job(self, plan: LayerPlan, x: torch.Tensor) -> None:

@@ -74,5 +74,13 @@ class MappedHost:
     address: int
     dtype: torch.dtype = torch.int32
 
+    @classmethod
+    def of(cls, tensor: torch.Tensor, offset_elements: int = 0) -> MappedHost:
+        """The pinned `tensor` (from its element `offset_elements` on) as the device maps it."""
+        address = mapped_address(tensor, tensor.data_ptr() + offset_elements * tensor.element_size())
+        if address is None:
+            raise RuntimeError("host memory is not mapped into the device (pinned memory needed)")
+        return cls(address, tensor.dtype)
+
     def data_ptr(self) -> int:
         return self.address
