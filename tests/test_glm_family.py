@@ -35,20 +35,27 @@ def test_a_long_prompt_matches_transformers(tmp_path, seed):
     exact parity needs; none with a router near tie, which fp32 sums in another order may flip),
     whole and in uneven chunks, then one-token steps."""
     rng = random.Random(seed)
-    model = build_glm(seed, index_top_k=1024)
+    model, ids = _model_and_prompt_without_router_tie(rng, QUERY_BLOCK + rng.randrange(20, 60))
     engine_dir = compile_engine(CompileOptions(source=save_glm_checkpoint(model, tmp_path / "ckpt", "fused"),
                                                target="cpu", output=tmp_path / "engine"))
-    for _ in range(100):
-        ids = [rng.randrange(VOCAB) for _ in range(QUERY_BLOCK + rng.randrange(20, 60))]
-        if router_margin(model, ids) >= MIN_ROUTER_MARGIN:
-            break
-    else:
-        pytest.fail(f"seed={seed}: 100 prompts each had a router near tie (< {MIN_ROUTER_MARGIN})")
     want = reference_logits(model, ids)
     assert rel(Engine.load(engine_dir).logits(ids), want) < 1e-4
     chunked = Engine.load(engine_dir, prefill_chunk=rng.randrange(40, 120))
     assert rel(chunked.logits(ids), want) < 1e-4
     assert rel(_last_as_steps(chunked, ids, 4), want[-4:]) < 1e-4
+
+
+def _model_and_prompt_without_router_tie(rng: random.Random, length: int) -> tuple[torch.nn.Module, list[int]]:
+    """A model (index_top_k above `length`) and a prompt of `length` with no router near tie. Over a
+    thousand tokens and three MoE layers, one in five prompts has none on a typical model and some
+    models have almost none (30 models, 10 prompts each: 0 to 8 of 10): both are redrawn."""
+    for _ in range(20):
+        model = build_glm(rng.randrange(2**31), index_top_k=1024)
+        for _ in range(10):
+            ids = [rng.randrange(VOCAB) for _ in range(length)]
+            if router_margin(model, ids) >= MIN_ROUTER_MARGIN:
+                return model, ids
+    pytest.fail(f"20 models, 10 prompts each: every prompt had a router near tie (< {MIN_ROUTER_MARGIN})")
 
 
 def test_a_sparse_prompt_gives_the_same_logits_in_chunks_and_steps(tmp_path, seed):
