@@ -22,6 +22,9 @@
 #   bash bench/device_prompt_split.sh OUT_DIR 6   where an agent turn's time goes: bench/agent_profile.py on the
 #                                                 agent session (qwen3.6-35b-a3b bf16 32 GiB, 20K, split auto), tool
 #                                                 turns 13 and 14 against the edit turn 16 (traces)
+#   bash bench/device_prompt_split.sh OUT_DIR 7   the device waiting for each CPU part (io/host_take.py's signaled
+#                                                 take): its GPU tests and the decode doorbell's (which shares its
+#                                                 flag code), then bench/prefill_profile.py as in part 5 (traces)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -68,5 +71,14 @@ elif [ "$part" = 6 ]; then
   timeout 400 python3 bench/agent_profile.py $q36 --vram-budget 32GiB --session-tokens 20000 --turns 13,14,16 \
     --prefill-split auto --trace-dir "$out" 2>&1 | grep -v "━" > "$out/agent_profile.txt"
   grep -E '"(turn|kind|wall_s|copy_busy_s|kernel_busy_s|cpu_parts_s|serial_s)"' "$out/agent_profile.txt"
+  find "$out" -name "*.json.gz" -size +15M -delete
+elif [ "$part" = 7 ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
+    tests/test_device_plan.py -k "prefill or streamed or take or device_step or doorbell or join or abandoned" 2>&1 \
+    | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|Error" | tail -20
+  timeout 200 python3 bench/prefill_profile.py $q30 --tokens 2048,8192 --vram-budget 32GiB --prefill-split off,auto \
+    --trace-dir "$out" 2>&1 | grep -v "━" > "$out/prefill_profile.txt"
+  grep -E '"(prefill_split|tokens|unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|serial_median_ms|cpu_parts_s|device_take_s)"' \
+    "$out/prefill_profile.txt"
   find "$out" -name "*.json.gz" -size +15M -delete
 fi

@@ -99,19 +99,26 @@ def h2d_waits(events: list[dict], copies: list[dict]) -> dict:
 
 def cpu_parts(events: list[dict], copy_busy: list[tuple[float, float]], kernel_busy: list[tuple[float, float]]
               ) -> dict:
-    """The split's CPU parts on the host's clock: each from its start's end to its finish's end
-    (the kernel ran in between), the copy engine's and the device kernels' busy time inside them,
-    and the serial stretches between one part's finish and the next one's start."""
-    marks = {name: sorted((e for e in events if e.get("name") == f"ftc.stream_cpu.{name}"
-                           and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])  # the host's, not the GPU's
-             for name in ("start", "finish")}
-    parts = [(span(s)[1], span(f)[1]) for s, f in zip(marks["start"], marks["finish"], strict=False)]
+    """The split's CPU parts: each from its start's end on the host (the kernel starts there) to
+    its result's arrival: the end of the device's take that waited for it (`_take_when_signaled`),
+    or where the host waited for the kernel, its finish's end; the copy engine's and the device
+    kernels' busy time inside them, the device's waits in the takes, and the serial stretches
+    between one part's result and the next one's start."""
+    def marks(name: str) -> list[dict]:
+        return sorted((e for e in events if e.get("name") == f"ftc.stream_cpu.{name}"
+                       and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])  # the host's, not the GPU's
+
+    takes = sorted((e for e in events if e.get("cat") == "kernel" and "_take_when_signaled" in e.get("name", "")),
+                   key=lambda e: e["ts"])
+    ends = [span(e)[1] for e in (takes or marks("finish"))]
+    parts = [(span(s)[1], end) for s, end in zip(marks("start"), ends, strict=False)]
     if not parts:
         return {}
     gaps = [(a[1], b[0]) for a, b in zip(parts, parts[1:], strict=False)]
     total = lambda spans: sum(b - a for a, b in spans)  # noqa: E731
     return {"cpu_parts": len(parts), "cpu_parts_s": round(total(parts), 4),
             "copy_busy_in_parts_s": round(overlap(parts, copy_busy), 4),
+            "device_takes": len(takes), "device_take_s": round(sum(e["dur"] for e in takes) / 1e6, 4),
             "serial_s": round(total(gaps), 4), "copy_busy_in_serial_s": round(overlap(gaps, copy_busy), 4),
             "kernel_busy_in_serial_s": round(overlap(gaps, kernel_busy), 4),
             "serial_median_ms": round(sorted(b - a for a, b in gaps)[len(gaps) // 2] * 1e3, 3) if gaps else None}

@@ -113,7 +113,8 @@ def _routing(rng: random.Random, e: int, n: int, same: bool = False) -> torch.Te
     return torch.tensor([first if same else rng.sample(range(e), 2) for _ in range(n)])
 
 
-def _check(setup, rng: random.Random, ids: torch.Tensor, threads: int, background: bool = False) -> None:
+def _check(setup, rng: random.Random, ids: torch.Tensor, threads: int, background: bool = False,
+           signaled: bool = False) -> None:
     isa, spec, pool, expert_weights, _, lib = setup
     cpus = (physical_cpus() * threads)[:threads]
     kernel = CpuExpertKernel(lib, isa, spec.hidden_size, spec.moe.expert_intermediate_size, cpus, background)
@@ -125,7 +126,13 @@ def _check(setup, rng: random.Random, ids: torch.Tensor, threads: int, backgroun
     out = torch.randn(n, spec.hidden_size, generator=g)  # the kernel accumulates: start from noise, not zeros
     start = out.clone()
     args = (pool.experts, x, out, *group_by_expert(layer * e, ids, weights))
-    if background:
+    if signaled:  # the end flag, in a cache line of other values the pool must leave alone
+        flag, value = torch.randint(-2**40, 0, (8,), generator=g), rng.randrange(1, 2**40)
+        before = flag.clone()
+        kernel.start_signaled(*args, flag, value)
+        kernel.wait()  # never before the flag is raised
+        assert int(flag[0]) == value and torch.equal(flag[1:], before[1:]), f"flag {flag.tolist()}, value {value}"
+    elif background:
         kernel.start(*args)
         kernel.wait()
     else:
@@ -167,6 +174,26 @@ def test_background_job_equals_the_reference(setup, threads, seed):
     rng = random.Random(seed)
     for n in (1, 4, 9):
         _check(setup, rng, _routing(rng, spec.moe.num_experts, n), threads=threads, background=True)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_signaled_job_raises_its_flag_once_done(setup, background, seed):
+    """start_signaled: the job equals the reference and its end flag holds the value by the time
+    wait() returns (a pool with the caller's thread runs it there, then signals); a job with no
+    pairs signals at once."""
+    isa, spec, pool, *_, lib = setup
+    rng = random.Random(seed)
+    for n in (1, 6, 70):
+        _check(setup, rng, _routing(rng, spec.moe.num_experts, n), threads=2, background=background, signaled=True)
+    kernel = CpuExpertKernel(lib, isa, spec.hidden_size, spec.moe.expert_intermediate_size, physical_cpus()[:2],
+                             background)
+    flag, value = torch.zeros(8, dtype=torch.int64), rng.randrange(1, 2**40)
+    x = torch.zeros(1, spec.hidden_size)
+    none = torch.zeros(0, dtype=torch.int64)
+    kernel.start_signaled(pool.experts, x, x.clone(), none, torch.zeros(1, dtype=torch.int32),
+                          none.to(torch.int32), none.float(), flag, value)
+    assert int(flag[0]) == value, f"seed={seed}: a job with nothing to run did not signal"
+    kernel.wait()
 
 
 def test_experts_of_many_tokens(setup, seed):

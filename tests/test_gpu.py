@@ -4,6 +4,7 @@ the all-CPU engine. Marked `gpu`: skipped where CUDA is absent; run on the devic
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,39 @@ def test_take_from_host_reads_pinned_memory_through_its_mapping(seed):
         assert torch.equal(got.cpu(), want), f"seed={seed} {tuple(host.shape)}"
         assert not host.any() and torch.equal(whole[n:], rest), f"seed={seed} {tuple(host.shape)}"
         whole.normal_(generator=g)
+
+
+def test_take_when_signaled_waits_on_the_device_for_the_hosts_flag(seed):
+    """The device waits for a pinned flag, then adds the host buffer the host filled meanwhile and
+    zeroes it (over more blocks than programs: each takes every PROGRAMS-th); with the flag
+    already raised it takes at once and says it did not wait; a flag that never comes gives up,
+    leaves both alone and tells the host."""
+    from ftc_runtime.io.host_take import BLOCK, PROGRAMS, signal_relay, take_when_signaled
+
+    g = torch.Generator().manual_seed(seed)
+    n = (PROGRAMS + 3) * BLOCK + 5
+    host, flag = torch.zeros(n).pin_memory(), torch.zeros(8, dtype=torch.int64).pin_memory()
+    relay, status = signal_relay("cuda"), torch.zeros(2, dtype=torch.int64, device="cuda")
+    start = torch.randn(n, generator=g)
+    out = start.cuda()
+    take_when_signaled(out, host, flag, 1, relay, status)
+    time.sleep(0.05)  # the device spins meanwhile
+    result = torch.randn(n, generator=g)
+    host.copy_(result)
+    flag[0] = 1
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), start + result), f"seed={seed}"
+    assert not host.any() and status.tolist() == [0, 1], f"seed={seed}: status {status.tolist()}"
+    host.copy_(result)
+    flag[0] = 2
+    take_when_signaled(out, host, flag, 2, relay, status)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), start + 2 * result) and not host.any() and status.tolist() == [0, 0]
+    host.copy_(result)
+    take_when_signaled(out, host, flag, 3, relay, status, spins=1000)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), start + 2 * result) and torch.equal(host, result), f"seed={seed}"
+    assert status[0] == 1, f"seed={seed}: a flag that never came was not reported"
 
 
 def test_grouped_expert_kernel_matches_the_torch_path(engine_dir, seed):

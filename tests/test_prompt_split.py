@@ -169,13 +169,13 @@ def test_split_chunks_equal_copying_every_expert(engine_dir, cpu_engine, monkeyp
     computed: list[np.ndarray] = []
     real_start, real_finish = StreamCpuPart.start, StreamCpuPart.finish
 
-    def start(part, x, pairs, rows):
+    def start(part, layer, x, pairs, rows):
         assert (experts.store.cache.slot_of[rows] < 0).all(), f"seed={seed}: the CPU's experts are cached"
         computed.append(rows.copy())
-        real_start(part, x, pairs, rows)
+        real_start(part, layer, x, pairs, rows)
 
-    def finish(part, out):
-        real_finish(part, out)
+    def finish(part, out, copies_landed):
+        real_finish(part, out, copies_landed)
         assert (experts.store.cache.slot_of[computed[-1]] < 0).all(), f"seed={seed}: a CPU expert was filled"
 
     monkeypatch.setattr(StreamCpuPart, "start", start)

@@ -69,16 +69,24 @@ void WorkerPool::worker_loop(int tid, int cpu) {
     if (stop_) return;
     fn_(tid, n_, ctx_);
     stamp_end();
+    // The last thread signals before it reports done, so that wait() never returns before the
+    // signal (a later job's signal could otherwise be overwritten by this one's).
+    if (end_flag_ != nullptr && signal_pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      signal(end_flag_, end_value_);
+    }
     pending_.fetch_sub(1, std::memory_order_acq_rel);
   }
 }
 
-void WorkerPool::wake(JobFn fn, void* ctx) {
+void WorkerPool::wake(JobFn fn, void* ctx, uint64_t* end_flag, uint64_t end_value) {
   const int64_t t = now_ns();
   job_start_ns_.store(t, std::memory_order_relaxed);
   job_end_ns_.store(t, std::memory_order_relaxed);
   fn_ = fn;
   ctx_ = ctx;
+  end_flag_ = end_flag;
+  end_value_ = end_value;
+  signal_pending_.store(static_cast<int>(threads_.size()), std::memory_order_relaxed);
   pending_.store(static_cast<int>(threads_.size()), std::memory_order_relaxed);
   generation_.fetch_add(1, std::memory_order_release);
   generation_.notify_all();
@@ -97,6 +105,19 @@ void WorkerPool::start(JobFn fn, void* ctx) {
     return;
   }
   wake(fn, ctx);
+}
+
+void WorkerPool::start_signaled(JobFn fn, void* ctx, uint64_t* flag, uint64_t value) {
+  if (caller_joins_) {
+    run(fn, ctx);
+    signal(flag, value);
+    return;
+  }
+  wake(fn, ctx, flag, value);
+}
+
+void WorkerPool::signal(uint64_t* flag, uint64_t value) {
+  std::atomic_ref<uint64_t>(*flag).store(value, std::memory_order_release);
 }
 
 void WorkerPool::wait() {

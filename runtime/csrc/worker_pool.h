@@ -30,6 +30,12 @@ class WorkerPool {
   // Starts fn on the pool threads and returns at once; only without caller_joins. ctx must live
   // until wait() returns.
   void start(JobFn fn, void* ctx);
+  // start(), and once the job's last thread ends, *flag = value (a release store) before wait()
+  // can return: a GPU that polls the flag through its mapping of pinned memory takes the result
+  // then, with no host thread in between. With caller_joins the job runs here, then signals.
+  void start_signaled(JobFn fn, void* ctx, uint64_t* flag, uint64_t value);
+  // *flag = value (a release store): the signal of a job that had nothing to run.
+  static void signal(uint64_t* flag, uint64_t value);
   // Returns when the job last started has finished on every pool thread.
   void wait();
   // Waits until every thread of the running job has reached this barrier.
@@ -40,7 +46,7 @@ class WorkerPool {
 
  private:
   void worker_loop(int tid, int cpu);
-  void wake(JobFn fn, void* ctx);
+  void wake(JobFn fn, void* ctx, uint64_t* end_flag = nullptr, uint64_t end_value = 0);
   void stamp_end();
 
   int n_;
@@ -50,8 +56,11 @@ class WorkerPool {
   JobFn fn_ = nullptr;
   void* ctx_ = nullptr;
   bool stop_ = false;
+  uint64_t* end_flag_ = nullptr;  // the running job's end signal (start_signaled), else null
+  uint64_t end_value_ = 0;
   alignas(64) std::atomic<uint64_t> generation_{0};
   alignas(64) std::atomic<int> pending_{0};
+  alignas(64) std::atomic<int> signal_pending_{0};  // threads yet to end before the end signal
   alignas(64) std::atomic<int> barrier_count_{0};
   alignas(64) std::atomic<uint32_t> barrier_phase_{0};
   std::atomic<int64_t> job_start_ns_{0};

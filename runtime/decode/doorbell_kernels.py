@@ -19,9 +19,8 @@ graph to hold:
 is one program per column block, each loading its pairs' rows before the wait, and the answer has
 one poller: program 0 polls the mapped flag and relays the answer through device memory to the
 others (docs/performance.md: a join whose every program polled the mapped flag slowed each call
-with CPU experts). The mapped flags are read and written with `ld.acquire.sys` / `st.release.sys`
-(inline PTX): plain loads could be served from a stale line, and system-scope atomics would need
-PCIe atomics from the host bridge; the relay with their `gpu`-scope forms.
+with CPU experts). The mapped flags are read and written with `io.mapped_flags`' acquire loads
+and release stores at system scope, the relay at `gpu` scope.
 """
 
 from __future__ import annotations
@@ -34,24 +33,11 @@ from ftc_runtime.decode.cpu_doorbell import DONE, RING, CpuDoorbell, DoorbellErr
 from ftc_runtime.decode.device_plan import LayerPlan, PlanRule
 from ftc_runtime.decode.plan_kernel import padded_entries
 from ftc_runtime.io.host_memory import MappedHost
+from ftc_runtime.io.mapped_flags import store_release, wait_relayed
 
 XBLOCK = 4096  # elements of x a step of `post_job` moves
 JOIN_ELEMENTS = 8192  # (pair entry, column) elements the join holds at once
 SPINS = 1 << 24  # looks at the answer flag before a wait gives up (each crosses PCIe: seconds in all)
-
-
-@triton.jit
-def _store_release(ptr, value, SCOPE: tl.constexpr):
-    """*ptr = value (int64), every earlier write visible first at `SCOPE` ("sys": to the host)."""
-    tl.inline_asm_elementwise("fence.acq_rel." + SCOPE + ";\nst.relaxed." + SCOPE + ".global.b64 [$1], $2;\n"
-                              "mov.u32 $0, 0;", "=r,l,l", [ptr, value], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _load_acquire(ptr, SCOPE: tl.constexpr):
-    """*ptr (int64), read past any stale line, later reads ordered after it at `SCOPE`."""
-    return tl.inline_asm_elementwise("ld.acquire." + SCOPE + ".global.b64 $0, [$1];", "=l,l", [ptr],
-                                     dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -76,7 +62,7 @@ def _post_job(counts, cpu_ids, cpu_offsets, cpu_tok, cpu_w, x, n_tokens, n, hidd
         seq = tl.load(counter) + 1
         tl.debug_barrier()  # every thread's writes to the mailbox before the ring
         tl.store(counter, seq)
-        _store_release(ring, seq, "sys")
+        store_release(ring, seq, "sys")
 
 
 @triton.jit
@@ -90,34 +76,17 @@ def _tune(counts, bias, waited, step):
 
 @triton.jit
 def _answered(done, relay, seq, status, counts, bias, step, SPINS: tl.constexpr, TUNE: tl.constexpr):
-    """Whether the call has the CPU's answer to add: it posted job `seq` and the CPU answered it.
-    Program 0 polls the mapped flag, tunes the split and relays the answer (relay[1]: answered,
-    relay[0]: the job) in device memory; the others wait for the relay."""
+    """Whether the call has the CPU's answer to add: it posted job `seq` and the CPU answered it
+    (`wait_relayed`: program 0 polls the mapped flag and relays the answer). Program 0 also tunes
+    the split, by whether it had to wait (a call without a job did not)."""
     job = tl.load(counts + 2) > 0  # `post_job` rang for this call
     answered = seq >= 0  # true: a call without a job has nothing to wait for
-    if tl.program_id(0) == 0:
-        spins = 0
-        if job:
-            flag = _load_acquire(done, "sys")
-            while (flag < seq) & (spins < SPINS):
-                flag = _load_acquire(done, "sys")
-                spins += 1
-            answered = flag >= seq
-            if flag < seq:  # no answer: the step's result is wrong, and the host is told
-                tl.store(status, 1)
-            tl.store(relay + 1, answered.to(tl.int64))
-            tl.debug_barrier()  # the answer's store before the relay's release
-            _store_release(relay, seq, "gpu")
-        if TUNE:
-            if answered:
-                _tune(counts, bias, spins > 0, step)
-    elif job:
-        relayed = _load_acquire(relay, "gpu")
-        spins = 0
-        while (relayed < seq) & (spins < SPINS):
-            relayed = _load_acquire(relay, "gpu")
-            spins += 1
-        answered = (relayed >= seq) & (tl.load(relay + 1) != 0)
+    waited = seq < 0
+    if job:
+        answered, waited = wait_relayed(done, relay, seq, status, SPINS)
+    if TUNE:
+        if (tl.program_id(0) == 0) & answered:
+            _tune(counts, bias, waited, step)
     return job & answered
 
 

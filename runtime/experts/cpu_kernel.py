@@ -58,6 +58,11 @@ class CpuExpertKernel:
         for fn in (self.lib.ftc_expert_ffn, self.lib.ftc_expert_ffn_start):
             fn.restype = _i32
             fn.argtypes = [_p, _p, _i64, _i32, _p, _p, _i32, _p, _p, _p, _p, _p]
+        self.can_signal = hasattr(self.lib, "ftc_expert_ffn_start_signaled")  # engines built before it lack it
+        if self.can_signal:
+            self.lib.ftc_expert_ffn_start_signaled.restype = _i32
+            self.lib.ftc_expert_ffn_start_signaled.argtypes = [_p, _p, _i64, _i32, _p, _p, _i32, _p, _p, _p, _p, _p,
+                                                               _p, ctypes.c_uint64]
         self.hidden, self.intermediate, self.isa = hidden, intermediate, isa
         self.n_threads, self.background = len(cpus), background
         self._pool = self.lib.ftc_pool_create(len(cpus), (ctypes.c_int * len(cpus))(*cpus), int(not background))
@@ -89,6 +94,19 @@ class CpuExpertKernel:
         self._lock.acquire()  # released by wait()
         self._in_flight = (experts, x, out, expert_ids, offsets, tok_idx, tok_w)
         self._call(self.lib.ftc_expert_ffn_start, *self._in_flight)
+
+    def start_signaled(self, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor,
+                       offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor, flag: torch.Tensor,
+                       value: int) -> None:
+        """`start`, and once the job has ended flag[0] (int64, pinned beside a GPU) = value, before
+        `wait()` can return: the device can wait for the result itself (`io.host_take`) while the
+        caller queues more work (`can_signal`: the library has it)."""
+        if flag.dtype != torch.int64 or not flag.is_contiguous() or flag.numel() < 1:
+            raise ValueError(f"CpuExpertKernel: the end flag must be a contiguous int64 tensor, got {flag.dtype}")
+        self._lock.acquire()  # released by wait()
+        self._in_flight = (experts, x, out, expert_ids, offsets, tok_idx, tok_w, flag)
+        self._call(self.lib.ftc_expert_ffn_start_signaled, experts, x, out, expert_ids, offsets, tok_idx, tok_w,
+                   flag.data_ptr(), value)
 
     def on_cpus(self, cpus: list[int], background: bool) -> CpuExpertKernel:
         """The same kernel library on another worker pool."""
@@ -139,7 +157,7 @@ class CpuExpertKernel:
         return self.lib.ftc_pool_job_seconds(self._pool)
 
     def _call(self, fn, experts: torch.Tensor, x: torch.Tensor, out: torch.Tensor, expert_ids: torch.Tensor,
-              offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor) -> None:
+              offsets: torch.Tensor, tok_idx: torch.Tensor, tok_w: torch.Tensor, *extra: int) -> None:
         n_tokens, n_pairs = x.shape[0], tok_idx.numel()
         for name, t, dt in (("x", x, torch.float32), ("out", out, torch.float32),
                             ("expert_ids", expert_ids, torch.int64), ("offsets", offsets, torch.int32),
@@ -156,4 +174,4 @@ class CpuExpertKernel:
             self._workspace = torch.empty(need, dtype=torch.uint8)
         fn(self._pool, experts.data_ptr(), experts.stride(0), n_tokens, x.data_ptr(), out.data_ptr(),
            expert_ids.numel(), expert_ids.data_ptr(), offsets.data_ptr(), tok_idx.data_ptr(), tok_w.data_ptr(),
-           self._workspace.data_ptr())
+           self._workspace.data_ptr(), *extra)

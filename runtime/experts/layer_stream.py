@@ -19,16 +19,15 @@ are queued as soon as the slots allow, from the chunk's start, behind the copies
 With a CPU part (`StreamCpuPart`, FreeToken's split applied to prompts), each layer's copies
 leave out some of its uncached experts, as many as `PromptSplit` says the CPU computes in the
 time the copies take: those stay in host memory (not filled: the cache keeps its set) and the
-CPU computes them in place while the device computes the rest. The host's clock from one layer's
-CPU end to the next one's start (the next layer's input needs this one's result) tells the split
-what a CPU part costs beyond its own work, where the layer's copies had landed by the CPU's end.
-Where they had landed by the layer's routing, the CPU got too many: the chunk's next layers give
-it fewer.
+CPU computes them in place while the device computes the rest (beside a GPU the device waits for
+the CPU's result, and the host queues on). The stretch from one layer's CPU end to the next one's
+start (the next layer's input needs this one's result) tells the split what a CPU part costs
+beyond its own work (`StreamCpuPart`). Where a layer's copies had landed by its routing, the CPU
+got too many: the chunk's next layers give it fewer.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -55,8 +54,6 @@ class LayerStream:
                  n_tokens: int = 0):
         self.store, self.stats, self.overlap, self.cpu, self.n_tokens = store, stats, overlap, cpu, n_tokens
         self.on_cpu: dict[int, np.ndarray] = {}  # MoE layer → FTW rows of the experts the CPU computes
-        # the last CPU part's MoE layer and its end (host clock); None after one that waited for copies
-        self.cpu_end: tuple[int, float] | None = None
         self.cpu_cap: int | None = None  # at most this many CPU experts a layer from now on (None: the split's)
         self.known = {j: np.unique(np.asarray(experts, dtype=np.int64)) for j, experts in (known or {}).items()}
         need = stream_slots(store.num_experts, overlap)
@@ -190,9 +187,7 @@ class LayerStream:
             if landed is not None and self.loaded_during.get(j) == j - 1:  # did the device find them done?
                 self._cap_cpu(on_cpu.size, landed.query())
         if n_cpu:  # the CPU's pairs lead the list; it starts on them before this layer's copies land
-            if self.cpu_end is not None and self.cpu_end[0] == j - 1:  # the serial stretch between them
-                self.cpu.split.record_serial(self.n_tokens, time.perf_counter() - self.cpu_end[1])
-            self.cpu.start(x, pairs[:, :n_cpu], on_cpu)
+            self.cpu.start(j, x, pairs[:, :n_cpu], on_cpu)
             pairs = pairs[:, n_cpu:]
         if landed is not None:
             torch.cuda.current_stream(x.device).wait_event(landed)
@@ -200,11 +195,9 @@ class LayerStream:
             with self.stats.compute.measure():
                 self.store.grouped_on_device(x.contiguous(), pairs, out)
         if n_cpu:
-            self.cpu.finish(out)
-            # Copies still landing at the CPU's end hold the next layer's routing back: that stretch
-            # measures the copies, not what a CPU part costs, and is not counted.
-            copy_bound = landed is not None and not landed.query()
-            self.cpu_end = None if copy_bound else (j, time.perf_counter())
+            self.cpu.finish(out, lambda: landed is None or landed.query())
+        if self.cpu is not None and j == self.num_layers - 1:
+            self.cpu.join()  # the chunk's last part: its pool is free for the next chunk or decode
         if self.on_gpu:
             self.last_done = torch.cuda.Event()
             self.last_done.record(torch.cuda.current_stream(x.device))

@@ -197,7 +197,8 @@ class OffloadedExperts(ExpertBackend):
             self._close_doorbell()  # the CPU part starts the kernel itself
             cpu = StreamCpuPart(self.kernel, self.pool.experts, self.prompt_split,
                                 lambda name, t, width, dtype, zeroed: self._buffer(name, t, width, dtype=dtype,
-                                                                                   zeroed=zeroed), self.stats)
+                                                                                   zeroed=zeroed), self.stats,
+                                n_tokens, self.device)
         self._stream = LayerStream(self.store, self.stats, self.stream_overlap,
                                    known_routes if self.routing is None else None, cpu, n_tokens)
 

@@ -6,12 +6,22 @@ as the slot code `cpu_code(i)`, below every real slot, so its pairs lead the lis
 the layer's input come down once, the generated CPU kernel runs them on its worker pool (in the
 background beside a GPU, while the device computes the rest), and their weighted sum goes back up
 once, added to the device's part by a kernel that reads it through the buffer's mapping and
-leaves the buffer zeroed for the next part. The kernel's own time feeds the split's estimate.
+leaves the buffer zeroed for the next part.
+
+Beside a GPU the device waits for the CPU, not the host: the pool's last thread raises a flag in
+pinned memory when the job ends, and the take polls it (`io.host_take.take_when_signaled`), so the
+host goes on to queue the next layer's attention and router while the CPU computes. The host
+joins the job at the next part's start (the device has reached the next routing, so the job is
+long done), where the kernel's own time feeds the split's estimate, and so does the stretch from
+its end to that start where the CPU was the side the device waited for. Without a GPU (or with an
+engine's kernel library built before the flag) the host waits and adds the result itself.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,16 +37,45 @@ FIRST_CPU_CODE = -2  # -1 stays "not resident"; the CPU's experts are -2, -3, ..
 HostBuffer = Callable[[str, int, int, torch.dtype, bool], torch.Tensor]
 
 
+class CpuPartError(RuntimeError):
+    """The CPU's part of a streamed layer never signalled its end: that chunk's output is wrong."""
+
+
 def cpu_codes(n: int) -> np.ndarray:
     """The slot codes of the CPU's experts 0 .. n-1 (int32)."""
     return (FIRST_CPU_CODE - np.arange(n)).astype(np.int32)
 
 
+@dataclass
+class _Part:
+    layer: int
+    result: torch.Tensor  # the host buffer the kernel accumulates into
+    experts: int
+    pairs: int
+    started: float  # the host's clock at the kernel's start
+    seq: int  # the job's number on the end flag; 0: not signalled (the host waits)
+    cpu_last: bool = False  # the CPU ended after the layer's copies had landed (a non-signalled part)
+
+
 class StreamCpuPart:
+    """The CPU parts of one streamed chunk of `n_tokens` tokens. `buffer` gives the reused host
+    buffers (pinned beside a GPU); with `device` a GPU and a kernel that can signal, the device
+    waits for each part itself."""
+
     def __init__(self, kernel: CpuExpertKernel, host_rows: torch.Tensor, split: PromptSplit, buffer: HostBuffer,
-                 stats: OffloadStats):
+                 stats: OffloadStats, n_tokens: int, device: torch.device):
         self.kernel, self.host_rows, self.split, self.buffer, self.stats = kernel, host_rows, split, buffer, stats
-        self._running: tuple[torch.Tensor, int, int] | None = None  # the result buffer, experts, pairs
+        self.n_tokens = n_tokens
+        self._running: _Part | None = None  # started, not yet handed to its take
+        self._taken: _Part | None = None  # handed to its take, not yet joined on the host
+        self.signaled = device.type == "cuda" and kernel.can_signal
+        if self.signaled:
+            from ftc_runtime.io.host_take import signal_relay  # Triton: only beside a GPU
+
+            # The end flag counts jobs for the engine's life: each chunk goes on from the last.
+            self.flag = buffer("stream_cpu_flag", 1, 8, torch.int64, True)[0]  # a cache line of its own
+            self.relay = signal_relay(device)
+            self.status = torch.zeros(2, dtype=torch.int64, device=device)  # [gave up, the last take waited]
 
     def _result_buffer(self, t: int, hidden: int) -> torch.Tensor:
         """The buffer the kernel accumulates into: all zeros between parts, of this chunk and the
@@ -44,10 +83,11 @@ class StreamCpuPart:
         return self.buffer("stream_cpu_out", t, hidden, torch.float32, True)
 
     @torch.profiler.record_function("ftc.stream_cpu.start")  # a profile's trace shows the host's parts
-    def start(self, x: torch.Tensor, pairs: torch.Tensor, rows: np.ndarray) -> None:
-        """x [T, hidden] fp32 and the CPU's pairs [3, P] int32 (slot code, token, weight bits;
-        grouped by code) on the device; `rows[i]` the FTW row of the expert of code cpu_code(i).
-        Copies them to the host (the one wait for the device) and starts the kernel."""
+    def start(self, layer: int, x: torch.Tensor, pairs: torch.Tensor, rows: np.ndarray) -> None:
+        """MoE layer `layer`'s part: x [T, hidden] fp32 and the CPU's pairs [3, P] int32 (slot
+        code, token, weight bits; grouped by code) on the device; `rows[i]` the FTW row of the
+        expert of code cpu_code(i). Copies them to the host (the one wait for the device: its
+        routing), joins the part before and starts the kernel."""
         t, hidden = x.shape
         x_host = self.buffer("stream_cpu_x", t, hidden, torch.float32, False)
         pairs_host = self.buffer("stream_cpu_pairs", 3, pairs.shape[1], torch.int32, False)
@@ -55,33 +95,72 @@ class StreamCpuPart:
         pairs_host.copy_(pairs, non_blocking=True)
         if x.is_cuda:
             torch.cuda.current_stream(x.device).synchronize()
+        self._join(time.perf_counter(), layer)
         codes = pairs_host[0].numpy()  # sorted: each expert's pairs together, the experts in reverse
         starts = np.flatnonzero(np.diff(codes)) + 1
         offsets = np.concatenate([[0], starts, [codes.size]]).astype(np.int32)
         codes = codes[offsets[:-1]]
-        expert_ids = torch.from_numpy(np.ascontiguousarray(rows[FIRST_CPU_CODE - codes]))
-        out = self._result_buffer(t, hidden)  # the last part's take is done: the device is past it
-        self.kernel.start(self.host_rows, x_host, out, expert_ids, torch.from_numpy(offsets), pairs_host[1],
-                          pairs_host[2].view(torch.float32))
-        self._running = (out, codes.size, pairs.shape[1])
-
-    def abandon(self) -> None:
-        """A chunk that failed between `start` and `finish`: the kernel is joined, its result dropped."""
-        if self._running is not None:
-            result = self._running[0]
-            self._running = None
-            self.kernel.wait()
-            result.zero_()  # its partial sums: the next part finds the buffer zeroed
+        args = (self.host_rows, x_host, self._result_buffer(t, hidden),
+                torch.from_numpy(np.ascontiguousarray(rows[FIRST_CPU_CODE - codes])), torch.from_numpy(offsets),
+                pairs_host[1], pairs_host[2].view(torch.float32))
+        seq = int(self.flag[0]) + 1 if self.signaled else 0  # every job before has ended: joined
+        started = time.perf_counter()
+        if seq:
+            self.kernel.start_signaled(*args, self.flag, seq)
+        else:
+            self.kernel.start(*args)
+        self._running = _Part(layer, args[2], codes.size, pairs.shape[1], started, seq)
 
     @torch.profiler.record_function("ftc.stream_cpu.finish")
-    def finish(self, out: torch.Tensor) -> None:
-        """Waits for the kernel, then out (on the device) += its result, which leaves the buffer
-        zeroed (until then the part counts as running: `abandon` zeroes what it left)."""
-        result, experts, pairs = self._running
+    def finish(self, out: torch.Tensor, copies_landed: Callable[[], bool]) -> None:
+        """out (on the device) += the part's result, which leaves the buffer zeroed: queued behind
+        the job's end flag where the part is signalled, else once the host has waited for the
+        kernel (`copies_landed` then says whether the layer's copies had landed by the CPU's end)."""
+        part, self._running = self._running, None
+        if part.seq:
+            from ftc_runtime.io.host_take import take_when_signaled
+
+            take_when_signaled(out, part.result, self.flag, part.seq, self.relay, self.status)
+        else:
+            self.kernel.wait()
+            part.cpu_last = copies_landed()
+            self._add(out, part.result)
+        self._taken = part
+
+    def join(self) -> None:
+        """The chunk's last part, joined at its end (the host waits for the kernel)."""
+        self._join(None, None)
+
+    def abandon(self) -> None:
+        """A chunk that failed: the running kernel is joined and a result no take will read is
+        dropped (one handed to its take is zeroed by it, before the next part's routing)."""
+        part, self._running, self._taken = self._running, None, None
+        self.kernel.wait()
+        if part is not None:
+            part.result.zero_()
+
+    def _join(self, now: float | None, layer: int | None) -> None:
+        """Joins the part handed to its take: its kernel time feeds the split, and so does the
+        stretch from its end to `now` (the next part's start, of `layer`) where it was the layer
+        before and the device had to wait for the CPU."""
+        part, self._taken = self._taken, None
+        if part is None:
+            return
         self.kernel.wait()
         seconds = self.kernel.job_seconds()
-        self.split.record(experts, pairs, seconds)
+        self.split.record(part.experts, part.pairs, seconds)
         self.stats.cpu_s += seconds
+        if part.seq:
+            gave_up, waited = self.status.tolist()  # the device is past the take: a short read
+            if gave_up:
+                raise CpuPartError(f"the CPU part of MoE layer {part.layer} (job {part.seq}) did not signal its end "
+                                   "in time: that chunk's output is wrong")
+            part.cpu_last = bool(waited)
+        if now is not None and layer == part.layer + 1 and part.cpu_last:
+            self.split.record_serial(self.n_tokens, now - (part.started + seconds))
+
+    @staticmethod
+    def _add(out: torch.Tensor, result: torch.Tensor) -> None:
         if out.is_cuda:
             from ftc_runtime.io.host_take import take_from_host  # Triton: only beside a GPU
 
@@ -89,4 +168,3 @@ class StreamCpuPart:
         else:
             out += result
             result.zero_()
-        self._running = None
