@@ -24,7 +24,8 @@
 #                                                 turns 13 and 14 against the edit turn 16 (traces)
 #   bash bench/device_prompt_split.sh OUT_DIR 7   the device waiting for each CPU part (io/host_take.py's signaled
 #                                                 take): its GPU tests and the decode doorbell's (which shares its
-#                                                 flag code), then bench/prefill_profile.py as in part 5 (traces)
+#                                                 flag code), then bench/prefill_profile.py as in part 5 with
+#                                                 FTC_DEVICE_WAITS_CPU_PART=0, then 1 (traces)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -76,9 +77,12 @@ elif [ "$part" = 7 ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
     tests/test_device_plan.py -k "prefill or streamed or take or device_step or doorbell or join or abandoned" 2>&1 \
     | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|Error" | tail -20
-  timeout 200 python3 bench/prefill_profile.py $q30 --tokens 2048,8192 --vram-budget 32GiB --prefill-split off,auto \
-    --trace-dir "$out" 2>&1 | grep -v "━" > "$out/prefill_profile.txt"
-  grep -E '"(prefill_split|tokens|unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|serial_median_ms|cpu_parts_s|device_take_s)"' \
-    "$out/prefill_profile.txt"
+  for waits in 0 1; do
+    FTC_DEVICE_WAITS_CPU_PART=$waits timeout 200 python3 bench/prefill_profile.py $q30 --tokens 2048,8192 \
+      --vram-budget 32GiB --prefill-split off,auto --trace-dir "$out/waits$waits" 2>&1 | grep -v "━" \
+      > "$out/prefill_profile_waits$waits.txt"
+    grep -E '"(prefill_split|tokens|unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|serial_median_ms|cpu_parts_s|device_take_s)"' \
+      "$out/prefill_profile_waits$waits.txt"
+  done
   find "$out" -name "*.json.gz" -size +15M -delete
 fi

@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from ftc.codegen.render import render_triton_kernels
 from ftc_runtime.decode.device_plan import TUNE_STEP, CacheTables, LayerPlan, PlanRule, plan_layer
@@ -32,8 +34,9 @@ from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
 from ftc_runtime.experts.replay_kernel import replay_route_gpu
 from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay
 from ftc_runtime.formats import expert_format
+from ftc_runtime.io import mapped_flags
 from ftc_runtime.io.ftw import FtwHeader
-from ftc_runtime.io.host_take import BLOCK, take_mapped
+from ftc_runtime.io.host_take import BLOCK, take_mapped, take_mapped_when_signaled
 from ftc_runtime.models.layers.attention import attention_in
 from ftc_runtime.models.layers.decode_attention_kernel import MAX_SPANS, MIN_SPAN, decode_attention_gpu
 from ftc_runtime.models.layers.deltanet_step_kernel import deltanet_step_gpu
@@ -128,6 +131,44 @@ def check_host_take(seed: int) -> None:
         take_mapped(out, src)
         assert torch.equal(out, want), f"host take: {n} values"
         assert not src[:n].any() and torch.equal(src[n:], rest), f"host take: {n} values"
+
+
+@triton.jit
+def _plain_load(ptr, SCOPE: tl.constexpr):
+    return tl.load(ptr)
+
+
+def check_signaled_take(seed: int) -> None:
+    """The take that waits for a host flag, its flag loads plain (the interpreter runs no inline
+    PTX: the GPU tests hold the waiting): a raised flag takes the buffer and says it did not wait;
+    a flag short of the job gives up after its looks, says so and leaves both buffers alone, and
+    so does every take after it until the host clears the status."""
+    ptx = mapped_flags.load_acquire
+    mapped_flags.load_acquire = _plain_load
+    try:
+        _check_signaled_take(random.Random(seed + 2), torch.Generator().manual_seed(seed + 2))
+    finally:
+        mapped_flags.load_acquire = ptx
+
+
+def _check_signaled_take(rng: random.Random, g: torch.Generator) -> None:
+    status, seq = torch.zeros(2, dtype=torch.int64), 0
+    for n in (1, BLOCK + 1, rng.randrange(2, 5 * BLOCK)):
+        seq += 1
+        out, src = torch.randn(n, generator=g), torch.randn(n + 3, generator=g)
+        want, rest = out + src[:n], src[n:].clone()
+        take_mapped_when_signaled(out, src, torch.tensor([seq + rng.randrange(2)]), seq, status)
+        assert torch.equal(out, want), f"signaled take: {n} values"
+        assert not src[:n].any() and torch.equal(src[n:], rest), f"signaled take: {n} values"
+        assert status.tolist() == [0, 0], f"signaled take: status {status}"
+        src, before = torch.randn(n, generator=g), out.clone()
+        kept = src.clone()
+        for short in (True, False):
+            seq += 1
+            take_mapped_when_signaled(out, src, torch.tensor([seq - short]), seq, status, spins=3)
+            assert torch.equal(out, before) and torch.equal(src, kept), f"a take after a flag short of its job: {n}"
+            assert status[0] == 1, f"gave up: {status}"
+        status.zero_()
 
 
 def check_counts(rng: random.Random) -> None:
@@ -522,6 +563,7 @@ def main() -> None:
     check_plans(rng, g, runs, steps)
     check_fills(rng, g)
     check_host_take(seed)
+    check_signaled_take(seed)
     check_counts(rng)
     check_join(rng, g)
     check_decode_attention(rng, g)

@@ -133,11 +133,14 @@ def test_gpu_prefill_streaming_matches_the_cpu_engine(engine_dir, overlap, seed)
     assert near_best_share(a, b) >= 0.95
 
 
+@pytest.mark.parametrize("device_waits", [False, True])
 @pytest.mark.parametrize("split", ["0.5", "auto"])
-def test_gpu_prefill_split_matches_copying_every_expert(engine_dir, split, seed):
+def test_gpu_prefill_split_matches_copying_every_expert(engine_dir, split, device_waits, monkeypatch, seed):
     """Streamed chunks whose CPU computes part of each layer's uncached experts in place (half of
-    them, or as the rates say) beside the copies of the rest: logits against the same GPU engine
-    copying every expert and against the fp32 CPU engine; the CPU's experts never fill a slot."""
+    them, or as the rates say) beside the copies of the rest, the host or the device waiting for
+    the CPU's part: logits against the same GPU engine copying every expert and against the fp32
+    CPU engine; the CPU's experts never fill a slot."""
+    monkeypatch.setenv("FTC_DEVICE_WAITS_CPU_PART", str(int(device_waits)))
     rng = random.Random(seed)
     cpu = Engine.load(engine_dir)
     chunk = rng.randrange(24, 48)
@@ -149,6 +152,8 @@ def test_gpu_prefill_split_matches_copying_every_expert(engine_dir, split, seed)
     stats = engines[0].model.experts.stats
     assert stats.stream_cpu > 0 and stats.stream_layers > 0
     assert engines[1].model.experts.stats.stream_cpu == 0
+    flag = engines[0].model.experts._buffers.get(("stream_cpu_flag", True))  # the signalled jobs so far
+    assert (flag is not None and int(flag[0]) > 0) == device_waits, f"seed={seed}: {flag}"
     for got in (a, b):
         assert float((got - want).norm() / want.norm()) < 8e-2, f"seed={seed}"
         assert near_best_share(got, want) >= 0.95, f"seed={seed}"
@@ -179,18 +184,18 @@ def test_take_from_host_reads_pinned_memory_through_its_mapping(seed):
 
 def test_take_when_signaled_waits_on_the_device_for_the_hosts_flag(seed):
     """The device waits for a pinned flag, then adds the host buffer the host filled meanwhile and
-    zeroes it (over more blocks than programs: each takes every PROGRAMS-th); with the flag
-    already raised it takes at once and says it did not wait; a flag that never comes gives up,
-    leaves both alone and tells the host."""
-    from ftc_runtime.io.host_take import BLOCK, PROGRAMS, signal_relay, take_when_signaled
+    zeroes it; with the flag already raised it takes at once and says it did not wait; a flag that
+    never comes gives up, leaves both alone and tells the host, and the takes after it are skipped
+    until the host clears that."""
+    from ftc_runtime.io.host_take import BLOCK, take_when_signaled
 
     g = torch.Generator().manual_seed(seed)
-    n = (PROGRAMS + 3) * BLOCK + 5
+    n = 300 * BLOCK + 5
     host, flag = torch.zeros(n).pin_memory(), torch.zeros(8, dtype=torch.int64).pin_memory()
-    relay, status = signal_relay("cuda"), torch.zeros(2, dtype=torch.int64, device="cuda")
+    status = torch.zeros(2, dtype=torch.int64, device="cuda")
     start = torch.randn(n, generator=g)
     out = start.cuda()
-    take_when_signaled(out, host, flag, 1, relay, status)
+    take_when_signaled(out, host, flag, 1, status)
     time.sleep(0.05)  # the device spins meanwhile
     result = torch.randn(n, generator=g)
     host.copy_(result)
@@ -200,11 +205,13 @@ def test_take_when_signaled_waits_on_the_device_for_the_hosts_flag(seed):
     assert not host.any() and status.tolist() == [0, 1], f"seed={seed}: status {status.tolist()}"
     host.copy_(result)
     flag[0] = 2
-    take_when_signaled(out, host, flag, 2, relay, status)
+    take_when_signaled(out, host, flag, 2, status)
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), start + 2 * result) and not host.any() and status.tolist() == [0, 0]
     host.copy_(result)
-    take_when_signaled(out, host, flag, 3, relay, status, spins=1000)
+    take_when_signaled(out, host, flag, 3, status, spins=1000)
+    flag[0] = 4
+    take_when_signaled(out, host, flag, 4, status)
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), start + 2 * result) and torch.equal(host, result), f"seed={seed}"
     assert status[0] == 1, f"seed={seed}: a flag that never came was not reported"

@@ -20,7 +20,7 @@ is one program per column block, each loading its pairs' rows before the wait, a
 one poller: program 0 polls the mapped flag and relays the answer through device memory to the
 others (docs/performance.md: a join whose every program polled the mapped flag slowed each call
 with CPU experts). The mapped flags are read and written with `io.mapped_flags`' acquire loads
-and release stores at system scope, the relay at `gpu` scope.
+and release stores at system scope, the relay with their `gpu`-scope forms.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ftc_runtime.decode.cpu_doorbell import DONE, RING, CpuDoorbell, DoorbellErr
 from ftc_runtime.decode.device_plan import LayerPlan, PlanRule
 from ftc_runtime.decode.plan_kernel import padded_entries
 from ftc_runtime.io.host_memory import MappedHost
-from ftc_runtime.io.mapped_flags import store_release, wait_relayed
+from ftc_runtime.io.mapped_flags import load_acquire, store_release
 
 XBLOCK = 4096  # elements of x a step of `post_job` moves
 JOIN_ELEMENTS = 8192  # (pair entry, column) elements the join holds at once
@@ -76,17 +76,34 @@ def _tune(counts, bias, waited, step):
 
 @triton.jit
 def _answered(done, relay, seq, status, counts, bias, step, SPINS: tl.constexpr, TUNE: tl.constexpr):
-    """Whether the call has the CPU's answer to add: it posted job `seq` and the CPU answered it
-    (`wait_relayed`: program 0 polls the mapped flag and relays the answer). Program 0 also tunes
-    the split, by whether it had to wait (a call without a job did not)."""
+    """Whether the call has the CPU's answer to add: it posted job `seq` and the CPU answered it.
+    Program 0 polls the mapped flag, tunes the split and relays the answer (relay[1]: answered,
+    relay[0]: the job) in device memory; the others wait for the relay."""
     job = tl.load(counts + 2) > 0  # `post_job` rang for this call
     answered = seq >= 0  # true: a call without a job has nothing to wait for
-    waited = seq < 0
-    if job:
-        answered, waited = wait_relayed(done, relay, seq, status, SPINS)
-    if TUNE:
-        if (tl.program_id(0) == 0) & answered:
-            _tune(counts, bias, waited, step)
+    if tl.program_id(0) == 0:
+        spins = 0
+        if job:
+            flag = load_acquire(done, "sys")
+            while (flag < seq) & (spins < SPINS):
+                flag = load_acquire(done, "sys")
+                spins += 1
+            answered = flag >= seq
+            if flag < seq:  # no answer: the step's result is wrong, and the host is told
+                tl.store(status, 1)
+            tl.store(relay + 1, answered.to(tl.int64))
+            tl.debug_barrier()  # the answer's store before the relay's release
+            store_release(relay, seq, "gpu")
+        if TUNE:
+            if answered:
+                _tune(counts, bias, spins > 0, step)
+    elif job:
+        relayed = load_acquire(relay, "gpu")
+        spins = 0
+        while (relayed < seq) & (spins < SPINS):
+            relayed = load_acquire(relay, "gpu")
+            spins += 1
+        answered = (relayed >= seq) & (tl.load(relay + 1) != 0)
     return job & answered
 
 

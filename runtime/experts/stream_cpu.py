@@ -8,13 +8,14 @@ background beside a GPU, while the device computes the rest), and their weighted
 once, added to the device's part by a kernel that reads it through the buffer's mapping and
 leaves the buffer zeroed for the next part.
 
-Beside a GPU the device waits for the CPU, not the host: the pool's last thread raises a flag in
-pinned memory when the job ends, and the take polls it (`io.host_take.take_when_signaled`), so the
-host goes on to queue the next layer's attention and router while the CPU computes. The host
-joins the job at the next part's start (the device has reached the next routing, so the job is
-long done), where the kernel's own time feeds the split's estimate, and so does the stretch from
-its end to that start where the CPU was the side the device waited for. Without a GPU (or with an
-engine's kernel library built before the flag) the host waits and adds the result itself.
+With `FTC_DEVICE_WAITS_CPU_PART=1` beside a GPU the device waits for the CPU, not the host: the
+pool's last thread raises a flag in pinned memory when the job ends, and the take polls it
+(`io.host_take.take_when_signaled`), so the host goes on to queue the next layer's attention and
+router while the CPU computes. The host joins the job at the next part's start (the device has
+reached the next routing, so the job is long done). Otherwise (and without a GPU, or with an
+engine's kernel library built before the flag) the host waits for the kernel and adds the result
+itself. Either way the kernel's own time feeds the split's estimate, and so does the stretch from
+its end to the next part's start, where the CPU was the side the layer waited for.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from ftc_runtime.experts.cpu_kernel import CpuExpertKernel
 from ftc_runtime.experts.prompt_split import PromptSplit
 from ftc_runtime.experts.stats import OffloadStats
+from ftc_runtime.settings import settings
 
 FIRST_CPU_CODE = -2  # -1 stays "not resident"; the CPU's experts are -2, -3, ...
 
@@ -68,13 +70,10 @@ class StreamCpuPart:
         self.n_tokens = n_tokens
         self._running: _Part | None = None  # started, not yet handed to its take
         self._taken: _Part | None = None  # handed to its take, not yet joined on the host
-        self.signaled = device.type == "cuda" and kernel.can_signal
+        self.signaled = device.type == "cuda" and kernel.can_signal and settings().device_waits_cpu_part
         if self.signaled:
-            from ftc_runtime.io.host_take import signal_relay  # Triton: only beside a GPU
-
             # The end flag counts jobs for the engine's life: each chunk goes on from the last.
             self.flag = buffer("stream_cpu_flag", 1, 8, torch.int64, True)[0]  # a cache line of its own
-            self.relay = signal_relay(device)
             self.status = torch.zeros(2, dtype=torch.int64, device=device)  # [gave up, the last take waited]
 
     def _result_buffer(self, t: int, hidden: int) -> torch.Tensor:
@@ -120,7 +119,7 @@ class StreamCpuPart:
         if part.seq:
             from ftc_runtime.io.host_take import take_when_signaled
 
-            take_when_signaled(out, part.result, self.flag, part.seq, self.relay, self.status)
+            take_when_signaled(out, part.result, self.flag, part.seq, self.status)
         else:
             self.kernel.wait()
             part.cpu_last = copies_landed()

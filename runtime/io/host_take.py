@@ -20,34 +20,38 @@ import triton
 import triton.language as tl
 
 from ftc_runtime.io.host_memory import MappedHost, mapped_address
-from ftc_runtime.io.mapped_flags import wait_relayed
+from ftc_runtime.io.mapped_flags import wait_for_flag
 
 BLOCK = 4096  # fp32 values per program: enough loads in flight over PCIe
-# Programs of a signaled take, each over every PROGRAMS-th block: few enough that all of them are
-# resident at once, since the others spin until program 0 relays the flag
-PROGRAMS = 128
 SPINS = 1 << 26  # looks at the flag before the take gives up (each crosses PCIe: tens of seconds)
 
 
 @triton.jit
-def _take(out, src, n, BLOCK: tl.constexpr):
+def _add_block(out, src, n, BLOCK: tl.constexpr):
+    """out += src, src = 0 over the program's block; src's loads are volatile (no stale line): the
+    host may have written it after the launch was queued."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    tl.store(out + offs, tl.load(out + offs, mask=mask) + tl.load(src + offs, mask=mask), mask=mask)
+    y = tl.load(src + offs, mask=mask, volatile=True)
+    tl.store(out + offs, tl.load(out + offs, mask=mask) + y, mask=mask)
     tl.store(src + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
 
 
+@triton.jit
+def _take(out, src, n, BLOCK: tl.constexpr):
+    _add_block(out, src, n, BLOCK)
+
+
 @triton.jit(do_not_specialize=["seq"])  # a value, not a constant: the kernel waits on it
-def _take_when_signaled(out, src, n, flag, seq, relay, status, SPINS: tl.constexpr, BLOCK: tl.constexpr):
-    reached, waited = wait_relayed(flag, relay, seq, status, SPINS)
-    if tl.program_id(0) == 0:
-        tl.store(status + 1, waited.to(tl.int64))
-    if reached:
-        for block in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
-            offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < n
-            tl.store(out + offs, tl.load(out + offs, mask=mask) + tl.load(src + offs, mask=mask), mask=mask)
-            tl.store(src + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
+def _wait(flag, seq, status, SPINS: tl.constexpr):
+    wait_for_flag(flag, seq, status, SPINS)
+
+
+@triton.jit
+def _take_unless_given_up(out, src, n, status, BLOCK: tl.constexpr):
+    """`_take` after a wait, skipped where a wait gave up (the buffer may be half written)."""
+    if tl.load(status) == 0:
+        _add_block(out, src, n, BLOCK)
 
 
 def take_mapped(out: torch.Tensor, src: MappedHost | torch.Tensor) -> None:
@@ -74,27 +78,30 @@ def take_from_host(out: torch.Tensor, host: torch.Tensor) -> None:
         take_mapped(out, MappedHost(address, torch.float32))
 
 
-def signal_relay(device: torch.device | str) -> torch.Tensor:
-    """The device memory through which a signaled take's programs learn the flag's answer:
-    [the last job relayed, whether its flag was reached] (jobs numbered from 1)."""
-    return torch.zeros(2, dtype=torch.int64, device=device)
-
-
-def take_when_signaled(out: torch.Tensor, host: torch.Tensor, flag: torch.Tensor, seq: int, relay: torch.Tensor,
-                       status: torch.Tensor, spins: int = SPINS) -> None:
+def take_when_signaled(out: torch.Tensor, host: torch.Tensor, flag: torch.Tensor, seq: int, status: torch.Tensor,
+                       spins: int = SPINS) -> None:
     """Queues: once flag[0] (int64, pinned) reaches `seq`, out (fp32, contiguous, on the device)
     += host (pinned fp32 of out's shape, read through its mapping), host = 0. Where the flag
     does not get there within `spins` looks, out is left alone and status[0] (int64, on the
-    device) = 1: the caller checks it at a safe point; status[1] = whether the device had to
-    wait for the flag. `relay` from `signal_relay`, one per sequence of jobs."""
-    if host.shape != out.shape or host.dtype != torch.float32 or not host.is_contiguous() \
-            or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"take_when_signaled: host {tuple(host.shape)} {host.dtype} for out {tuple(out.shape)} "
-                         f"{out.dtype} (both contiguous fp32)")
+    device) = 1, and later takes are skipped too until the caller, which checks it at a safe
+    point, clears it; status[1] = whether the device had to wait for the flag. Two kernels: one
+    program waits, then the take's programs run (none of them spins waiting for another)."""
+    if host.shape != out.shape or host.dtype != torch.float32 or not host.is_contiguous():
+        raise ValueError(f"take_when_signaled: host {tuple(host.shape)} {host.dtype} for out {tuple(out.shape)}")
     src, flag_address = mapped_address(host, host.data_ptr()), mapped_address(flag, flag.data_ptr())
     if src is None or flag_address is None:
         raise ValueError("take_when_signaled: the buffer and the flag must be pinned host memory the device maps")
+    take_mapped_when_signaled(out, MappedHost(src, torch.float32), MappedHost(flag_address, torch.int64), seq,
+                              status, spins)
+
+
+def take_mapped_when_signaled(out: torch.Tensor, src: MappedHost | torch.Tensor, flag: MappedHost | torch.Tensor,
+                              seq: int, status: torch.Tensor, spins: int = SPINS) -> None:
+    """`take_when_signaled` over out's number of fp32 values, `src` and `flag` mapped host
+    addresses or tensors the kernels can read and write."""
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"take_when_signaled: out must be contiguous fp32, got {out.dtype} of stride {out.stride()}")
+    _wait[(1,)](flag, seq, status, SPINS=spins)
     n = out.numel()
-    _take_when_signaled[(max(1, min(PROGRAMS, triton.cdiv(n, BLOCK))),)](
-        out, MappedHost(src, torch.float32), n, MappedHost(flag_address, torch.int64), seq, relay, status,
-        SPINS=spins, BLOCK=BLOCK)
+    if n:
+        _take_unless_given_up[(triton.cdiv(n, BLOCK),)](out, src, n, status, BLOCK=BLOCK)
