@@ -27,19 +27,19 @@ SPINS = 1 << 26  # looks at the flag before the take gives up (each crosses PCIe
 
 
 @triton.jit
-def _add_block(out, src, n, BLOCK: tl.constexpr):
-    """out += src, src = 0 over the program's block; src's loads are volatile (no stale line): the
-    host may have written it after the launch was queued."""
+def _add_block(out, src, n, BLOCK: tl.constexpr, VOLATILE: tl.constexpr):
+    """out += src, src = 0 over the program's block; with VOLATILE src's loads skip any cached
+    line (the host wrote it after the launch was queued), at the cost of vector loads."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    y = tl.load(src + offs, mask=mask, volatile=True)
+    y = tl.load(src + offs, mask=mask, volatile=VOLATILE)
     tl.store(out + offs, tl.load(out + offs, mask=mask) + y, mask=mask)
     tl.store(src + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
 
 
 @triton.jit
 def _take(out, src, n, BLOCK: tl.constexpr):
-    _add_block(out, src, n, BLOCK)
+    _add_block(out, src, n, BLOCK, False)
 
 
 @triton.jit(do_not_specialize=["seq"])  # a value, not a constant: the kernel waits on it
@@ -51,7 +51,7 @@ def _wait(flag, seq, status, SPINS: tl.constexpr):
 def _take_unless_given_up(out, src, n, status, BLOCK: tl.constexpr):
     """`_take` after a wait, skipped where a wait gave up (the buffer may be half written)."""
     if tl.load(status) == 0:
-        _add_block(out, src, n, BLOCK)
+        _add_block(out, src, n, BLOCK, True)
 
 
 def take_mapped(out: torch.Tensor, src: MappedHost | torch.Tensor) -> None:
