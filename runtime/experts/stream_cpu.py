@@ -56,7 +56,8 @@ class _Part:
     pairs: int
     started: float  # the host's clock at the kernel's start
     seq: int  # the job's number on the end flag; 0: not signalled (the host waits)
-    cpu_last: bool = False  # the CPU ended after the layer's copies had landed (a non-signalled part)
+    seconds: float = 0.0  # the job's own time, once it has ended
+    cpu_last: bool = False  # the layer waited for the CPU: it ended after the device's side
 
 
 class StreamCpuPart:
@@ -122,6 +123,7 @@ class StreamCpuPart:
             take_when_signaled(out, part.result, self.flag, part.seq, self.status)
         else:
             self.kernel.wait()
+            self._record(part)
             part.cpu_last = copies_landed()
             self._add(out, part.result)
         self._taken = part
@@ -139,24 +141,28 @@ class StreamCpuPart:
             part.result.zero_()
 
     def _join(self, now: float | None, layer: int | None) -> None:
-        """Joins the part handed to its take: its kernel time feeds the split, and so does the
-        stretch from its end to `now` (the next part's start, of `layer`) where it was the layer
-        before and the device had to wait for the CPU."""
+        """Joins the part handed to its take (a signalled part's kernel time feeds the split here),
+        and the stretch from its end to `now` (the next part's start, of `layer`) feeds the split
+        where it was the layer before and the layer waited for the CPU."""
         part, self._taken = self._taken, None
         if part is None:
             return
-        self.kernel.wait()
-        seconds = self.kernel.job_seconds()
-        self.split.record(part.experts, part.pairs, seconds)
-        self.stats.cpu_s += seconds
         if part.seq:
+            self.kernel.wait()
+            self._record(part)
             gave_up, waited = self.status.tolist()  # the device is past the take: a short read
             if gave_up:
                 raise CpuPartError(f"the CPU part of MoE layer {part.layer} (job {part.seq}) did not signal its end "
                                    "in time: that chunk's output is wrong")
             part.cpu_last = bool(waited)
         if now is not None and layer == part.layer + 1 and part.cpu_last:
-            self.split.record_serial(self.n_tokens, now - (part.started + seconds))
+            self.split.record_serial(self.n_tokens, now - (part.started + part.seconds))
+
+    def _record(self, part: _Part) -> None:
+        """The ended job's own time (the pool's clock), into the split's estimate."""
+        part.seconds = self.kernel.job_seconds()
+        self.split.record(part.experts, part.pairs, part.seconds)
+        self.stats.cpu_s += part.seconds
 
     @staticmethod
     def _add(out: torch.Tensor, result: torch.Tensor) -> None:
