@@ -141,16 +141,19 @@ def _prefill(engine: Engine, ids: list[int]):
     return engine.prefill(torch.tensor(ids), cache, all_logits=True), cache
 
 
+@pytest.mark.parametrize("device_waits", [False, True])
 @pytest.mark.parametrize("split", ["auto", "share"])
 @pytest.mark.parametrize("overlap,slots,chunk", [(True, 40, 13), (False, 16, 11), (True, 32, 64),
                                                  (True, 64, 24), (False, 20, 30)])
 def test_split_chunks_equal_copying_every_expert(engine_dir, cpu_engine, monkeypatch, split, overlap, slots, chunk,
-                                                 seed):
+                                                 device_waits, seed):
     """Prompts in chunks that stream whole layers, the CPU computing part of each layer's uncached
-    experts (the rates decide, or a random fixed share): the logits of every token and the KV cache
+    experts (the rates decide, or a random fixed share), the host or the device (the CPU standing
+    in) waiting for each part: the logits of every token and the KV cache
     equal those of the same engine copying every expert, and the all-CPU engine's. The experts the
     CPU computes are uncached when it starts and when it ends (never filled), the first chunk's
     experts are all either copied or computed in place, and the slots hold their rows."""
+    monkeypatch.setenv("FTC_DEVICE_WAITS_CPU_PART", str(int(device_waits)))
     rng = random.Random(seed)
     e, n_moe = cpu_engine.spec.moe.num_experts, len(cpu_engine.spec.moe_layers)
     ids = [rng.randrange(256) for _ in range(rng.randrange(30, 90))]
@@ -191,8 +194,16 @@ def test_split_chunks_equal_copying_every_expert(engine_dir, cpu_engine, monkeyp
         assert torch.allclose(got_cache.kv.values(layer), want_cache.kv.values(layer), rtol=1e-4, atol=1e-5)
     if slots >= experts.stream_slots:
         assert experts.stats.stream_cpu > 0 and computed, f"seed={seed}: the CPU computed nothing"
-    if split == "share" and experts.stats.stream_cpu >= 2 * n_moe:  # every layer had a CPU part
-        assert experts.prompt_split.serial, f"seed={seed}: no stretch between CPU parts measured"
+        flag = experts._buffers.get(("stream_cpu_flag", True))  # the jobs that raised it
+        assert (flag is not None and int(flag[0]) == len(computed)) == device_waits, f"seed={seed}: {flag}"
+    if experts.stats.stream_cpu:
+        assert experts.prompt_split.measured, f"seed={seed}: no CPU part's time measured"
+    # Every layer had a CPU part: the stretches between them are measured where the layers waited
+    # for the CPU. With the host waiting that is each one here (no copies to wait for); with the
+    # device waiting, none: this engine's kernel runs its job at its start, so the CPU is done by
+    # the device's take.
+    if split == "share" and experts.stats.stream_cpu >= 2 * n_moe:
+        assert bool(experts.prompt_split.serial) != device_waits, f"seed={seed}: {experts.prompt_split.serial}"
     check_slots_hold_their_rows(experts)
 
 

@@ -8,14 +8,16 @@ background beside a GPU, while the device computes the rest), and their weighted
 once, added to the device's part by a kernel that reads it through the buffer's mapping and
 leaves the buffer zeroed for the next part.
 
-With `FTC_DEVICE_WAITS_CPU_PART=1` beside a GPU the device waits for the CPU, not the host: the
-pool's last thread raises a flag in pinned memory when the job ends, and the take polls it
+With `FTC_DEVICE_WAITS_CPU_PART=1` the device waits for the CPU, not the host: the pool's last
+thread raises a flag in pinned memory when the job ends, and the take polls it
 (`io.host_take.take_when_signaled`), so the host goes on to queue the next layer's attention and
 router while the CPU computes. The host joins the job at the next part's start (the device has
-reached the next routing, so the job is long done). Otherwise (and without a GPU, or with an
-engine's kernel library built before the flag) the host waits for the kernel and adds the result
-itself. Either way the kernel's own time feeds the split's estimate, and so does the stretch from
-its end to the next part's start, where the CPU was the side the layer waited for.
+reached the next routing, so the job is long done). Where the CPU stands in for the device, it
+waits for the flag itself, as the device would (the same bookkeeping, tested without a GPU).
+Otherwise (and with an engine's kernel library built before the flag) the host waits for the
+kernel and adds the result itself. Either way the kernel's own time feeds the split's estimate,
+and so does the stretch from its end to the next part's start, where the CPU was the side the
+layer waited for.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.settings import settings
 
 FIRST_CPU_CODE = -2  # -1 stays "not resident"; the CPU's experts are -2, -3, ...
+HOST_WAIT_S = 60.0  # where the CPU stands in for the device, how long it waits for a part's end flag
 
 # (name, rows, width, dtype, zeroed) → a reused host buffer [rows, width], pinned beside a GPU; all
 # zeros when made where `zeroed`
@@ -62,8 +65,8 @@ class _Part:
 
 class StreamCpuPart:
     """The CPU parts of one streamed chunk of `n_tokens` tokens. `buffer` gives the reused host
-    buffers (pinned beside a GPU); with `device` a GPU and a kernel that can signal, the device
-    waits for each part itself."""
+    buffers (pinned beside a GPU); with `FTC_DEVICE_WAITS_CPU_PART=1` and a kernel that can signal,
+    `device` waits for each part itself (the CPU standing in for a GPU waits as a GPU would)."""
 
     def __init__(self, kernel: CpuExpertKernel, host_rows: torch.Tensor, split: PromptSplit, buffer: HostBuffer,
                  stats: OffloadStats, n_tokens: int, device: torch.device):
@@ -71,7 +74,7 @@ class StreamCpuPart:
         self.n_tokens = n_tokens
         self._running: _Part | None = None  # started, not yet handed to its take
         self._taken: _Part | None = None  # handed to its take, not yet joined on the host
-        self.signaled = device.type == "cuda" and kernel.can_signal and settings().device_waits_cpu_part
+        self.signaled = kernel.can_signal and settings().device_waits_cpu_part
         if self.signaled:
             # The end flag counts jobs for the engine's life: each chunk goes on from the last.
             self.flag = buffer("stream_cpu_flag", 1, 8, torch.int64, True)[0]  # a cache line of its own
@@ -117,10 +120,12 @@ class StreamCpuPart:
         the job's end flag where the part is signalled, else once the host has waited for the
         kernel (`copies_landed` then says whether the layer's copies had landed by the CPU's end)."""
         part, self._running = self._running, None
-        if part.seq:
-            from ftc_runtime.io.host_take import take_when_signaled
+        if part.seq and out.is_cuda:
+            from ftc_runtime.io.host_take import take_when_signaled  # Triton: only beside a GPU
 
             take_when_signaled(out, part.result, self.flag, part.seq, self.status)
+        elif part.seq:
+            self._take_on_host_when_signaled(out, part)
         else:
             self.kernel.wait()
             self._record(part)
@@ -163,6 +168,19 @@ class StreamCpuPart:
         part.seconds = self.kernel.job_seconds()
         self.split.record(part.experts, part.pairs, part.seconds)
         self.stats.cpu_s += part.seconds
+
+    def _take_on_host_when_signaled(self, out: torch.Tensor, part: _Part) -> None:
+        """`take_when_signaled` with the CPU as the device: it waits for the job's end flag (the
+        status says whether it had to, or gave up), then adds the result and zeroes it."""
+        deadline, waited = time.perf_counter() + HOST_WAIT_S, False
+        while int(self.flag[0]) < part.seq and not self.status[0]:
+            waited = True
+            if time.perf_counter() > deadline:
+                self.status[0] = 1
+            time.sleep(0)
+        self.status[1] = int(waited)
+        if not self.status[0]:
+            self._add(out, part.result)
 
     @staticmethod
     def _add(out: torch.Tensor, result: torch.Tensor) -> None:
