@@ -30,10 +30,11 @@ def run(sampler: Sampler, choices: list[int]) -> list[int]:
 
 def reference(budget: int, prompt_open: bool, choices: list[int]) -> list[int]:
     """The same, written out: a reasoning token past the budget is replaced by the closing tag
-    (and sampling's choice comes on the next call)."""
+    (and sampling's choice comes on the next call); where sampling chose the closing tag itself,
+    that is the one closing tag."""
     out, inside, used, i = [], prompt_open, 0, 0
     while i < len(choices):
-        if inside and used >= budget:
+        if inside and used >= budget and choices[i] != CLOSE:
             out.append(CLOSE)
             inside = False
             continue
