@@ -88,11 +88,7 @@ def take_when_signaled(out: torch.Tensor, host: torch.Tensor, flag: torch.Tensor
     program waits, then the take's programs run (none of them spins waiting for another)."""
     if host.shape != out.shape or host.dtype != torch.float32 or not host.is_contiguous():
         raise ValueError(f"take_when_signaled: host {tuple(host.shape)} {host.dtype} for out {tuple(out.shape)}")
-    src, flag_address = mapped_address(host, host.data_ptr()), mapped_address(flag, flag.data_ptr())
-    if src is None or flag_address is None:
-        raise ValueError("take_when_signaled: the buffer and the flag must be pinned host memory the device maps")
-    take_mapped_when_signaled(out, MappedHost(src, torch.float32), MappedHost(flag_address, torch.int64), seq,
-                              status, spins)
+    take_mapped_when_signaled(out, MappedHost.of(host), MappedHost.of(flag), seq, status, spins)
 
 
 def take_mapped_when_signaled(out: torch.Tensor, src: MappedHost | torch.Tensor, flag: MappedHost | torch.Tensor,
