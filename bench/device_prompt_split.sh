@@ -84,5 +84,6 @@ elif [ "$part" = 7 ]; then
     grep -E '"(prefill_split|tokens|unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|serial_median_ms|cpu_parts_s|device_take_s)"' \
       "$out/prefill_profile_waits$waits.txt"
   done
+  find "$out" -name "*.json.gz" ! -name "prefill_auto_2048.json.gz" -delete  # 8 files at most come back
   find "$out" -name "*.json.gz" -size +15M -delete
 fi
