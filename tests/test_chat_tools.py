@@ -177,39 +177,40 @@ def test_unparsable_calls_stay_in_the_content(text):
 
 def test_reasoning_split():
     assert split_reasoning("<think>\nplan\n</think>\n\nanswer") == ("plan", "answer")
-    assert split_reasoning("plan opened by the prompt</think>answer") == ("plan opened by the prompt", "answer")
     assert split_reasoning("no reasoning") == (None, "no reasoning")
+    # the server writes the <think> a prompt opened: a </think> in text that did not open one is content
+    assert split_reasoning("not opened</think>answer") == (None, "not opened</think>answer")
+    assert split_reasoning("<think>\ncut at the limit ") == ("cut at the limit", "")
     assert parse_output("a <tool_call>{}</tool_call>", QwenToolParser(), None).content == "a <tool_call>{}</tool_call>"
 
 
 @pytest.mark.parametrize("text", ["<think>\nplan a b\n</think>\n\nthe answer", "plain <think> answer", "<thi",
-                                  "<think>never closed", "</think> after nothing"])
+                                  "<think>never closed", "</think> after nothing",
+                                  "\n<think>plan a b</think>\nthe answer", " \n", "\n<thi"])
 def test_streamed_reasoning_split_agrees_with_the_whole_text(text, seed):
     """Cut anywhere, the streamed pieces add up to what `split_reasoning` makes of the whole text
-    (text that does not open with <think> is content, all of it)."""
+    (text that does not open with <think> is content, all of it; an unclosed one is reasoning)."""
     rng = random.Random(seed)
+    whole = split_reasoning(text)
+    assert whole == ((None, text) if not text.lstrip().startswith("<think>") else
+                     ("plan a b", "the answer") if "</think>" in text else ("never closed", ""))
     for _ in range(100):
         reasoning, content = _streamed_reasoning(text, ReasoningSplitter(), rng)
-        if not text.startswith("<think>"):
-            assert (reasoning, content) == ("", text)
-        elif "</think>" in text:
-            assert (reasoning.strip(), content) == split_reasoning(text)
-        else:
-            assert (reasoning.strip(), content) == ("never closed", "")
+        assert (reasoning.strip() if whole[0] is not None else None, content) == whole, f"seed={seed}"
 
 
 @pytest.mark.parametrize("text", ["plan a b\n</think>\n\nthe answer", "</think>answer at once", "never closed",
                                   "cut at </thi"])
 def test_streamed_reasoning_of_a_prompt_that_opened_it_agrees_with_the_whole_text(text, seed):
     """DeepSeek-V4's prompts end with <think> when thinking is on: the answer's text is reasoning from
-    its start, until </think> (all of it where none comes), as `split_reasoning` reads it."""
+    its start, until </think> (all of it where none comes), as `split_reasoning` reads it with the
+    <think> that the server writes for such a prompt."""
     rng = random.Random(seed)
     for _ in range(100):
         reasoning, content = _streamed_reasoning(text, ReasoningSplitter(opened=True), rng)
-        if "</think>" in text:
-            assert (reasoning.strip(), content) == split_reasoning(text)
-        else:
-            assert (reasoning, content) == (text, "")
+        assert (reasoning.strip(), content) == split_reasoning("<think>" + text), f"seed={seed}"
+        if "</think>" not in text:
+            assert (reasoning, content) == (text, ""), f"seed={seed}"
 
 
 def _streamed_reasoning(text: str, splitter: ReasoningSplitter, rng: random.Random) -> tuple[str, str]:
@@ -409,7 +410,8 @@ def test_deepseek_calls_round_trip_through_template_and_parser(trial, seed):
                            enable_thinking=thinking)
     opening = "<｜Assistant｜>" + ("<think>" if thinking else "</think>")
     generated = text.split(opening)[-1].removesuffix(EOS)
-    out = parse_output(generated, tool_parser("deepseek"), tools)
+    # the server writes the <think> that the prompt opened at the answer's start
+    out = parse_output(("<think>" if thinking else "") + generated, tool_parser("deepseek"), tools)
     assert (out.tool_calls, out.content, out.reasoning) == (calls, content, reasoning)
 
 

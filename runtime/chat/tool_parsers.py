@@ -42,14 +42,17 @@ class ToolParser(Protocol):
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
-    """(reasoning, the rest). The prompt may already have opened `<think>` (templates with thinking
-    on), so text ending at `</think>` without an opening tag is reasoning too."""
-    end = text.find("</think>")
-    if end < 0:
-        return None, text
-    start = text.find("<think>")
-    reasoning = text[start + len("<think>"):end] if 0 <= start < end else text[:end]
-    return reasoning.strip(), text[end + len("</think>"):].lstrip()
+    """(reasoning, the rest) of a whole answer, read as `ReasoningSplitter` streams it, so that a
+    message and its stream agree: text that opens with `<think>` (after blank space) is reasoning
+    until `</think>` (all of it where none comes); other text is content, a `</think>` in it too.
+    The server writes the `<think>` that a prompt opened at the answer's start (`Server.prompt_ids`'
+    opening)."""
+    splitter = ReasoningSplitter()
+    pieces = splitter.feed(text) + splitter.flush()
+    content = "".join(t for kind, t in pieces if kind == "content")
+    if not text.lstrip().startswith("<think>"):
+        return None, content
+    return "".join(t for kind, t in pieces if kind == "reasoning").strip(), content
 
 
 def prompt_opens_reasoning(tokenizer, ids: list[int]) -> bool:
@@ -60,7 +63,7 @@ def prompt_opens_reasoning(tokenizer, ids: list[int]) -> bool:
 
 class ReasoningSplitter:
     """Streamed text split into ("reasoning", text) and ("content", text) pieces as it arrives: text
-    that opens with `<think>` is reasoning until `</think>`; so is all text from the start where the
+    that opens with `<think>` (after blank space) is reasoning until `</think>`; so is all text from the start where the
     prompt already `opened` it (DeepSeek-V4's prompts end with `<think>` when thinking is on). A
     piece that might be the start of a tag is held back until the next delta (or `flush`) tells."""
 
@@ -72,11 +75,12 @@ class ReasoningSplitter:
         text, out = self.held + delta, []
         self.held = ""
         if self.mode == "start":
-            if "<think>".startswith(text):  # still undecided
+            lead = text.lstrip()  # GLM's answers open with a newline before <think>
+            if "<think>".startswith(lead):  # still undecided: blank, or a piece of the tag
                 self.held = text
                 return out
-            if text.startswith("<think>"):
-                self.mode, text = "reasoning", text[len("<think>"):].lstrip("\n")
+            if lead.startswith("<think>"):
+                self.mode, text = "reasoning", lead[len("<think>"):].lstrip("\n")
             else:
                 self.mode = "content"
         if self.mode == "reasoning":
