@@ -43,10 +43,12 @@ class Closeness:
         assert ours.shape == ref.shape, (tuple(ours.shape), tuple(ref.shape))
         err = rel(ours, ref)
         assert err < self.rel, f"{what}: relative error {err:.3g}, bound {self.rel:g}"
-        # Our argmax is the reference's where the reference's logit there is its maximum: where the
-        # reference has an exact tie for the best token (seen: a gap of 0.0 in fp32, FTC_TEST_SEED=
-        # 2057458545), either of the tied tokens is its argmax.
-        agree = float((ref.gather(-1, ours.argmax(-1, keepdim=True))[..., 0] == ref.amax(-1)).float().mean())
+        # Our argmax is the reference's where the reference's logit there is within MIN_GREEDY_MARGIN of
+        # its maximum: where the reference has a near tie for the best token (seen: an exact one,
+        # FTC_TEST_SEED=2057458545; a gap of 4.8e-6 at 8.68 that an fp32 error of 1e-6 flipped,
+        # FTC_TEST_SEED=152919780), either of the tied tokens is its argmax.
+        gap = ref.amax(-1) - ref.gather(-1, ours.argmax(-1, keepdim=True))[..., 0]
+        agree = float((gap < MIN_GREEDY_MARGIN).float().mean())
         assert agree >= self.argmax, f"{what}: argmax agrees at {agree:.2f} of positions, bound {self.argmax}"
         if self.per_position is not None:
             bound, share = self.per_position
