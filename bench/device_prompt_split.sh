@@ -74,12 +74,12 @@ elif [ "$part" = 6 ]; then
   grep -E '"(turn|kind|wall_s|copy_busy_s|kernel_busy_s|cpu_parts_s|serial_s)"' "$out/agent_profile.txt"
   find "$out" -name "*.json.gz" -size +15M -delete
 elif [ "$part" = 7 ]; then
-  timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cpu_doorbell.py \
     tests/test_device_plan.py -k "prefill or streamed or take or device_step or doorbell or join or abandoned" 2>&1 \
     | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|Error" | tail -20
-  for waits in 0 1; do  # split off has no CPU part to wait for: once
+  for waits in 1 0; do  # split off has no CPU part to wait for: once
     splits=$([ $waits = 0 ] && echo off,auto || echo auto)
-    FTC_DEVICE_WAITS_CPU_PART=$waits timeout 200 python3 bench/prefill_profile.py $q30 --tokens 2048,8192 \
+    FTC_DEVICE_WAITS_CPU_PART=$waits timeout $([ $waits = 0 ] && echo 200 || echo 170) python3 bench/prefill_profile.py $q30 --tokens 2048,8192 \
       --vram-budget 32GiB --prefill-split $splits --trace-dir "$out/waits$waits" 2>&1 | grep -v "━" \
       > "$out/prefill_profile_waits$waits.txt"
     grep -E '"(prefill_split|tokens|unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|serial_median_ms|cpu_parts_s|device_take_s)"' \
