@@ -26,6 +26,8 @@
 #                                                 take): its GPU tests and the decode doorbell's (which shares its
 #                                                 flag code), then bench/prefill_profile.py as in part 5 with
 #                                                 FTC_DEVICE_WAITS_CPU_PART=0, then 1 (traces)
+#   bash bench/device_prompt_split.sh OUT_DIR 8   part 7 in under 6 minutes: the take's and the split's GPU tests,
+#                                                 then a 2K split prompt with the device waiting and without
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -87,4 +89,13 @@ elif [ "$part" = 7 ]; then
   done
   find "$out" -name "*.json.gz" ! -name "prefill_auto_2048.json.gz" -delete  # 8 files at most come back
   find "$out" -name "*.json.gz" -size +15M -delete
+elif [ "$part" = 8 ]; then
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "take or split" 2>&1 \
+    | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|Error" | tail -20
+  for waits in 1 0; do
+    FTC_DEVICE_WAITS_CPU_PART=$waits timeout 120 python3 bench/prefill_profile.py $q30 --tokens 2048 \
+      --vram-budget 32GiB --prefill-split auto 2>&1 | grep -v "━" > "$out/prefill_profile_waits$waits.txt"
+    grep -E '"(unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|serial_median_ms|cpu_parts_s|device_take_s)"' \
+      "$out/prefill_profile_waits$waits.txt"
+  done
 fi
