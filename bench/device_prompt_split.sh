@@ -84,7 +84,7 @@ elif [ "$part" = 7 ]; then
     FTC_DEVICE_WAITS_CPU_PART=$waits timeout $([ $waits = 0 ] && echo 200 || echo 170) python3 bench/prefill_profile.py $q30 --tokens 2048,8192 \
       --vram-budget 32GiB --prefill-split $splits --trace-dir "$out/waits$waits" 2>&1 | grep -v "━" \
       > "$out/prefill_profile_waits$waits.txt"
-    grep -E '"(prefill_split|tokens|unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|serial_median_ms|cpu_parts_s|device_take_s)"' \
+    grep -E '"(prefill_split|tokens|unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|serial_median_ms|cpu_parts_s|device_take_s|device_wait_s)"' \
       "$out/prefill_profile_waits$waits.txt"
   done
   find "$out" -name "*.json.gz" ! -name "prefill_auto_2048.json.gz" -delete  # 8 files at most come back
@@ -95,7 +95,7 @@ elif [ "$part" = 8 ]; then
   for waits in 1 0; do
     FTC_DEVICE_WAITS_CPU_PART=$waits timeout 120 python3 bench/prefill_profile.py $q30 --tokens 2048 \
       --vram-budget 32GiB --prefill-split auto 2>&1 | grep -v "━" > "$out/prefill_profile_waits$waits.txt"
-    grep -E '"(unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|serial_median_ms|cpu_parts_s|device_take_s)"' \
+    grep -E '"(unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|serial_median_ms|cpu_parts_s|device_take_s|device_wait_s)"' \
       "$out/prefill_profile_waits$waits.txt"
   done
 fi

@@ -100,16 +100,19 @@ def h2d_waits(events: list[dict], copies: list[dict]) -> dict:
 def cpu_parts(events: list[dict], copy_busy: list[tuple[float, float]], kernel_busy: list[tuple[float, float]]
               ) -> dict:
     """The split's CPU parts: each from its start's end on the host (the kernel starts there) to
-    its result's arrival: the end of the device's take that waited for it (`_take_when_signaled`),
-    or where the host waited for the kernel, its finish's end; the copy engine's and the device
-    kernels' busy time inside them, the device's waits in the takes, and the serial stretches
-    between one part's result and the next one's start."""
+    its result's arrival: the end of the device's take after its wait for the CPU's flag
+    (`io/host_take.take_when_signaled`: kernels `_wait`, then `_take_unless_given_up`), or where the
+    host waited for the kernel, its finish's end; the copy engine's and the device kernels' busy
+    time inside them, the device's time in those waits and takes, and the serial stretches between
+    one part's result and the next one's start."""
     def marks(name: str) -> list[dict]:
         return sorted((e for e in events if e.get("name") == f"ftc.stream_cpu.{name}"
                        and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])  # the host's, not the GPU's
 
-    takes = sorted((e for e in events if e.get("cat") == "kernel" and "_take_when_signaled" in e.get("name", "")),
-                   key=lambda e: e["ts"])
+    def device(name: str) -> list[dict]:
+        return sorted((e for e in events if e.get("cat") == "kernel" and e.get("name") == name), key=lambda e: e["ts"])
+
+    takes, waits = device("_take_unless_given_up"), device("_wait")
     ends = [span(e)[1] for e in (takes or marks("finish"))]
     parts = [(span(s)[1], end) for s, end in zip(marks("start"), ends, strict=False)]
     if not parts:
@@ -119,6 +122,7 @@ def cpu_parts(events: list[dict], copy_busy: list[tuple[float, float]], kernel_b
     return {"cpu_parts": len(parts), "cpu_parts_s": round(total(parts), 4),
             "copy_busy_in_parts_s": round(overlap(parts, copy_busy), 4),
             "device_takes": len(takes), "device_take_s": round(sum(e["dur"] for e in takes) / 1e6, 4),
+            "device_wait_s": round(sum(e["dur"] for e in waits) / 1e6, 4),
             "serial_s": round(total(gaps), 4), "copy_busy_in_serial_s": round(overlap(gaps, copy_busy), 4),
             "kernel_busy_in_serial_s": round(overlap(gaps, kernel_busy), 4),
             "serial_median_ms": round(sorted(b - a for a, b in gaps)[len(gaps) // 2] * 1e3, 3) if gaps else None}
