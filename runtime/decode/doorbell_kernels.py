@@ -33,7 +33,7 @@ from ftc_runtime.decode.cpu_doorbell import DONE, RING, CpuDoorbell, DoorbellErr
 from ftc_runtime.decode.device_plan import LayerPlan, PlanRule
 from ftc_runtime.decode.plan_kernel import padded_entries
 from ftc_runtime.io.host_memory import MappedHost
-from ftc_runtime.io.mapped_flags import poll_flag, store_release
+from ftc_runtime.io.mapped_flags import load_acquire, store_release
 
 XBLOCK = 4096  # elements of x a step of `post_job` moves
 JOIN_ELEMENTS = 8192  # (pair entry, column) elements the join holds at once
@@ -84,7 +84,10 @@ def _answered(done, relay, seq, status, counts, bias, step, SPINS: tl.constexpr,
     if tl.program_id(0) == 0:
         spins = 0
         if job:
-            flag, spins = poll_flag(done, seq, SPINS, "sys")
+            flag = load_acquire(done, "sys")
+            while (flag < seq) & (spins < SPINS):
+                flag = load_acquire(done, "sys")
+                spins += 1
             answered = flag >= seq
             if flag < seq:  # no answer: the step's result is wrong, and the host is told
                 tl.store(status, 1)
@@ -95,7 +98,11 @@ def _answered(done, relay, seq, status, counts, bias, step, SPINS: tl.constexpr,
             if answered:
                 _tune(counts, bias, spins > 0, step)
     elif job:
-        relayed, _ = poll_flag(relay, seq, SPINS, "gpu")
+        relayed = load_acquire(relay, "gpu")
+        spins = 0
+        while (relayed < seq) & (spins < SPINS):
+            relayed = load_acquire(relay, "gpu")
+            spins += 1
         answered = (relayed >= seq) & (tl.load(relay + 1) != 0)
     return job & answered
 

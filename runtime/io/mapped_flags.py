@@ -1,6 +1,6 @@
 """Flags that a GPU and the host share through the device mapping of pinned host memory, as Triton
 device functions: a release store and an acquire load (inline PTX), at "sys" scope for the host's
-side and "gpu" scope between the programs of a kernel, and the waits built on them.
+side and "gpu" scope between the programs of a kernel, and `wait_for_flag`.
 
 Plain loads could be served from a stale line, and system-scope atomics would need PCIe atomics
 from the host bridge.
@@ -27,23 +27,15 @@ def load_acquire(ptr, SCOPE: tl.constexpr):
 
 
 @triton.jit
-def poll_flag(flag, seq, SPINS: tl.constexpr, SCOPE: tl.constexpr):
-    """Polls `flag` until it reaches `seq` (jobs numbered from 1, increasing), at most SPINS looks
-    after the first: the last value seen and how many more looks it took."""
-    seen = load_acquire(flag, SCOPE)
+def wait_for_flag(flag, seq, status, SPINS: tl.constexpr):
+    """Polls the host's `flag` until it reaches `seq` (jobs numbered from 1, increasing), at most
+    SPINS looks: status[0] = 1 where they run out (left as it is otherwise: the host clears it),
+    status[1] = whether it took more than one look (the host was the later side)."""
+    seen = load_acquire(flag, "sys")
     spins = 0
     while (seen < seq) & (spins < SPINS):
-        seen = load_acquire(flag, SCOPE)
+        seen = load_acquire(flag, "sys")
         spins += 1
-    return seen, spins
-
-
-@triton.jit
-def wait_for_flag(flag, seq, status, SPINS: tl.constexpr):
-    """Polls the host's `flag` until it reaches `seq`: status[0] = 1 where the looks run out (left
-    as it is otherwise: the host clears it), status[1] = whether it took more than one look (the
-    host was the later side)."""
-    seen, spins = poll_flag(flag, seq, SPINS, "sys")
     if seen < seq:
         tl.store(status, 1)
     tl.store(status + 1, (spins > 0).to(tl.int64))
