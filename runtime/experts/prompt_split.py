@@ -18,7 +18,10 @@ parts, kept per power of two of n (a chunk's experts see about the same n, the n
 not), so that the split tracks the machine it runs on and its kernel's real matrix speed; g
 follows what the layers measure too (from the end of one CPU part to the start of the next, per
 power of two of n; not where the layer's copies were still landing at the CPU's end, since the
-next routing then waits for them), zero until then.
+next routing then waits for them), zero until then. Each estimate is the median of its latest
+WINDOW measurements, and where the estimates give the CPU none before they rest on WINDOW of them,
+one expert measures again: a first prompt's one-time costs (its kernels' compiles, seen as a
+1.18 s stretch) would otherwise give the CPU none for the engine's life.
 
 The estimates leave out the device's own work; the chunk's layers cap the count where it shows
 (`LayerStream`).
@@ -27,10 +30,11 @@ The estimates leave out the device's own work; the chunk's layers cap the count 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 PREFILL_SPLIT_MODES = "off, auto, or a share in [0, 1]"
-EMA = 0.5  # weight of the newest measurement in the CPU's running estimate
+WINDOW = 5  # the latest measurements an estimate keeps, per power of two of tokens per expert
 
 
 def parse_prefill_split(value: str) -> float | None | str:
@@ -61,9 +65,9 @@ class PromptSplit:
     bucket: int  # the CPU kernel's largest token bucket: rows are read once per bucket of tokens
     share: float | None = None
     # power of two of n → seconds per expert-token measured at about that many tokens per expert
-    measured: dict[int, float] = field(default_factory=dict)
+    measured: dict[int, list[float]] = field(default_factory=dict)
     # power of two of n → seconds from one layer's CPU end to the next layer's CPU start
-    serial: dict[int, float] = field(default_factory=dict)
+    serial: dict[int, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if min(self.copy_gbps, self.cpu_gbps) <= 0 or self.bucket < 1:
@@ -76,10 +80,15 @@ class PromptSplit:
 
     def cpu_seconds(self, n: float) -> float:
         """The CPU kernel's time for one expert of n tokens: measured near n, else its model."""
-        rate = self.measured.get(_octave(n))
-        if rate is not None:
-            return rate * max(n, 1.0)
+        rates = self.measured.get(_octave(n))
+        if rates:
+            return statistics.median(rates) * max(n, 1.0)
         return math.ceil(max(n, 1.0) / self.bucket) * self.expert_bytes / (self.cpu_gbps * 1e9)
+
+    def serial_seconds(self, n: float) -> float:
+        """The stretch a CPU part adds for experts of n tokens: measured near n, else none."""
+        stretches = self.serial.get(_octave(n))
+        return statistics.median(stretches) if stretches else 0.0
 
     def copy_seconds(self) -> float:
         return self.expert_bytes / (self.copy_gbps * 1e9)
@@ -92,16 +101,19 @@ class PromptSplit:
         if self.share is not None:
             return min(uncached, math.floor(uncached * self.share + 0.5))
         n = self.tokens_per_expert(n_tokens)
-        t_p, t_c, g = self.copy_seconds(), self.cpu_seconds(n), self.serial.get(_octave(n), 0.0)
-        balance = max(0.0, (uncached * t_p - g) / (t_p + t_c))  # both sides take equally long here
-        # whole experts: none, or a neighbour of the balance, whichever's slower side finishes first
-        c = min((0, math.floor(balance), min(math.ceil(balance), uncached)),
-                key=lambda c: (max((uncached - c) * t_p, c * t_c + g if c else 0.0), c))
+        t_p, t_c, g = self.copy_seconds(), self.cpu_seconds(n), self.serial_seconds(n)
+        c = _balanced(uncached, t_p, t_c, g)
         if cap is not None:
             return min(c, cap)
-        if c == 0 and uncached >= 2 and _octave(n) not in self.measured:
-            return 1  # the model, unmeasured, gave the CPU nothing: one expert measures it
+        if c == 0 and uncached >= 2 and self._unsettled(_octave(n), _balanced(uncached, t_p, t_c, 0.0) > 0):
+            return 1  # estimates that give the CPU nothing on too few measurements: one expert measures again
         return c
+
+    def _unsettled(self, octave: int, stretch_decides: bool) -> bool:
+        """Whether a count of none rests on fewer than WINDOW measurements: of the CPU's time, or of
+        the stretch where that is what gives the CPU none."""
+        return len(self.measured.get(octave, ())) < WINDOW or \
+            stretch_decides and len(self.serial.get(octave, ())) < WINDOW
 
     def record(self, experts: int, pairs: int, seconds: float) -> None:
         """A CPU part took `seconds` for `experts` experts of `pairs` (token, expert) pairs in all."""
@@ -109,17 +121,25 @@ class PromptSplit:
             return
         n = pairs / experts
         rate = seconds / pairs
-        _average(self.measured, _octave(n), rate)
+        _keep(self.measured, _octave(n), rate)
 
     def record_serial(self, n_tokens: int, seconds: float) -> None:
         """From one layer's CPU part's end to the next's start took `seconds`, in a chunk of n_tokens."""
         if seconds >= 0:
-            _average(self.serial, _octave(self.tokens_per_expert(n_tokens)), seconds)
+            _keep(self.serial, _octave(self.tokens_per_expert(n_tokens)), seconds)
 
 
-def _average(table: dict[int, float], key: int, value: float) -> None:
-    old = table.get(key)
-    table[key] = value if old is None else (1 - EMA) * old + EMA * value
+def _balanced(uncached: int, t_p: float, t_c: float, g: float) -> int:
+    """The CPU's count where both sides take equally long, in whole experts: none, or a neighbour
+    of the balance, whichever's slower side finishes first."""
+    balance = max(0.0, (uncached * t_p - g) / (t_p + t_c))
+    return min((0, math.floor(balance), min(math.ceil(balance), uncached)),
+               key=lambda c: (max((uncached - c) * t_p, c * t_c + g if c else 0.0), c))
+
+
+def _keep(table: dict[int, list[float]], key: int, value: float) -> None:
+    """Keeps `value` among the latest WINDOW measurements at `key`."""
+    table[key] = [*table.get(key, [])[-(WINDOW - 1):], value]
 
 
 def _octave(n: float) -> int:
