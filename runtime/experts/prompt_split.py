@@ -20,8 +20,10 @@ follows what the layers measure too (from the end of one CPU part to the start o
 power of two of n; not where the layer's copies were still landing at the CPU's end, since the
 next routing then waits for them), zero until then. Each estimate is the median of its latest
 WINDOW measurements, and where the estimates give the CPU none before they rest on WINDOW of them,
-one expert measures again: a first prompt's one-time costs (its kernels' compiles, seen as a
-1.18 s stretch) would otherwise give the CPU none for the engine's life.
+a part measures again: one expert for the CPU's time; for the stretch, the count without it (a
+part of one expert ends long before the copies, so its stretch is not counted). Otherwise a first
+prompt's one-time cost (a 1.18 s stretch, seen on the device) gives the CPU none for the engine's
+life.
 
 The estimates leave out the device's own work; the chunk's layers cap the count where it shows
 (`LayerStream`).
@@ -105,15 +107,13 @@ class PromptSplit:
         c = _balanced(uncached, t_p, t_c, g)
         if cap is not None:
             return min(c, cap)
-        if c == 0 and uncached >= 2 and self._unsettled(_octave(n), _balanced(uncached, t_p, t_c, 0.0) > 0):
-            return 1  # estimates that give the CPU nothing on too few measurements: one expert measures again
+        if c == 0 and uncached >= 2:  # none, maybe on too few measurements: a part measures again
+            if len(self.measured.get(_octave(n), ())) < WINDOW:
+                return 1  # one expert times the CPU
+            if len(self.serial.get(_octave(n), ())) < WINDOW:
+                # the count without the stretch: a part that ends with the copies, whose stretch counts
+                return _balanced(uncached, t_p, t_c, 0.0)
         return c
-
-    def _unsettled(self, octave: int, stretch_decides: bool) -> bool:
-        """Whether a count of none rests on fewer than WINDOW measurements: of the CPU's time, or of
-        the stretch where that is what gives the CPU none."""
-        return len(self.measured.get(octave, ())) < WINDOW or \
-            stretch_decides and len(self.serial.get(octave, ())) < WINDOW
 
     def record(self, experts: int, pairs: int, seconds: float) -> None:
         """A CPU part took `seconds` for `experts` experts of `pairs` (token, expert) pairs in all."""
