@@ -63,9 +63,10 @@ def prompt_opens_reasoning(tokenizer, ids: list[int]) -> bool:
 
 class ReasoningSplitter:
     """Streamed text split into ("reasoning", text) and ("content", text) pieces as it arrives: text
-    that opens with `<think>` (after blank space) is reasoning until `</think>`; so is all text from the start where the
-    prompt already `opened` it (DeepSeek-V4's prompts end with `<think>` when thinking is on). A
-    piece that might be the start of a tag is held back until the next delta (or `flush`) tells."""
+    that opens with `<think>` (after blank space) is reasoning until `</think>`; so is all text from
+    the start where the prompt already `opened` it (DeepSeek-V4's prompts end with `<think>` when
+    thinking is on). A piece that might be the start of a tag is held back until the next delta (or
+    `flush`) tells."""
 
     def __init__(self, opened: bool = False):
         self.mode, self.held = "reasoning" if opened else "start", ""

@@ -108,9 +108,10 @@ class PromptSplit:
         if cap is not None:
             return min(c, cap)
         if c == 0 and uncached >= 2:  # none, maybe on too few measurements: a part measures again
-            if len(self.measured.get(_octave(n), ())) < WINDOW:
+            octave = _octave(n)
+            if len(self.measured.get(octave, ())) < WINDOW:
                 return 1  # one expert times the CPU
-            if len(self.serial.get(_octave(n), ())) < WINDOW:
+            if len(self.serial.get(octave, ())) < WINDOW:
                 # the count without the stretch: a part that ends with the copies, whose stretch counts
                 return _balanced(uncached, t_p, t_c, 0.0)
         return c
