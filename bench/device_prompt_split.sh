@@ -28,6 +28,9 @@
 #                                                 FTC_DEVICE_WAITS_CPU_PART=0, then 1 (traces)
 #   bash bench/device_prompt_split.sh OUT_DIR 8   part 7 in under 6 minutes: the take's and the split's GPU tests,
 #                                                 then a 2K split prompt with the device waiting and without
+#   bash bench/device_prompt_split.sh OUT_DIR 9   the split's estimates as medians: the doorbell's and the signaled
+#                                                 take's GPU tests, then qwen3-30b-a3b bf16 32 GiB prefill 2K-8K with
+#                                                 the device waiting (split off and auto), then the host waiting (auto)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -97,5 +100,13 @@ elif [ "$part" = 8 ]; then
       --vram-budget 32GiB --prefill-split auto 2>&1 | grep -v "━" > "$out/prefill_profile_waits$waits.txt"
     grep -E '"(unprofiled_s|tok_s|cpu_experts|cpu_s|serial_s|serial_median_ms|cpu_parts_s|device_take_s|device_wait_s)"' \
       "$out/prefill_profile_waits$waits.txt"
+  done
+elif [ "$part" = 9 ]; then
+  timeout 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cpu_doorbell.py tests/test_gpu.py \
+    -k "doorbell or signaled" 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|Error" | tail -20
+  for waits in 1 0; do
+    FTC_DEVICE_WAITS_CPU_PART=$waits timeout 180 ftc bench prefill $q30 --random-weights --target h200 \
+      --vram-budget 32GiB --lengths 2048,8192 --prefill-split $([ $waits = 1 ] && echo off,auto || echo auto) \
+      -o "$out/prefill_q30_bf16_waits$waits.json" 2>&1 | grep -v "━" | tail -n 30
   done
 fi
