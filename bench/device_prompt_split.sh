@@ -31,6 +31,9 @@
 #   bash bench/device_prompt_split.sh OUT_DIR 9   the split's estimates as medians: the doorbell's and the signaled
 #                                                 take's GPU tests, then qwen3-30b-a3b bf16 32 GiB prefill 2K-8K with
 #                                                 the device waiting (split off and auto), then the host waiting (auto)
+#   bash bench/device_prompt_split.sh OUT_DIR 10  the agent session (split auto, --compare), then the 4-bit engines at
+#                                                 8 GiB as in part 3, in under 10 minutes (FTC_DEVICE_WAITS_CPU_PART
+#                                                 as the caller sets it)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -109,4 +112,12 @@ elif [ "$part" = 9 ]; then
       --vram-budget 32GiB --lengths 2048,8192 --prefill-split $([ $waits = 1 ] && echo off,auto || echo auto) \
       -o "$out/prefill_q30_bf16_waits$waits.json" 2>&1 | grep -v "━" | tail -n 30
   done
+elif [ "$part" = 10 ]; then
+  timeout 300 ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
+    --compare --prefill-split auto -o "$out/agent_q36_split.json" 2>&1 | grep -v "━" | tail -n 40
+  timeout 110 ftc bench prefill $q30 --random-weights --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
+    --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q30_mxfp4.json" 2>&1 | grep -v "━" | tail -n 30
+  timeout 130 ftc bench prefill $q36 --random-weights --target h200 --vram-budget 8GiB \
+    --override expert_format=nvfp4 --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q36_nvfp4.json" \
+    2>&1 | grep -v "━" | tail -n 30
 fi
