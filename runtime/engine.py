@@ -39,6 +39,7 @@ from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.offload import OffloadedExperts
 from ftc_runtime.experts.prompt_split import PromptSplit, parse_prefill_split
 from ftc_runtime.experts.slots import GpuExpertKernels
+from ftc_runtime.experts.stream_cpu import RESULT_DTYPE
 from ftc_runtime.experts.vram_plan import VramPlan, plan_vram
 from ftc_runtime.io import ftw
 from ftc_runtime.kernel_sets import kernel_library
@@ -301,9 +302,10 @@ def _prompt_split(manifest: EngineManifest, offload: OffloadConfig, planner: Mis
     if mode is None or (mode == "auto" and _rates(manifest, offload) is None):
         return None
     copy, cpu = planner.rates()
-    moe = manifest.spec.moe
-    return PromptSplit(expert_bytes, moe.top_k, moe.num_experts, copy, cpu, max(manifest.plan.batch_buckets),
-                       share=None if mode == "auto" else mode)
+    spec = manifest.spec
+    return PromptSplit(expert_bytes, spec.moe.top_k, spec.moe.num_experts, copy, cpu, max(manifest.plan.batch_buckets),
+                       share=None if mode == "auto" else mode, copy_alone_gbps=planner.b_p,
+                       token_bytes=spec.hidden_size * RESULT_DTYPE.itemsize)
 
 
 def _worker_cpus(plan: Plan, offload: OffloadConfig | None) -> tuple[list[int], bool]:

@@ -45,7 +45,7 @@ class Settings:
     device_plan: bool  # FTC_DEVICE_PLAN: plan decode calls on the device as data (default 0)
     fused_body: bool  # FTC_FUSED_BODY: a decode layer's attention and router as fused kernels (default 1)
     pdl: bool  # FTC_PDL: a decode layer's body kernels launched with programmatic dependent launch (default 0)
-    device_waits_cpu_part: bool  # FTC_DEVICE_WAITS_CPU_PART: the device, not the host, waits for a split's CPU part (0)
+    device_waits_cpu_part: bool  # FTC_DEVICE_WAITS_CPU_PART: the device, not the host, waits for a split's CPU part (1)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -55,7 +55,7 @@ class Settings:
                    decode_graphs=_bool("FTC_DECODE_GRAPHS", True), torch_compile=_bool("FTC_TORCH_COMPILE", True),
                    pin_gpu_thread=_bool("FTC_PIN_GPU_THREAD", False), device_plan=_bool("FTC_DEVICE_PLAN", False),
                    fused_body=_bool("FTC_FUSED_BODY", True), pdl=_bool("FTC_PDL", False),
-                   device_waits_cpu_part=_bool("FTC_DEVICE_WAITS_CPU_PART", False))
+                   device_waits_cpu_part=_bool("FTC_DEVICE_WAITS_CPU_PART", True))
 
 
 def settings() -> Settings:

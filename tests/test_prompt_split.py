@@ -25,9 +25,12 @@ from slot_checks import check_slots_hold_their_rows
 
 
 def _random_split(rng: random.Random) -> PromptSplit:
+    copy = rng.uniform(5, 60)
     return PromptSplit(expert_bytes=rng.randrange(1 << 12, 1 << 25), top_k=rng.choice([2, 4, 6, 8]),
-                       num_experts=rng.choice([16, 64, 128, 256]), copy_gbps=rng.uniform(5, 60),
-                       cpu_gbps=rng.uniform(5, 120), bucket=rng.choice([1, 4, 8]))
+                       num_experts=rng.choice([16, 64, 128, 256]), copy_gbps=copy,
+                       cpu_gbps=rng.uniform(5, 120), bucket=rng.choice([1, 4, 8]),
+                       copy_alone_gbps=rng.choice([None, copy * rng.uniform(1.0, 1.25)]),
+                       token_bytes=rng.choice([0, 4 * rng.choice([512, 2048, 7168])]))
 
 
 def test_prefill_split_values():
@@ -44,8 +47,9 @@ def test_prefill_split_values():
 
 @pytest.mark.parametrize("run", range(10))
 def test_auto_split_finishes_copies_and_cpu_soonest(run, seed):
-    """The CPU's count makes the slower of the two sides (u − c copies; c CPU experts and, for
-    any, the serial stretch a CPU part adds) as quick as any whole count can: a search over every c
+    """The CPU's count makes the layer as quick as any whole count can: with none, u copies at the
+    rate alone; with c, the slower of u − c copies at the rate beside the CPU plus the read of its
+    result, and c CPU experts plus the serial stretch a CPU part adds. A search over every c
     from 0 to u, at the split's own estimates (medians of their measurements), some of them
     measured. Where that gives the CPU none on fewer than WINDOW measurements of its time, it gets
     one expert, which times it; else on fewer than WINDOW of the stretch, the count that is best
@@ -64,6 +68,7 @@ def test_auto_split_finishes_copies_and_cpu_soonest(run, seed):
         n = n_tokens * split.top_k / split.num_experts
         stretches.setdefault(round(math.log2(max(n, 1))), []).append(seconds)
     t_p = split.expert_bytes / (split.copy_gbps * 1e9)
+    t_a = split.expert_bytes / ((split.copy_alone_gbps or split.copy_gbps) * 1e9)
     for _ in range(50):
         u, n_tokens = rng.randrange(0, split.num_experts + 1), rng.randrange(1, 16385)
         c = split.cpu_count(u, n_tokens)
@@ -72,9 +77,10 @@ def test_auto_split_finishes_copies_and_cpu_soonest(run, seed):
         rate, stretch = rates.get(octave, [])[-WINDOW:], stretches.get(octave, [])[-WINDOW:]
         t_c = statistics.median(rate) * max(n, 1) if rate else split.cpu_seconds(n)
         g = statistics.median(stretch) if stretch else 0.0
+        r = n_tokens * split.token_bytes / (split.copy_gbps * 1e9)
 
-        def slower(k: int, t_c=t_c, g=g, u=u) -> float:
-            return max((u - k) * t_p, k * t_c + g if k else 0.0)
+        def slower(k: int, t_c=t_c, g=g, u=u, r=r) -> float:
+            return u * t_a if k == 0 else max((u - k) * t_p + r, k * t_c + g)
 
         best = min(range(u + 1), key=slower)
         assert 0 <= c <= u
@@ -116,6 +122,27 @@ def test_a_serial_stretch_longer_than_the_copies_gives_the_cpu_none(seed):
     assert split.cpu_count(u, 16 * n_tokens) > 0
     split.record_serial(n_tokens, 0.0)
     assert split.serial_seconds(64) == pytest.approx(long)
+
+
+@pytest.mark.parametrize("priced", [True, False])
+def test_the_results_read_and_the_slower_copies_beside_the_cpu_can_outweigh_its_share(priced, seed):
+    """The device's figures for `qwen3-30b-a3b` bf16 on 16 cores (H200, profile rates B_P 51 and
+    B_P' 48.31 GB/s; docs/performance.md, sixth part): at 8K tokens an expert of 512 tokens took
+    the CPU about 2.8e-6 s an expert-token and a part's stretch 6.97 ms, and the split's 11 experts
+    a layer made the prompt 11% slower than copying every expert; at 2K, 2.9e-6 s and 3.1 ms,
+    1.29x faster. Priced, the result's read (64 MiB a layer at 8K) and the copies' slower rate
+    beside the CPU give the CPU none at 8K and keep its share at 2K; left out, 8K gets a share."""
+    rng = random.Random(seed)
+    split = PromptSplit(9437184, 8, 128, copy_gbps=48.31, cpu_gbps=84.48, bucket=8,
+                        copy_alone_gbps=51.0 if priced else None, token_bytes=2048 * 4 if priced else 0)
+    for tokens, rate, stretch in ((8192, 2.8e-6, 6.97e-3), (2048, 2.9e-6, 3.1e-3)):
+        for _ in range(WINDOW):
+            n = tokens // 16
+            experts = rng.randrange(8, 16)
+            split.record(experts, experts * n, rate * experts * n * rng.uniform(0.97, 1.03))
+            split.record_serial(tokens, stretch * rng.uniform(0.97, 1.03))
+    assert (split.cpu_count(128, 8192) == 0) == priced, f"seed={seed}: {split.cpu_count(128, 8192)}"
+    assert split.cpu_count(128, 2048) > 30, f"seed={seed}"
 
 
 def test_copies_landed_by_the_routing_take_experts_from_the_cpu(seed):

@@ -1,15 +1,20 @@
 """`PromptSplit`: how many of a streamed prompt chunk's uncached experts, per MoE layer, the CPU
 computes in place instead of copying them over PCIe (FreeToken's miss split, applied to prompts).
 
-A streamed layer with u uncached experts copies u − c of them, t_p = S / B_P' each (S the expert's
-bytes, B_P' the host→device rate while the CPU computes), and the CPU computes c in place,
-t_c(n) each for n tokens per expert (a chunk of T tokens gives each expert n ≈ T·k / E). A CPU
-part also costs the layer a serial stretch g that nothing hides: the next layer's input needs
-this layer's CPU result, so from the CPU's end the device adds it, runs the next layer's
-attention and router, and the host waits for that routing before the CPU starts again (the copies
-run on meanwhile; without a CPU part they are the whole layer). So the CPU's side takes
-c·t_c + g, and both sides take the same time when c = (u·t_p − g) / (t_p + t_c(n)); of the whole
-numbers beside it and none, the one whose slower side finishes first.
+A streamed layer with u uncached experts and no CPU part copies them all, t_a = S / B_P each (S
+the expert's bytes, B_P the host→device rate alone). With a CPU part of c experts it copies u − c
+of them at t_p = S / B_P' each (B_P' the rate while the CPU computes), and the CPU's result comes
+back over the same link: r = T·R / B_P' for a chunk of T tokens (R the result's bytes per token,
+read whole whatever c is: 64 MiB a layer at 8K tokens of hidden 2048, the copy of 7 experts). The
+CPU computes c in place, t_c(n) each for n tokens per expert (n ≈ T·k / E). A CPU part also costs
+the layer a serial stretch g that nothing hides: the next layer's input needs this layer's CPU
+result, so from the CPU's end the device adds it, runs the next layer's attention and router, and
+the CPU waits for that routing before it starts again (the copies run on meanwhile; without a CPU
+part they are the whole layer). So the layer takes u·t_a with no CPU part and
+max((u − c)·t_p + r, c·t_c + g) with one: both sides end together at
+c = (u·t_p + r − g) / (t_p + t_c(n)); of the whole numbers beside it and none, the one whose layer
+ends first. Where the CPU's share is small the result's read and the slower copies beside the CPU
+outweigh it (8K tokens of `qwen3-30b-a3b` on 16 cores: docs/performance.md), and the CPU gets none.
 
 t_c starts from the CPU kernel's own model: it reads an expert's rows once per token bucket (its
 largest, `bucket` tokens, computed per row read) at B_H', its rate while copies run. From the
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PREFILL_SPLIT_MODES = "off, auto, or a share in [0, 1]"
 WINDOW = 5  # the latest measurements an estimate keeps, per power of two of tokens per expert
@@ -66,15 +71,17 @@ class PromptSplit:
     cpu_gbps: float  # B_H': the CPU kernel's weight reads while copies run (one token per expert)
     bucket: int  # the CPU kernel's largest token bucket: rows are read once per bucket of tokens
     share: float | None = None
+    copy_alone_gbps: float | None = None  # B_P: host→device with no CPU part (None: B_P')
+    token_bytes: int = 0  # R: the CPU result's bytes per token of the chunk, read back over PCIe
     # power of two of n → seconds per expert-token measured at about that many tokens per expert
     measured: dict[int, list[float]] = field(default_factory=dict)
     # power of two of n → seconds from one layer's CPU end to the next layer's CPU start
     serial: dict[int, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if min(self.copy_gbps, self.cpu_gbps) <= 0 or self.bucket < 1:
-            raise ValueError(f"prompt split: rates must be positive (B_P' {self.copy_gbps}, B_H' {self.cpu_gbps} "
-                             f"GB/s) and the kernel's bucket at least 1 ({self.bucket})")
+        if min(self.copy_gbps, self.cpu_gbps, self.copy_alone_gbps or 1.0) <= 0 or self.bucket < 1:
+            raise ValueError(f"prompt split: rates must be positive (B_P' {self.copy_gbps}, B_H' {self.cpu_gbps}, "
+                             f"B_P {self.copy_alone_gbps} GB/s) and the kernel's bucket at least 1 ({self.bucket})")
 
     def tokens_per_expert(self, n_tokens: int) -> float:
         """Tokens each expert of a layer sees, on average, in a chunk of n_tokens."""
@@ -93,7 +100,16 @@ class PromptSplit:
         return statistics.median(stretches) if stretches else 0.0
 
     def copy_seconds(self) -> float:
+        """t_p: one expert's copy while the CPU computes."""
         return self.expert_bytes / (self.copy_gbps * 1e9)
+
+    def alone_copy_seconds(self) -> float:
+        """t_a: one expert's copy in a layer without a CPU part."""
+        return self.expert_bytes / ((self.copy_alone_gbps or self.copy_gbps) * 1e9)
+
+    def result_seconds(self, n_tokens: int) -> float:
+        """r: the CPU result's read over PCIe, for a chunk of n_tokens."""
+        return n_tokens * self.token_bytes / (self.copy_gbps * 1e9)
 
     def cpu_count(self, uncached: int, n_tokens: int, cap: int | None = None) -> int:
         """How many of a layer's `uncached` experts the CPU computes, for a chunk of n_tokens; at
@@ -103,8 +119,9 @@ class PromptSplit:
         if self.share is not None:
             return min(uncached, math.floor(uncached * self.share + 0.5))
         n = self.tokens_per_expert(n_tokens)
-        t_p, t_c, g = self.copy_seconds(), self.cpu_seconds(n), self.serial_seconds(n)
-        c = _balanced(uncached, t_p, t_c, g)
+        layer = _Layer(uncached, self.alone_copy_seconds(), self.copy_seconds(), self.result_seconds(n_tokens),
+                       self.cpu_seconds(n), self.serial_seconds(n))
+        c = layer.balanced()
         if cap is not None:
             return min(c, cap)
         if c == 0 and uncached >= 2:  # none, maybe on too few measurements: a part measures again
@@ -113,7 +130,7 @@ class PromptSplit:
                 return 1  # one expert times the CPU
             if len(self.serial.get(octave, ())) < WINDOW:
                 # the count without the stretch: a part that ends with the copies, whose stretch counts
-                return _balanced(uncached, t_p, t_c, 0.0)
+                return replace(layer, g=0.0).balanced()
         return c
 
     def record(self, experts: int, pairs: int, seconds: float) -> None:
@@ -130,12 +147,31 @@ class PromptSplit:
             _keep(self.serial, _octave(self.tokens_per_expert(n_tokens)), seconds)
 
 
-def _balanced(uncached: int, t_p: float, t_c: float, g: float) -> int:
-    """The CPU's count where both sides take equally long, in whole experts: none, or a neighbour
-    of the balance, whichever's slower side finishes first."""
-    balance = max(0.0, (uncached * t_p - g) / (t_p + t_c))
-    return min((0, math.floor(balance), min(math.ceil(balance), uncached)),
-               key=lambda c: (max((uncached - c) * t_p, c * t_c + g if c else 0.0), c))
+@dataclass(frozen=True)
+class _Layer:
+    """A streamed layer's sides, in seconds: u uncached experts, each copied in t_a with no CPU
+    part and t_p beside one; with a CPU part, its result's read r on the copies' side, and t_c an
+    expert and the stretch g on the CPU's."""
+
+    u: int
+    t_a: float
+    t_p: float
+    r: float
+    t_c: float
+    g: float
+
+    def seconds(self, c: int) -> float:
+        """The layer's time with c experts on the CPU."""
+        if c == 0:
+            return self.u * self.t_a
+        return max((self.u - c) * self.t_p + self.r, c * self.t_c + self.g)
+
+    def balanced(self) -> int:
+        """The CPU's count where the layer ends first, in whole experts: none, or a neighbour of
+        the count where both sides end together."""
+        balance = max(0.0, (self.u * self.t_p + self.r - self.g) / (self.t_p + self.t_c))
+        near = (min(math.floor(balance), self.u), min(math.ceil(balance), self.u))
+        return min((0, *near), key=lambda c: (self.seconds(c), c))
 
 
 def _keep(table: dict[int, list[float]], key: int, value: float) -> None:

@@ -8,16 +8,16 @@ background beside a GPU, while the device computes the rest), and their weighted
 once, added to the device's part by a kernel that reads it through the buffer's mapping and
 leaves the buffer zeroed for the next part.
 
-With `FTC_DEVICE_WAITS_CPU_PART=1` the device waits for the CPU, not the host: the pool's last
-thread raises a flag in pinned memory when the job ends, and the take polls it
+By default (`FTC_DEVICE_WAITS_CPU_PART=1`) the device waits for the CPU, not the host: the pool's
+last thread raises a flag in pinned memory when the job ends, and the take polls it
 (`io.host_take.take_when_signaled`), so the host goes on to queue the next layer's attention and
 router while the CPU computes. The host joins the job at the next part's start (the device has
 reached the next routing, so the job is long done). Where the CPU stands in for the device, it
 waits for the flag itself, as the device would (the same bookkeeping, tested without a GPU).
-Otherwise (and with an engine's kernel library built before the flag) the host waits for the
-kernel and adds the result itself. Either way the kernel's own time feeds the split's estimate,
-and so does the stretch from its end to the next part's start, where the CPU was the side the
-layer waited for.
+With `FTC_DEVICE_WAITS_CPU_PART=0` (and with an engine's kernel library built before the flag)
+the host waits for the kernel and adds the result itself. Either way the kernel's own time feeds
+the split's estimate, and so does the stretch from its end to the next part's start, where the
+CPU was the side the layer waited for.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.settings import settings
 
 FIRST_CPU_CODE = -2  # -1 stays "not resident"; the CPU's experts are -2, -3, ...
+RESULT_DTYPE = torch.float32  # the CPU's result, accumulated by its kernel and read back whole by the take
 HOST_WAIT_S = 60.0  # where the CPU stands in for the device, how long it waits for a part's end flag
 
 # (name, rows, width, dtype, zeroed) → a reused host buffer [rows, width], pinned beside a GPU; all
@@ -65,8 +66,9 @@ class _Part:
 
 class StreamCpuPart:
     """The CPU parts of one streamed chunk of `n_tokens` tokens. `buffer` gives the reused host
-    buffers (pinned beside a GPU); with `FTC_DEVICE_WAITS_CPU_PART=1` and a kernel that can signal,
-    `device` waits for each part itself (the CPU standing in for a GPU waits as a GPU would)."""
+    buffers (pinned beside a GPU); with `FTC_DEVICE_WAITS_CPU_PART=1` (the default) and a kernel
+    that can signal, `device` waits for each part itself (the CPU standing in for a GPU waits as a
+    GPU would)."""
 
     def __init__(self, kernel: CpuExpertKernel, host_rows: torch.Tensor, split: PromptSplit, buffer: HostBuffer,
                  stats: OffloadStats, n_tokens: int, device: torch.device):
@@ -83,7 +85,7 @@ class StreamCpuPart:
     def _result_buffer(self, t: int, hidden: int) -> torch.Tensor:
         """The buffer the kernel accumulates into: all zeros between parts, of this chunk and the
         next (made zeroed, then left zeroed by each part's take), so no part zeroes it on the host."""
-        return self.buffer("stream_cpu_out", t, hidden, torch.float32, True)
+        return self.buffer("stream_cpu_out", t, hidden, RESULT_DTYPE, True)
 
     @torch.profiler.record_function("ftc.stream_cpu.start")  # a profile's trace shows the host's parts
     def start(self, layer: int, x: torch.Tensor, pairs: torch.Tensor, rows: np.ndarray) -> None:
