@@ -183,38 +183,42 @@ def test_take_from_host_reads_pinned_memory_through_its_mapping(seed):
 
 
 def test_take_when_signaled_waits_on_the_device_for_the_hosts_flag(seed):
-    """The device waits for a pinned flag, then adds the host buffer the host filled meanwhile and
-    zeroes it; with the flag already raised it takes at once and says it did not wait; a flag that
-    never comes gives up, leaves both alone and tells the host, and the takes after it are skipped
-    until the host clears that."""
+    """With the flag already raised the device takes at once and says it did not wait; else it
+    waits for the pinned flag, then adds the host buffer the host filled meanwhile and zeroes it; a
+    flag that never comes gives up, leaves both alone and tells the host, and the takes after it
+    are skipped until the host clears that. The raised flag comes first: CUDA loads a kernel at
+    its first launch, and that load may wait for the kernels running, so a first take queued
+    behind a wait for a flag that only this thread raises could wait for the wait to give up."""
     from ftc_runtime.io.host_take import BLOCK, take_when_signaled
 
     g = torch.Generator().manual_seed(seed)
     n = 300 * BLOCK + 5
     host, flag = torch.zeros(n).pin_memory(), torch.zeros(8, dtype=torch.int64).pin_memory()
     status = torch.zeros(2, dtype=torch.int64, device="cuda")
-    start = torch.randn(n, generator=g)
+    start, result = torch.randn(n, generator=g), torch.randn(n, generator=g)
     out = start.cuda()
-    take_when_signaled(out, host, flag, 1, status)
-    time.sleep(0.05)  # the device spins meanwhile
-    result = torch.randn(n, generator=g)
     host.copy_(result)
     flag[0] = 1
+    take_when_signaled(out, host, flag, 1, status)
     torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), start + result), f"seed={seed}"
-    assert not host.any() and status.tolist() == [0, 1], f"seed={seed}: status {status.tolist()}"
+    assert torch.equal(out.cpu(), start + result) and not host.any(), f"seed={seed}"
+    assert status.tolist() == [0, 0], f"seed={seed}: status {status.tolist()}"
+    take_when_signaled(out, host, flag, 2, status)
+    time.sleep(0.05)  # the device spins meanwhile
     host.copy_(result)
     flag[0] = 2
-    take_when_signaled(out, host, flag, 2, status)
     torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), start + 2 * result) and not host.any() and status.tolist() == [0, 0]
+    assert torch.equal(out.cpu(), start + 2 * result), f"seed={seed}"
+    assert not host.any() and status.tolist() == [0, 1], f"seed={seed}: status {status.tolist()}"
     host.copy_(result)
     take_when_signaled(out, host, flag, 3, status, spins=1000)
+    torch.cuda.synchronize()  # given up before the flag moves on
+    assert torch.equal(out.cpu(), start + 2 * result) and torch.equal(host, result), f"seed={seed}"
+    assert status[0] == 1, f"seed={seed}: a flag that never came was not reported"
     flag[0] = 4
     take_when_signaled(out, host, flag, 4, status)
     torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), start + 2 * result) and torch.equal(host, result), f"seed={seed}"
-    assert status[0] == 1, f"seed={seed}: a flag that never came was not reported"
+    assert torch.equal(out.cpu(), start + 2 * result) and torch.equal(host, result), f"seed={seed}: not skipped"
 
 
 def test_grouped_expert_kernel_matches_the_torch_path(engine_dir, seed):

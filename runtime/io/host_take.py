@@ -85,7 +85,10 @@ def take_when_signaled(out: torch.Tensor, host: torch.Tensor, flag: torch.Tensor
     does not get there within `spins` looks, out is left alone and status[0] (int64, on the
     device) = 1, and later takes are skipped too until the caller, which checks it at a safe
     point, clears it; status[1] = whether the device had to wait for the flag. Two kernels: one
-    program waits, then the take's programs run (none of them spins waiting for another)."""
+    program waits, then the take's programs run (none of them spins waiting for another). CUDA
+    loads a kernel at its first launch, and that load may wait for the kernels running (CUDA's
+    lazy loading): the first take's launch may return only once the flag is raised, so the flag's
+    producer must not be this thread (the CPU kernel's pool raises it on its own)."""
     if host.shape != out.shape or host.dtype != torch.float32 or not host.is_contiguous():
         raise ValueError(f"take_when_signaled: host {tuple(host.shape)} {host.dtype} for out {tuple(out.shape)}")
     take_mapped_when_signaled(out, MappedHost.of(host), MappedHost.of(flag), seq, status, spins)
