@@ -34,6 +34,9 @@
 #   bash bench/device_prompt_split.sh OUT_DIR 10  the agent session (split auto, --compare), then the 4-bit engines at
 #                                                 8 GiB as in part 3, in under 10 minutes (FTC_DEVICE_WAITS_CPU_PART
 #                                                 as the caller sets it)
+#   bash bench/device_prompt_split.sh OUT_DIR 11  the split priced with the result's read and the copies' rate alone:
+#                                                 the signaled take's GPU test, qwen3-30b-a3b bf16 32 GiB prefill 2K-8K
+#                                                 (split off and auto), then the agent session (split auto, --compare)
 source bench/device_setup.sh "$@"
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -120,4 +123,11 @@ elif [ "$part" = 10 ]; then
   timeout 130 ftc bench prefill $q36 --random-weights --target h200 --vram-budget 8GiB \
     --override expert_format=nvfp4 --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q36_nvfp4.json" \
     2>&1 | grep -v "━" | tail -n 30
+elif [ "$part" = 11 ]; then
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k signaled 2>&1 \
+    | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|Error" | tail -20
+  timeout 150 ftc bench prefill $q30 --random-weights --target h200 --vram-budget 32GiB --lengths 2048,8192 \
+    --prefill-split off,auto -o "$out/prefill_q30_bf16.json" 2>&1 | grep -v "━" | tail -n 30
+  timeout 300 ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
+    --compare --prefill-split auto -o "$out/agent_q36_split.json" 2>&1 | grep -v "━" | tail -n 40
 fi
