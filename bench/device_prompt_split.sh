@@ -48,25 +48,33 @@ throughput() {  # FORMAT: a 1-layer qwen3-30b-a3b engine's CPU kernel against to
       --seconds 0.5 2>&1 | tee -a "$out/cpu_tiles_$1.jsonl" | tail -7
   done
 }
+bf16_prefill() {  # TIMEOUT SPLITS NAME: qwen3-30b-a3b bf16 32 GiB, one 2K and one 8K prompt
+  timeout "$1" ftc bench prefill $q30 --random-weights --target h200 --vram-budget 32GiB --lengths 2048,8192 \
+    --prefill-split "$2" -o "$out/$3.json" 2>&1 | grep -v "━" | tail -n 30
+}
+four_bit_prefill() {  # TIMEOUT_MXFP4 TIMEOUT_NVFP4: the 4-bit engines at 8 GiB, 2K and 8K, split off and auto
+  timeout "$1" ftc bench prefill $q30 --random-weights --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
+    --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q30_mxfp4.json" 2>&1 | grep -v "━" | tail -n 30
+  timeout "$2" ftc bench prefill $q36 --random-weights --target h200 --vram-budget 8GiB \
+    --override expert_format=nvfp4 --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q36_nvfp4.json" \
+    2>&1 | grep -v "━" | tail -n 30
+}
+agent() {  # TIMEOUT SPLIT NAME [--compare]: the agent session, qwen3.6-35b-a3b bf16 32 GiB, 20K tokens
+  timeout "$1" ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
+    --prefill-split "$2" "${@:4}" -o "$out/$3.json" 2>&1 | grep -v "━" | tail -n 40
+}
 if [ "$part" = 1 ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "prefill or streamed" 2>&1 \
     | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cpu_kernels.py -k avx512 2>&1 \
     | tee "$out/pytest_cpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|SKIP" | tail -20
   for fmt in bf16 mxfp4 nvfp4; do throughput $fmt; done
-  timeout 150 ftc bench prefill $q30 --random-weights --target h200 --vram-budget 32GiB --lengths 2048,8192 \
-    --prefill-split off,auto -o "$out/prefill_q30_bf16.json" 2>&1 | grep -v "━" | tail -n 60
+  bf16_prefill 150 off,auto prefill_q30_bf16
 elif [ "$part" = 2 ]; then
-  timeout 420 ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
-    --compare --prefill-split auto -o "$out/agent_q36_split.json" 2>&1 | grep -v "━" | tail -n 40
-  timeout 300 ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
-    --prefill-split off -o "$out/agent_q36_off.json" 2>&1 | grep -v "━" | tail -n 20
+  agent 420 auto agent_q36_split --compare
+  agent 300 off agent_q36_off
 elif [ "$part" = 3 ]; then
-  timeout 200 ftc bench prefill $q30 --random-weights --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
-    --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q30_mxfp4.json" 2>&1 | grep -v "━" | tail -n 40
-  timeout 300 ftc bench prefill $q36 --random-weights --target h200 --vram-budget 8GiB \
-    --override expert_format=nvfp4 --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q36_nvfp4.json" \
-    2>&1 | grep -v "━" | tail -n 40
+  four_bit_prefill 200 300
 elif [ "$part" = 4 ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k "fla or checkpoint or hybrid_engine" 2>&1 \
     | tee "$out/pytest_gpu_captures.txt" | grep -E "passed|failed|^FAILED|^ERROR" | tail -20
@@ -111,23 +119,15 @@ elif [ "$part" = 9 ]; then
   timeout 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cpu_doorbell.py tests/test_gpu.py \
     -k "doorbell or signaled" 2>&1 | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|Error" | tail -20
   for waits in 1 0; do
-    FTC_DEVICE_WAITS_CPU_PART=$waits timeout 180 ftc bench prefill $q30 --random-weights --target h200 \
-      --vram-budget 32GiB --lengths 2048,8192 --prefill-split $([ $waits = 1 ] && echo off,auto || echo auto) \
-      -o "$out/prefill_q30_bf16_waits$waits.json" 2>&1 | grep -v "━" | tail -n 30
+    FTC_DEVICE_WAITS_CPU_PART=$waits bf16_prefill 180 $([ $waits = 1 ] && echo off,auto || echo auto) \
+      "prefill_q30_bf16_waits$waits"
   done
 elif [ "$part" = 10 ]; then
-  timeout 300 ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
-    --compare --prefill-split auto -o "$out/agent_q36_split.json" 2>&1 | grep -v "━" | tail -n 40
-  timeout 110 ftc bench prefill $q30 --random-weights --target h200 --vram-budget 8GiB --override expert_format=mxfp4 \
-    --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q30_mxfp4.json" 2>&1 | grep -v "━" | tail -n 30
-  timeout 130 ftc bench prefill $q36 --random-weights --target h200 --vram-budget 8GiB \
-    --override expert_format=nvfp4 --lengths 2048,8192 --prefill-split off,auto -o "$out/prefill_q36_nvfp4.json" \
-    2>&1 | grep -v "━" | tail -n 30
+  agent 300 auto agent_q36_split --compare
+  four_bit_prefill 110 130
 elif [ "$part" = 11 ]; then
   timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -k signaled 2>&1 \
     | tee "$out/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^ERROR|Error" | tail -20
-  timeout 150 ftc bench prefill $q30 --random-weights --target h200 --vram-budget 32GiB --lengths 2048,8192 \
-    --prefill-split off,auto -o "$out/prefill_q30_bf16.json" 2>&1 | grep -v "━" | tail -n 30
-  timeout 300 ftc bench agent $q36 --random-weights --target h200 --vram-budget 32GiB --session-tokens 20000 \
-    --compare --prefill-split auto -o "$out/agent_q36_split.json" 2>&1 | grep -v "━" | tail -n 40
+  bf16_prefill 150 off,auto prefill_q30_bf16
+  agent 300 auto agent_q36_split --compare
 fi
