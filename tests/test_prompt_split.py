@@ -43,6 +43,8 @@ def test_prefill_split_values():
             parse_prefill_split(bad)
     with pytest.raises(ValueError, match="rates must be positive"):
         PromptSplit(1 << 20, 8, 128, copy_gbps=0.0, cpu_gbps=50.0, bucket=8)
+    with pytest.raises(ValueError, match="rates must be positive"):
+        PromptSplit(1 << 20, 8, 128, copy_gbps=40.0, cpu_gbps=50.0, bucket=8, copy_alone_gbps=0.0)
 
 
 @pytest.mark.parametrize("run", range(10))

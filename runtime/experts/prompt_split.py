@@ -79,7 +79,8 @@ class PromptSplit:
     serial: dict[int, list[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if min(self.copy_gbps, self.cpu_gbps, self.copy_alone_gbps or 1.0) <= 0 or self.bucket < 1:
+        alone = self.copy_gbps if self.copy_alone_gbps is None else self.copy_alone_gbps
+        if min(self.copy_gbps, self.cpu_gbps, alone) <= 0 or self.bucket < 1:
             raise ValueError(f"prompt split: rates must be positive (B_P' {self.copy_gbps}, B_H' {self.cpu_gbps}, "
                              f"B_P {self.copy_alone_gbps} GB/s) and the kernel's bucket at least 1 ({self.bucket})")
 
