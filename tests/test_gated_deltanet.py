@@ -17,7 +17,9 @@ from ftc_runtime.models.layers.gated_deltanet import (
     DeltaNetWeights,
     _delta_rule,
     _delta_rule_chunked,
+    delta_rule,
     gated_deltanet,
+    project,
 )
 
 # transformers computes a whole sequence chunk-wise, this layer token by token: the same sums in
@@ -107,7 +109,10 @@ def test_the_chunked_recurrence_equals_the_token_by_token_one(trial, seed):
 def test_states_captured_inside_a_chunk_equal_the_states_of_a_cut(trial, seed):
     """The state after token i, taken inside one chunk (any block, a ragged one included; one of
     the first tokens, whose convolution state holds inputs from before the chunk), equals the state
-    after running only the first i + 1 tokens; the chunk's output does not change."""
+    after running only the first i + 1 tokens; the chunk's output does not change. The cut's
+    recurrence runs on the chunk's own projections of those tokens: projecting fewer rows may round
+    differently (a log-decay 1.9e-6 off, FTC_TEST_SEED=2101086326), which a strongly decaying state
+    carries to 2e-5 relative, and that is the matmul's, not the capture's."""
     rng = random.Random(seed)
     _, w, shape = _layer(rng.randrange(2**31))
     x = torch.randn(rng.randrange(2, 200), 48)
@@ -119,6 +124,8 @@ def test_states_captured_inside_a_chunk_equal_the_states_of_a_cut(trial, seed):
     out, _, taken = gated_deltanet(x, w, shape, start, capture)
     plain, _, _ = gated_deltanet(x, w, shape, start)
     assert torch.equal(out, plain) and len(taken) == len(capture)
+    projected = project(x, *w.projections(), start.conv, shape.heads)[:5]  # q, k, v, g, beta
     for i, got in zip(capture, taken, strict=True):
         _, want, _ = gated_deltanet(x[:i + 1], w, shape, start)
-        assert _rel(got.conv, want.conv) < 1e-5 and _rel(got.recurrent, want.recurrent) < 1e-5, i
+        _, recurrent, _ = delta_rule(*(t[:i + 1] for t in projected), start.recurrent)
+        assert _rel(got.conv, want.conv) < 1e-5 and _rel(got.recurrent, recurrent) < 1e-5, f"seed={seed} i={i}"
