@@ -17,14 +17,16 @@ from ftc_runtime.engine import OffloadConfig
 from conftest import seed_for
 from families import (
     CASES,
+    MAX_REFERENCE_ERROR,
     MIN_GREEDY_MARGIN,
     MIN_ROUTER_MARGIN,
     Bounds,
     Case,
+    fp64_reference,
     reference_greedy,
     reference_logits,
     rel,
-    router_margin,
+    well_conditioned,
 )
 
 
@@ -33,6 +35,7 @@ class Parity:
     case: Case
     engine: Engine
     model: torch.nn.Module  # the reference
+    model64: torch.nn.Module  # the reference in fp64: how well conditioned a prompt is
     bounds: Bounds  # the family's, for the engine's kernel
 
     @property
@@ -40,12 +43,14 @@ class Parity:
         return self.engine.spec.vocab_size
 
     def ids(self, rng: random.Random, n: int) -> list[int]:
-        """n random tokens on which the reference's router has no near tie (redrawn where it has)."""
+        """n random tokens on which the reference's router has no near tie and its fp32 logits come
+        close to its fp64 logits (redrawn where either fails)."""
         for _ in range(100):
             ids = [rng.randrange(self.vocab) for _ in range(n)]
-            if router_margin(self.model, ids) >= MIN_ROUTER_MARGIN:
+            if well_conditioned(self.model, self.model64, ids, self.bounds.prompt.rel):
                 return ids
-        raise AssertionError(f"100 prompts of {n} tokens each had a router near tie (< {MIN_ROUTER_MARGIN})")
+        raise AssertionError(f"100 prompts of {n} tokens each had a router near tie (< {MIN_ROUTER_MARGIN}) "
+                             f"or an fp32 reference over {MAX_REFERENCE_ERROR} of the bound from fp64")
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c.id)
@@ -54,7 +59,7 @@ def parity(request, tmp_path_factory) -> Parity:
     targets): they follow the run's FTC_TEST_SEED, which a failing test's report names."""
     case: Case = request.param
     engine, model = case.compile(tmp_path_factory.mktemp(case.id), seed_for(case.model_id))
-    return Parity(case, engine, model, case.family.bounds[engine.manifest.plan.isa])
+    return Parity(case, engine, model, fp64_reference(model), case.family.bounds[engine.manifest.plan.isa])
 
 
 def test_the_engine_is_of_its_family(parity):
