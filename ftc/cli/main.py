@@ -117,7 +117,7 @@ def package(
     output: Annotated[Path, typer.Option("-o", "--output", help="The package: a folder to upload as a Hugging Face "
                                          "model repository (or, with --archive, one tar file).")],
     shard_size: Annotated[int, typer.Option(parser=positive_size, metavar="SIZE", help="Largest expert shard "
-                                            "(the Hub takes files of up to 50 GB).")] = 48 * 10**9,
+                                            "(the Hub takes files of up to 50 GB).")] = "48GB",
     archive: Annotated[bool, typer.Option("--archive", help="One uncompressed tar of the package instead of a "
                                           "folder.")] = False,
     repo_id: Annotated[str | None, typer.Option(help="The Hub repository ORG/NAME it will be uploaded to (the model "
