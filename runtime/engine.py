@@ -70,8 +70,9 @@ class OffloadConfig:
     # shorter ones take decode's path, their misses split between fills and the CPU.
     stream_min_tokens: int | None = None
     # Decode calls planned on the device as data (`decode.device_plan`), the host cache written
-    # back at safe points: the plan that the one-graph decode step is built on.
-    device_plan: bool = False
+    # back at safe points: the plan that the one-graph decode step is built on. None: on a GPU
+    # (FTC_DEVICE_PLAN=0 or 1 decides instead, for comparisons and for the CPU standing in).
+    device_plan: bool | None = None
     # Streamed prompt chunks: "auto" lets the CPU compute part of each layer's uncached experts in
     # place, as many as the measured rates say it finishes beside the copies (`PromptSplit`; none
     # where the target has no rates); "off" copies them all; a number in [0, 1] is a fixed share.
@@ -154,7 +155,7 @@ class Engine:
         stream_min = offload.stream_min_tokens or plan.prefill_stream_min_tokens
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
                                    offload.cache_policy, gpu_kernels, stream_min, offload.prefill_overlap,
-                                   offload.device_plan or settings().device_plan,
+                                   _device_plan(offload),
                                    spec.moe.swiglu_limit, prompt_split)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, fam.decode_graphs, settings().decode_graphs,
@@ -306,6 +307,15 @@ def _prompt_split(manifest: EngineManifest, offload: OffloadConfig, planner: Mis
     return PromptSplit(expert_bytes, spec.moe.top_k, spec.moe.num_experts, copy, cpu, max(manifest.plan.batch_buckets),
                        share=None if mode == "auto" else mode, copy_alone_gbps=planner.b_p,
                        token_bytes=spec.hidden_size * RESULT_DTYPE.itemsize)
+
+
+def _device_plan(offload: OffloadConfig) -> bool:
+    """Whether decode is planned on the device as data: OffloadConfig's word, else FTC_DEVICE_PLAN's,
+    else wherever the device is a GPU (there each decode step is then one CUDA graph)."""
+    if offload.device_plan is not None:
+        return offload.device_plan
+    setting = settings().device_plan
+    return torch.device(offload.device).type == "cuda" if setting is None else setting
 
 
 def _worker_cpus(plan: Plan, offload: OffloadConfig | None) -> tuple[list[int], bool]:

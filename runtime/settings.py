@@ -24,7 +24,7 @@ def _int(name: str) -> int | None:
     return value
 
 
-def _bool(name: str, default: bool) -> bool:
+def _bool(name: str, default: bool | None) -> bool | None:
     raw = os.environ.get(name)
     if raw in (None, ""):
         return default
@@ -42,7 +42,7 @@ class Settings:
     decode_graphs: bool  # FTC_DECODE_GRAPHS: CUDA graphs for the non-expert work of decode (default 1)
     torch_compile: bool  # FTC_TORCH_COMPILE: fuse that work with torch.compile first (default 1)
     pin_gpu_thread: bool  # FTC_PIN_GPU_THREAD: pin the GPU-driving thread to the core the workers leave (default 0)
-    device_plan: bool  # FTC_DEVICE_PLAN: plan decode calls on the device as data (default 0)
+    device_plan: bool | None  # FTC_DEVICE_PLAN: plan decode calls on the device as data (unset: on a GPU)
     fused_body: bool  # FTC_FUSED_BODY: a decode layer's attention and router as fused kernels (default 1)
     pdl: bool  # FTC_PDL: a decode layer's body kernels launched with programmatic dependent launch (default 0)
     device_waits_cpu_part: bool  # FTC_DEVICE_WAITS_CPU_PART: the device, not the host, waits for a split's CPU part (1)
@@ -53,7 +53,7 @@ class Settings:
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ftc")
         return cls(num_threads=_int("FTC_NUM_THREADS"), cache_dir=Path(cache),
                    decode_graphs=_bool("FTC_DECODE_GRAPHS", True), torch_compile=_bool("FTC_TORCH_COMPILE", True),
-                   pin_gpu_thread=_bool("FTC_PIN_GPU_THREAD", False), device_plan=_bool("FTC_DEVICE_PLAN", False),
+                   pin_gpu_thread=_bool("FTC_PIN_GPU_THREAD", False), device_plan=_bool("FTC_DEVICE_PLAN", None),
                    fused_body=_bool("FTC_FUSED_BODY", True), pdl=_bool("FTC_PDL", False),
                    device_waits_cpu_part=_bool("FTC_DEVICE_WAITS_CPU_PART", True))
 

@@ -95,6 +95,7 @@ class OffloadedExperts(ExpertBackend):
         self.prompt_split = prompt_split
         self._stream: LayerStream | None = None
         self._said_no_stream = False
+        self._said_host_step: set[str] = set()  # why decode took the host path, each said once
         self._plan_s = self._fills_s = 0.0  # host time of the current call's planning and fills
         self.device_plan = device_plan
         self._plan_layer, self._gather_fills, self._mapped_rows = plan_layer, None, None
@@ -250,14 +251,31 @@ class OffloadedExperts(ExpertBackend):
 
     def device_step_ready(self, t: int = 1) -> bool:
         """Whether a decode step of t tokens can run its MoE layers on the device in one graph:
-        the device plan on a GPU, t within its calls, the pool mapped into it, a device kernel, the
-        CPU kernel's pool in the background, no routing hook but one that routes on the device,
-        and no static cache still counting its prompt."""
+        the device plan on a GPU, t within its calls, no static cache still counting its prompt,
+        and none of `_device_step_lacks`. Where the plan is on and something lacks, decode takes
+        the host path, and says why once."""
         cache = self.store.cache
-        return (self.device_plan and self.on_gpu and t <= PLANNED_TOKENS and self._gather_fills is not None
-                and self.kernel.background and self.store.kernels is not None
-                and (self.routing is None or isinstance(self.routing, DeviceRoutingHook))
-                and not (cache.policy == "static" and not cache.frozen))
+        if not (self.device_plan and self.on_gpu and t <= PLANNED_TOKENS) or (
+                cache.policy == "static" and not cache.frozen):
+            return False
+        lacking = self._device_step_lacks()
+        if lacking is not None and lacking not in self._said_host_step:
+            print(f"ftc: decode steps take the host path (a host round trip per MoE layer): {lacking}",
+                  file=sys.stderr)
+            self._said_host_step.add(lacking)
+        return lacking is None
+
+    def _device_step_lacks(self) -> str | None:
+        """What the one-graph device step lacks here, in words; None: nothing."""
+        if self._gather_fills is None:
+            return "the expert pool is not mapped into the device (it could not be pinned)"
+        if not self.kernel.background:
+            return "the CPU expert kernel has no background worker pool (one CPU core)"
+        if self.store.kernels is None:
+            return "the engine has no generated device expert kernels"
+        if self.routing is not None and not isinstance(self.routing, DeviceRoutingHook):
+            return f"a routing hook ({type(self.routing).__name__}) that routes on the host"
+        return None
 
     def begin_device_step(self, k: int) -> None:
         """Host work before a device step (eager or replayed): the tables take the host cache's
