@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The device machine's runs, as named stages, with default settings (no FTC_* variable is set here).
+#
+#   bash bench/device.sh OUT_DIR STAGE [STAGE ...]
+#
+# Stages:
+#   gpu-tests [-- PYTEST_ARGS]  every GPU test (pytest -m gpu tests), its log in OUT_DIR/pytest_gpu.txt;
+#                               arguments after -- narrow it (e.g. -- -k deepseek)
+#   matrix                      decode tok/s of each engine of the README's table under the miss policies
+#                               adaptive, gpu and cpu (bench/decode_matrix.py: one expert pool per engine,
+#                               drawn in memory; qwen3-30b-a3b bf16 at 32 GiB and MXFP4 at 8 GiB with the
+#                               bundled trace and uniform routing, qwen3.6-35b-a3b bf16 at 32 GiB and NVFP4
+#                               at 8 GiB uniform), into OUT_DIR/decode.jsonl
+#   pdl                         the qwen3-30b-a3b bf16 32 GiB trace row again with FTC_PDL=0 and 1
+#   anchor                      llama.cpp's MXFP4 decode at -ncmoe 30 on the same machine (needs .anchors/,
+#                               see ../shared/anchors/README.md), into OUT_DIR/anchor
+#
+# The machine has no package registry: wheels the GPU tests need (fla-core, einops) travel in .whl/
+# (name it in the call's carry); the project installs from this tree without its dependencies.
+set -uo pipefail
+out=${1:?output directory}
+shift
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/machine.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$out/machine.txt"
+
+q30=model_specs/qwen3-30b-a3b.yaml
+q36=model_specs/qwen3.6-35b-a3b.yaml
+trace=trace:bench/traces/qwen3-30b-a3b-k6.npz
+
+matrix() {  # SPEC BUDGET ROUTINGS [decode_matrix args...]
+  local spec=$1 budget=$2 routings=$3
+  shift 3
+  python3 bench/decode_matrix.py "$spec" --target h200 --vram-budget "$budget" --policies adaptive,gpu,cpu \
+    --routings "$routings" -o "$out" "$@" 2>&1 | tee -a "$out/matrix.txt" | grep "tok/s"
+}
+
+while [ $# -gt 0 ]; do
+  stage=$1
+  shift
+  case $stage in
+    gpu-tests)
+      args=()
+      if [ "${1:-}" = "--" ]; then shift; args=("$@"); set --; fi
+      # -v: each test's outcome as it ends, so that a log cut off by the call's limit still names a failure
+      python3 -m pytest -v -p no:cacheprovider -m gpu tests "${args[@]}" 2>&1 | tee "$out/pytest_gpu.txt" \
+        | grep -v " PASSED\| SKIPPED" | tail -40 ;;
+    matrix)
+      matrix $q30 32GiB "$trace,uniform"
+      matrix $q30 8GiB "$trace,uniform" --override expert_format=mxfp4
+      matrix $q36 32GiB uniform
+      matrix $q36 8GiB uniform --override expert_format=nvfp4 ;;
+    pdl)
+      for pdl in 0 1; do
+        FTC_PDL=$pdl python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB --policies adaptive \
+          --routings "$trace" -o "$out/pdl$pdl" 2>&1 | tee -a "$out/pdl.txt" | grep "tok/s"
+      done ;;
+    anchor)
+      bash .anchors/llama_anchor.sh "$out/anchor" mxfp4 "30" 2>&1 | tail -20 ;;
+    *)
+      echo "unknown stage: $stage (gpu-tests, matrix, pdl, anchor)" >&2
+      exit 2 ;;
+  esac
+done
