@@ -27,7 +27,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/machine.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$out/machine.txt"
 
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
@@ -48,7 +47,8 @@ while [ $# -gt 0 ]; do
       args=()
       if [ "${1:-}" = "--" ]; then shift; args=("$@"); set --; fi
       # -v: each test's outcome as it ends, so that a log cut off by the call's limit still names a failure
-      python3 -m pytest -v -p no:cacheprovider -m gpu tests "${args[@]}" 2>&1 | tee "$out/pytest_gpu.txt" \
+      # (the machine lacks uvicorn: the two modules of CPU-only serving tests that import it fail to collect)
+      python3 -m pytest -v -p no:cacheprovider --continue-on-collection-errors -m gpu tests "${args[@]}" 2>&1 | tee "$out/pytest_gpu.txt" \
         | grep -v " PASSED\| SKIPPED" | tail -40 ;;
     matrix)
       matrix $q30 32GiB "$trace,uniform"
