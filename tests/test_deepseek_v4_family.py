@@ -272,11 +272,22 @@ def test_the_released_spec_has_the_released_shapes():
     assert spec.expert_bytes == 3 * 2048 * 4096 // 2 + 3 * 2048 * 4096 // 32
 
 
+STEADY_BF16 = 3e-2  # a GPU row's relative error from the fp32 engine's where bf16 flipped no choice (~1.2%)
+FLIPPED_ROW = 0.5  # one where it flipped a router's choice (0.13-0.3 measured)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", [None, "mxfp4"])
 def test_the_gpu_engine_matches_the_cpu_engine(tmp_path, quant, seed):
     """The tiny spec on the GPU (bf16 activations, experts from a slot cache and the CPU) against
-    the fp32 CPU engine: a prompt's logits, then one-token steps and a batch of two sequences."""
+    the fp32 CPU engine: a prompt's logits, then one-token steps and a batch of two sequences.
+
+    bf16 moves a row's logits by about 1.2% here, and the spec's random router has near ties that
+    it flips: a flipped choice moves that row by 0.13-0.3 (on an H100, 200 prompts: 5-10% of rows,
+    more along the sequence; kept in fp32, the hyper-connection streams, the compressor's pooling or
+    the sink attention changed neither). So the steps and the batch, 12 rows, are held row by row:
+    two thirds within STEADY_BF16 and none past FLIPPED_ROW; a lost state or a wrong position
+    moves every row past that."""
     from ftc_runtime.engine import OffloadConfig
 
     from slot_checks import near_best_share
@@ -295,9 +306,12 @@ def test_the_gpu_engine_matches_the_cpu_engine(tmp_path, quant, seed):
     gpu.prefill(torch.tensor(ids[:20]), caches[0])
     gpu.prefill(torch.tensor(ids[:30]), caches[1])
     steps = torch.stack([gpu.model.forward(torch.tensor([t]), caches[0])[-1] for t in ids[20:30]]).cpu()
-    assert rel(steps, want[20:30]) < 8e-2, f"ids={ids}"
     batch = gpu.model.decode_batch([ids[30], ids[30]], caches).cpu()
-    assert rel(batch, want[30:31].expand(2, -1)) < 8e-2, f"ids={ids}"
+    errors = ((torch.cat([steps, batch]) - want[[*range(20, 30), 30, 30]]).norm(dim=-1)
+              / want[[*range(20, 30), 30, 30]].norm(dim=-1))
+    assert float((errors < STEADY_BF16).float().mean()) >= 2 / 3 and float(errors.max()) < FLIPPED_ROW, (
+        f"ids={ids}: relative error of the steps' rows (positions 20-29) and the batch's (30, 30): "
+        f"{[round(float(e), 4) for e in errors]}")
 
 
 @pytest.mark.gpu
