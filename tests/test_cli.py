@@ -537,6 +537,16 @@ def test_bench_decode_sequences_reports_each_count_decoding_together(engine, loa
     assert r.exit_code == 1 and "--sequences" in _said(r) and "--synthetic-locality" in _said(r), r.output
 
 
+def test_bench_decode_replays_uniform_routing(engine, loaded):
+    """--synthetic-locality 0 --zipf 0: every step draws its experts uniformly (the decode table's
+    uniform rows); --zipf alone is refused, it shapes a synthetic trace only."""
+    r = ok("bench", "decode", engine, "--device", "cpu", "--slots", "12", "--synthetic-locality", "0", "--zipf", "0",
+           "--new-tokens", "4", "--prompt-tokens", "4")
+    assert json.loads(r.stdout)["routing"] == "synthetic (locality 0, Zipf 0, seed 0)"
+    r = CliRunner().invoke(app, ["bench", "decode", str(engine), "--device", "cpu", "--zipf", "0"])
+    assert r.exit_code == 1 and "--synthetic-locality" in _said(r), r.output
+
+
 def test_bench_builds_a_spec_with_random_weights_in_memory():
     r = ok("bench", "experts", TINY, "--random-weights", "--seed", random.randrange(1000), "--seconds", "0.1")
     assert json.loads(r.stdout)["engine"] == "qwen3-moe-tiny"
@@ -694,7 +704,8 @@ def bad_option_cases(engine: Path, tmp: Path) -> list[tuple[str, list, str]]:
         (exp, "--seconds", ["0", "-1", "nan", "inf"]), (exp, "--threads", ["0", "-1"]), (exp, "--tokens", ["0"]),
         (exp, "-o", [missing, tmp]), (pre, "--lengths", ["0,-1", ","]), (pre, "--prefill-chunk", ["0"]),
         (pre, "--plot", [missing]), (pre, "--stream-min-tokens", ["0"]), (pre, "--seed", ["-1"]),
-        (dec, "--synthetic-locality", ["2", "-0.1", "nan"]), (dec, "--slots", ["-1"]), (dec, "--prompt-tokens", ["0"]),
+        (dec, "--synthetic-locality", ["2", "-0.1", "nan"]), (dec, "--zipf", ["-1", "inf"]), (dec, "--slots", ["-1"]),
+        (dec, "--prompt-tokens", ["0"]),
         (dec, "--new-tokens", ["1"]), (dec, "--sequences", ["0", "1,-2", ","]), (agent, "--session-tokens", ["0"]),
         (agent, "--tool-output-tokens", ["0"]), (gen, "--prefill-split", ["off"]),
         ([*gen, "--device", "cpu"], "--prefill-split", ["half", "1.5", "nan"]),

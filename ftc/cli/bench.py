@@ -120,6 +120,8 @@ def decode(
                                                        "`ftc trace`).")] = None,
     synthetic_locality: Annotated[float | None, typer.Option(parser=number_in(0, 1), help="Replay a synthetic trace "
                                                              "of this locality, in [0, 1].")] = None,
+    zipf: Annotated[float, typer.Option(parser=number_in(0), help="With --synthetic-locality: the Zipf exponent of "
+                                        "the experts' popularity (0: uniform routing).")] = 1.0,
     prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length (random tokens).")] = 128,
     new_tokens: Annotated[int, typer.Option(min=2, help="Tokens to generate.")] = 64,
     sequences: Annotated[str | None, typer.Option(help="Concurrent sequences, comma-separated (e.g. 1,2,4,8,16): "
@@ -152,15 +154,15 @@ def decode(
         offload = offload_config(device, vram_budget, slots, miss_policy, cache_policy, cpu_experts,
                                  stream_min_tokens, prefill_split)
         counts = parse_ids(sequences, "--sequences", low=1) if sequences is not None else None
-        if counts is not None and (routing_trace is not None or synthetic_locality is not None):
-            raise ValueError("--sequences decodes with the model's own router: leave out --routing-trace and "
-                             "--synthetic-locality")
+        if counts is not None and (routing_trace is not None or synthetic_locality is not None or zipf != 1.0):
+            raise ValueError("--sequences decodes with the model's own router: leave out --routing-trace, "
+                             "--synthetic-locality and --zipf")
         with _engine(engine, random_weights, seed, target, override) as (path, pool):
             if counts is not None:
                 print(_report(bench_decode_batches(path, offload, counts, prompt_tokens, new_tokens, pool=pool),
                               output))
                 return
-            trace, routing = routing_for(routing_trace, synthetic_locality, EngineManifest.read(path).spec, 0)
+            trace, routing = routing_for(routing_trace, synthetic_locality, EngineManifest.read(path).spec, 0, zipf)
             text = _report(bench_decode(path, offload, trace, routing, prompt_tokens, new_tokens, pool=pool), output)
     print(text)
 

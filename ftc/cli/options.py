@@ -328,18 +328,20 @@ def engine_in_memory(spec: Path, random_weights: bool, seed: int, target: str, o
     return compile_with_experts_in_memory(opts, err)
 
 
-def routing_for(trace: Path | None, synthetic_locality: float | None, spec, seed: int):
+def routing_for(trace: Path | None, synthetic_locality: float | None, spec, seed: int, zipf: float = 1.0):
     """The trace a decode benchmark replays, and how the JSON names it."""
     from ftc_runtime.experts.routing_trace import RoutingTrace, synthetic_trace
 
     if trace is not None and synthetic_locality is not None:
         raise ValueError("give --routing-trace or --synthetic-locality, not both")
+    if zipf != 1.0 and synthetic_locality is None:
+        raise ValueError("--zipf shapes a synthetic trace: give --synthetic-locality too")
     if trace is not None:
         return RoutingTrace.load(trace), f"trace {trace}"
     if synthetic_locality is not None:
         t = synthetic_trace(512, len(spec.moe_layers), spec.moe.num_experts, spec.moe.top_k, synthetic_locality,
-                            seed=seed)
-        return t, f"synthetic (locality {synthetic_locality}, Zipf 1.0, seed {seed})"
+                            skew=zipf, seed=seed)
+        return t, f"synthetic (locality {synthetic_locality:g}, Zipf {zipf:g}, seed {seed})"
     return None, "the model's own router"
 
 
