@@ -13,7 +13,7 @@ Per layer one graph, cut where the step must leave the GPU for the routed expert
 then, outside the graph, the host round trip of the experts (`launch_staged`, `finish_staged`),
 whose own device part is one more graph. One graph for the final norm and lm_head ends the step.
 Where the expert backend can run a MoE layer on the device alone (`device_step_ready`: the
-plan as data, `FTC_DEVICE_PLAN=1`), the whole step is one graph instead: the token's embedding
+plan as data, the default on a GPU), the whole step is one graph instead: the token's embedding
 and the position's rotary table (the host writes only the token and the position), every layer's
 body, each MoE layer's `run_staged_on_device` (plan kernels, the CPU's share through the doorbell,
 gathered fills, joined on the device) and the head, with no host round trip.
