@@ -323,16 +323,52 @@ def test_triton_plan_equals_the_torch_plan(run, seed):
         assert torch.equal(triton_tables.slot_of[:-1], torch_tables.slot_of[:-1]), step
 
 
-def test_ftc_device_plan_turns_the_plan_on(engine_dir, monkeypatch):
+def test_the_device_plan_is_on_wherever_a_gpu_runs_the_engine(engine_dir, monkeypatch):
+    """The default: on a GPU, off where the CPU stands in for one; FTC_DEVICE_PLAN=0 or 1 decides
+    instead, and OffloadConfig.device_plan over both."""
+    from ftc_runtime.engine import _device_plan
     from ftc_runtime.settings import SettingsError
 
     cfg = OffloadConfig(device="cpu", n_slots=4)
     assert not Engine.load(engine_dir, offload=cfg).model.experts.device_plan
+    on_gpu, cuda_off = OffloadConfig(device="cuda"), OffloadConfig(device="cuda", device_plan=False)
+    assert _device_plan(on_gpu) and not _device_plan(cuda_off)
     monkeypatch.setenv("FTC_DEVICE_PLAN", "1")
     assert Engine.load(engine_dir, offload=cfg).model.experts.device_plan
+    monkeypatch.setenv("FTC_DEVICE_PLAN", "0")
+    assert not _device_plan(on_gpu) and _device_plan(OffloadConfig(device="cpu", device_plan=True))
     monkeypatch.setenv("FTC_DEVICE_PLAN", "maybe")
     with pytest.raises(SettingsError, match="FTC_DEVICE_PLAN='maybe'"):
         Engine.load(engine_dir, offload=cfg)
+
+
+class HostRouting:
+    """A routing hook with no device form (as `ftc trace`'s recorder): decode cannot be one graph."""
+
+    def route(self, moe_layer: int, positions: np.ndarray, ids: np.ndarray,
+              weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return ids, weights
+
+
+def test_a_device_step_that_cannot_run_says_why_once(engine_dir, capsys):
+    """Where the device plan is on beside a GPU but the one-graph step lacks something, decode takes
+    the host path and says why, once for each reason. On the CPU the flag `on_gpu` stands in for
+    the GPU, and each lack is mended in turn to reach the next."""
+    experts = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=4, device_plan=True)).model.experts
+    assert not experts.device_step_ready()  # the CPU: no device step, nothing to say
+    assert capsys.readouterr().err == ""
+    experts.on_gpu = True
+    experts.routing = HostRouting()
+    mends = [("not mapped into the device", lambda: setattr(experts, "_gather_fills", lambda plan: None)),
+             ("no background worker pool", lambda: setattr(experts.kernel, "background", True)),
+             ("no generated device expert kernels", lambda: setattr(experts.store, "kernels", object())),
+             ("HostRouting", lambda: setattr(experts, "routing", None))]
+    for reason, mend in mends:
+        assert not any(experts.device_step_ready() for _ in range(3))
+        said = capsys.readouterr().err
+        assert said.count("decode steps take the host path") == 1 and reason in said, (reason, said)
+        mend()
+    assert experts.device_step_ready() and capsys.readouterr().err == ""
 
 
 @pytest.mark.gpu
