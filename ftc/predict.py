@@ -1,6 +1,6 @@
 """What a spec would do on a target before any engine exists (`ftc inspect SPEC --target T
---vram-budget B`): the GPU memory split and the decode and prefill speeds that DESIGN.md's
-bandwidth model predicts.
+--vram-budget B`): the GPU memory split and the decode and prefill speeds that the
+bandwidth model (docs/structures.md, "The performance model") predicts.
 
 Decode, one sequence, routing with no locality: LRU slots hold a share s of the expert pool, so
 each of a layer's k routed experts misses with probability 1 − s, and its misses m follow the

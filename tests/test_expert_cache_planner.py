@@ -115,7 +115,7 @@ def test_gpu_presets_carry_the_papers_bandwidths():
 
 
 def test_measured_concurrent_rates_set_the_split(seed):
-    """DESIGN.md's device measurement: DMA 41 GB/s beside CPU reads at 63 GB/s, so about 40% of
+    """The device machine's probe of 2026-11-29: DMA 41 GB/s beside CPU reads at 63 GB/s, so about 40% of
     the misses are copied, not the paper's B_P / B_H ≈ 58%."""
     rng = random.Random(seed)
     measured = MissPlanner("adaptive", 51.0, 88.0, 41.0, 63.0)

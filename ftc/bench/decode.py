@@ -1,7 +1,7 @@
 """`ftc bench decode ENGINE`: decode speed with the experts split between a slot cache on the
 device and the CPU, the split's statistics, and the bandwidth bound of the steps that ran.
 
-The bound (DESIGN.md's performance model) per token: Σ over MoE layers of the miss time at the
+The bound (the performance model, docs/structures.md) per token: Σ over MoE layers of the miss time at the
 planner's rates, max(q·S/B_P', (m−q)·S/B_H'), plus the bytes the device itself must read (the
 non-expert weights once and every hit or fill expert) at the device's measured memory bandwidth.
 Beside it, the CPU time per token of the thread that drives the step (`host_cpu_ms_per_token`:

@@ -2,7 +2,7 @@
 which misses fill a victim slot and which the CPU computes, what the CPU job is, and the cache's
 update. Every count is a device tensor and every list a fixed-shape buffer ([T·k] entries for T
 tokens of k experts) whose unused entries are masked, and nothing is read back to the host, so a
-CUDA graph can hold the whole step (DESIGN.md, "Decode as data").
+CUDA graph can hold the whole step.
 
 `CacheTables` mirrors `ExpertCache` on a device; `plan_layer` is the plan in torch: the reference
 that the generated plan kernel is checked against, and the plan the CPU-emulated device runs. It

@@ -3,7 +3,7 @@ its device-side count, read from the pinned host pool through the pool's device 
 PCIe, no copy engine) and written into its slot. Unlike `cudaMemcpyAsync` calls, whose number and
 sizes the host must know, the kernel's grid is fixed (one row of programs per fill-list entry,
 those past the count returning at once), so that a CUDA graph can hold the fills with the rest of
-the step. A 2026-11-30 probe on the device (DESIGN.md) moved 50-51 GB/s this way with 16 or more
+the step. A 2026-11-30 probe on the device machine moved 50-51 GB/s this way with 16 or more
 programs per row, against 54.6 for copies.
 """
 

@@ -67,9 +67,9 @@ class MissPlanner:
         return max(q, min(recent, m)) if self.policy == "adaptive" else q
 
     def bound_s(self, m: int, q: int, expert_bytes: int) -> float:
-        """DESIGN.md's time for one layer's misses: q copies beside m − q CPU experts, at the
-        rates both keep while they run together; a side that runs alone keeps its own full rate
-        (B_P for copies only, B_H for CPU experts only)."""
+        """The performance model's time for one layer's misses (docs/structures.md): q copies
+        beside m − q CPU experts, at the rates both keep while they run together; a side that runs
+        alone keeps its own full rate (B_P for copies only, B_H for CPU experts only)."""
         if q == 0:
             return m * expert_bytes / (self.b_h * 1e9)
         if q == m:
