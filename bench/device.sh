@@ -48,8 +48,8 @@ while [ $# -gt 0 ]; do
       if [ "${1:-}" = "--" ]; then shift; args=("$@"); set --; fi
       # -v: each test's outcome as it ends, so that a log cut off by the call's limit still names a failure
       # (the machine lacks uvicorn: the two modules of CPU-only serving tests that import it fail to collect)
-      python3 -m pytest -v -p no:cacheprovider --continue-on-collection-errors -m gpu tests "${args[@]}" 2>&1 | tee "$out/pytest_gpu.txt" \
-        | grep -v " PASSED\| SKIPPED" | tail -40 ;;
+      python3 -m pytest -v -p no:cacheprovider --continue-on-collection-errors -m gpu tests "${args[@]}" 2>&1 \
+        | tee "$out/pytest_gpu.txt" | grep -v " PASSED\| SKIPPED" | tail -40 ;;
     matrix)
       matrix $q30 32GiB "$trace,uniform"
       matrix $q30 8GiB "$trace,uniform" --override expert_format=mxfp4

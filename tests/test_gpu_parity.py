@@ -43,6 +43,7 @@ from families import (
     reference_greedy,
     reference_logits,
     rel,
+    rel_rows,
     well_conditioned,
 )
 
@@ -163,7 +164,7 @@ def check_argmax(ours: torch.Tensor, ref: torch.Tensor, first: int, what: str) -
     span = ref.amax(-1) - ref.amin(-1)
     top = ref.topk(2, dim=-1).values
     picks, want = ours.argmax(-1), ref.argmax(-1)
-    row_err = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
+    row_err = rel_rows(ours, ref)
     median = float(row_err.median())
     wrong = [i for i in range(len(ref)) if clear[i] and picks[i] != want[i]]
     below = (ref.gather(-1, want[:, None]) - ref.gather(-1, picks[:, None]))[:, 0] / span  # the pick's loss
