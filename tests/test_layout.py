@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
+RUNTIME = Path(__file__).resolve().parents[1] / "runtime" / "ftc_runtime"
 PACKAGE = "ftc_runtime"
 CORE = ("experts", "cache", "decode", "serve", "io")
 # What a core module may import from models/: the registry and the record type, never a family.

@@ -42,7 +42,7 @@ from live_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
-PACKAGE_DIRS = {"ftc": "ftc", "ftc_runtime": "runtime", "ftc_templates": "templates"}  # pyproject.toml's
+PACKAGE_DIRS = {"ftc": "ftc", "ftc_runtime": "runtime/ftc_runtime", "ftc_templates": "templates/ftc_templates"}
 TINY_SPEC, TINY_ENGINE = "model_specs/qwen3-moe-tiny.yaml", "build/qwen3-moe-tiny"
 # The "Using it" lines for the tiny model, each found by its pattern (from the line's start).
 _SPEC, _ENGINE = re.escape(TINY_SPEC), re.escape(TINY_ENGINE)

@@ -26,16 +26,21 @@ def test_each_test_family_is_complete():
 
 
 def test_every_package_folder_is_installed():
-    """pyproject.toml lists the packages a (non-editable) install carries: a family's folder left
-    out would be missing from every wheel, though an editable install finds it."""
+    """pyproject.toml finds the packages a (non-editable) install carries, in each package's folder
+    (the compiler at the top, runtime/ftc_runtime/, templates/ftc_templates/), and lists none by
+    hand: a family's folder added later is found, where a list would leave it out of every wheel."""
     from pathlib import Path
 
     import pytest
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    from setuptools.config.pyprojecttoml import read_configuration
+
     root = Path(__file__).resolve().parents[1]
-    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    names = {"runtime": "ftc_runtime", "ftc": "ftc"}
-    found = {".".join([names[p.parts[0]], *p.parts[1:]]) for top in names
-             for p in (f.parent.relative_to(root) for f in (root / top).rglob("__init__.py"))}
-    assert found - listed == set(), "package folders pyproject.toml does not install"
+    packages = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert isinstance(packages, dict) and "find" in packages, f"pyproject.toml lists packages by hand: {packages}"
+    found = set(read_configuration(root / "pyproject.toml")["tool"]["setuptools"]["packages"])
+    folders = {"ftc": root, "ftc_runtime": root / "runtime", "ftc_templates": root / "templates"}
+    on_disk = {".".join(p.parent.relative_to(base).parts) for top, base in folders.items()
+               for p in (base / top).rglob("__init__.py")}
+    assert on_disk - found == set(), "package folders pyproject.toml does not find"

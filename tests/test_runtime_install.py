@@ -61,9 +61,10 @@ def runtime_venv(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runtime-venv")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
     link_site(dists, root / "site")
-    src = root / "src"  # this checkout's packages, as pyproject's package-dir names them
+    src = root / "src"  # this checkout's packages, as pyproject's package search finds them
     src.mkdir()
-    for name, folder in (("ftc", "ftc"), ("ftc_runtime", "runtime"), ("ftc_templates", "templates")):
+    for name, folder in (("ftc", "ftc"), ("ftc_runtime", "runtime/ftc_runtime"),
+                         ("ftc_templates", "templates/ftc_templates")):
         (src / name).symlink_to(ROOT / folder)
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     (root / "venv" / "lib" / version / "site-packages" / "runtime.pth").write_text(f"{root / 'site'}\n{src}\n")

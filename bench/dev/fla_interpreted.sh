@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # flash-linear-attention's Triton kernels on a machine without a GPU, through Triton's interpreter
-# (TRITON_INTERPRET=1: numpy, slow), to check runtime/models/layers/fla_delta_rule.py between device
+# (TRITON_INTERPRET=1: numpy, slow), to check runtime/ftc_runtime/models/layers/fla_delta_rule.py between device
 # sessions: bench/dev/fla_interpreted_check.py against the torch recurrence, in fp16 (the
 # interpreter keeps bf16 as raw 16-bit integers and multiplies those). Needs a package index once.
 #   bash bench/dev/fla_interpreted.sh [FIRST_SEED LAST_SEED]

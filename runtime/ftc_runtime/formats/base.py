@@ -81,7 +81,7 @@ class CpuTemplate:
     multiples of (its vector width, or its scale block), and its measured tiling: matrix rows per
     work item and rows prefetched ahead (docs/performance.md has the sweeps). `tile_min_avx512`:
     experts of at least that many routed tokens run as 16 × 16 tile GEMMs on AVX-512 BF16
-    (templates/cpu/expert_tiles.cpp.j2), the kernel saying where its rows are as bf16; None: no
+    (templates/ftc_templates/cpu/expert_tiles.cpp.j2), the kernel saying where its rows are as bf16; None: no
     tiles. `tile_min_amx`: the same on AMX, where the row buckets (each row read once per 8 tokens)
     lose to the tiles from 16 tokens for bf16."""
 
