@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc.compile.spec_loader import load_spec
 from ftc_runtime import Engine
-from ftc_runtime.experts.vram_plan import sequence_state_bytes
 from ftc_runtime.models.base import CheckpointError
 from ftc_runtime.models.deepseek_v4.attention import EAGER_STEP, StepFunctions, attend_step, window_entry
+from ftc_runtime.models.deepseek_v4.cache import state_bytes
 from ftc_runtime.models.deepseek_v4.state import INITIAL_ENTRIES
 from ftc_runtime.models.layers.sink_attention import grouped_out, shared_kv_in
 from ftc_runtime.models.layers.softplus_router import route_biased, route_hashed
@@ -160,7 +160,7 @@ def test_a_table_of_experts_outside_the_layer_is_refused(tmp_path, seed):
 
 def test_a_sequence_state_is_as_large_as_the_plan_counts(fused, seed):
     """After n tokens with every window open as far as it goes (n + 1 a multiple of both rates),
-    the cache's state takes the bytes `sequence_state_bytes` counts, in fp32 on the CPU."""
+    the cache's state takes the bytes the family's `state_bytes` counts, in fp32 on the CPU."""
     engine, _ = fused
     c = engine.spec.compressed
     rng = random.Random(seed)
@@ -168,7 +168,7 @@ def test_a_sequence_state_is_as_large_as_the_plan_counts(fused, seed):
     n = step * rng.randrange(2, 5) - 1
     cache = engine.model.new_cache()
     engine.prefill(torch.tensor([rng.randrange(VOCAB) for _ in range(n)]), cache)
-    assert sum(layer.nbytes for layer in cache.layers) == sequence_state_bytes(engine.spec, n, 4) == cache.bytes_for(n)
+    assert sum(layer.nbytes for layer in cache.layers) == state_bytes(engine.spec, n, 4) == cache.bytes_for(n)
 
 
 def test_a_store_that_grows_inside_a_chunk_keeps_its_window(fused, seed):

@@ -20,7 +20,7 @@ from transformers import GlmMoeDsaConfig
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc.compile.spec_loader import load_spec
 from ftc_runtime import Engine
-from ftc_runtime.experts.vram_plan import kv_row_elements
+from ftc_runtime.models.glm_moe_dsa.loader import kv_row_elements
 from ftc_runtime.models.glm_moe_dsa.model import QUERY_BLOCK
 from ftc_runtime.spec import SpecError
 

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from ftc.cli.options import size as parse_size
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
 from ftc_runtime.experts.offload import OffloadedExperts
-from ftc_runtime.experts.vram_plan import VramError, parse_size, plan_vram
+from ftc_runtime.experts.vram_plan import VramError, plan_vram
 
 from slot_checks import check_slots_hold_their_rows
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from enum import Enum
@@ -29,11 +30,20 @@ MAX_SEED = 2**64 - 1  # torch.Generator takes seeds in [0, 2**64)
 # the command starts (and so before an engine loads or a benchmark runs).
 
 
-def size(text: str) -> int:
-    """A byte count such as 8GiB."""
-    from ftc_runtime.experts.vram_plan import parse_size  # imports torch: only once an option needs it
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
-    return parse_size(text)
+
+def size(text: str) -> int:
+    """A byte count: '32GiB', '8GB', '512MiB', '1e9' → bytes, at least 0, less than 2**63."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"size {text!r}: expected a number >= 0 with an optional unit (B, KB, MB, GB, KiB, MiB, "
+                         "GiB, ...)")
+    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not n < 2**63:  # '1e999' is inf; byte counts must fit the int64 that torch and the OS use
+        raise ValueError(f"size {text!r}: too large (8 EiB or more)")
+    return int(n)
 
 
 def positive_size(text: str) -> int:

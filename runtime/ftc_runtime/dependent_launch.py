@@ -22,14 +22,13 @@ hits need SMs on other streams. Off by default until the body's gain is measured
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
-from ftc_runtime.settings import settings
+from ftc_runtime.settings import pdl_setting
 
 
 @triton.jit
@@ -43,12 +42,11 @@ def wait_for_previous(PDL: tl.constexpr):
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: with FTC_PDL=1, on a CUDA device of compute
-    capability 9.0 or later (never Triton's interpreter, whose tensors are on the CPU)."""
-    return device.type == "cuda" and _cuda_enabled(device, os.environ.get("FTC_PDL"))
+    capability 9.0 or later (never Triton's interpreter, whose tensors are on the CPU). The
+    setting is read at each launch, so that a benchmark's variants may change it in between."""
+    return device.type == "cuda" and pdl_setting() and _has_pdl(device)
 
 
 @cache
-def _cuda_enabled(device: torch.device, raw_setting: str | None) -> bool:
-    """Keyed by FTC_PDL's raw value too: read again where the environment changed (a benchmark's
-    variants), at the cost of one lookup per launch otherwise."""
-    return settings().pdl and torch.cuda.get_device_capability(device) >= (9, 0)
+def _has_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)

@@ -54,12 +54,18 @@ class Settings:
         return cls(num_threads=_int("FTC_NUM_THREADS"), cache_dir=Path(cache),
                    decode_graphs=_bool("FTC_DECODE_GRAPHS", True), torch_compile=_bool("FTC_TORCH_COMPILE", True),
                    pin_gpu_thread=_bool("FTC_PIN_GPU_THREAD", False), device_plan=_bool("FTC_DEVICE_PLAN", None),
-                   fused_body=_bool("FTC_FUSED_BODY", True), pdl=_bool("FTC_PDL", False),
+                   fused_body=_bool("FTC_FUSED_BODY", True), pdl=pdl_setting(),
                    device_waits_cpu_part=_bool("FTC_DEVICE_WAITS_CPU_PART", True))
 
 
 def settings() -> Settings:
     return Settings.from_env()
+
+
+def pdl_setting() -> bool:
+    """FTC_PDL alone: the kernels that may launch with programmatic dependent launch read it at
+    each launch, where reading every setting would cost more than the launch."""
+    return bool(_bool("FTC_PDL", False))
 
 
 # How long torch's OpenMP threads spin after a parallel region before they sleep. The defaults

@@ -68,6 +68,9 @@ class Family:
     decode_graphs: type[DecodeGraphs] | None  # one decode step as CUDA graphs (None: eager)
     chat_template: str  # in chat/templates/: for engines whose checkpoint brings none
     tool_parser: str  # name in chat.tool_parsers.TOOL_PARSERS: how the family writes tool calls
+    # Device bytes of one sequence's attention and recurrent state after `tokens` tokens, its
+    # caches of `element_size` bytes an element: the VRAM plan's "KV" share at max_context.
+    state_bytes: Callable[[ModelSpec, int, int], int]
     # Name endings of the dense weights its model reads as FP8 blocks (`layers.fp8_linear`) where the
     # spec's dense_format is fp8; none: the family holds its dense weights in bf16 only.
     fp8_linears: tuple[str, ...] = ()
@@ -85,6 +88,16 @@ class Family:
     @property
     def chat_template_path(self) -> Path:
         return CHAT_TEMPLATES / self.chat_template
+
+
+def kv_cache_bytes(spec: ModelSpec, tokens: int, row_elements: int, element_size: int) -> int:
+    """Bytes of every full-attention layer's cache of `tokens` rows of `row_elements` elements."""
+    return tokens * len(spec.full_attention_layers) * row_elements * element_size
+
+
+def gqa_state_bytes(spec: ModelSpec, tokens: int, element_size: int) -> int:
+    """A GQA model's state: keys and values per KV head in every full-attention layer."""
+    return kv_cache_bytes(spec, tokens, 2 * spec.attention.num_kv_heads * spec.attention.head_dim, element_size)
 
 
 def check_gqa_softmax_topk(s: ModelSpec, need: Need) -> None:

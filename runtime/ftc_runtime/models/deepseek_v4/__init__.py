@@ -7,6 +7,7 @@ DeepSeek's format (`deepseek_v4_tools.jinja`); tool calls are read in DeepSeek's
 either way."""
 
 from ftc_runtime.models.base import Family
+from ftc_runtime.models.deepseek_v4.cache import state_bytes
 from ftc_runtime.models.deepseek_v4.decode import HyperDecodeGraphs
 from ftc_runtime.models.deepseek_v4.loader import (
     FP8_LINEARS,
@@ -29,7 +30,7 @@ DECODE_FIXED_MS = 0.35
 
 FAMILIES = {
     "deepseek_v4": Family("deepseek_v4", DeepseekV4Model, check_spec, dense_tensor_shapes, spec_from_hf,
-                          DeepseekV4Layout, HyperDecodeGraphs, "deepseek_v4_tools.jinja", "deepseek",
+                          DeepseekV4Layout, HyperDecodeGraphs, "deepseek_v4_tools.jinja", "deepseek", state_bytes,
                           fp8_linears=FP8_LINEARS, decode_fixed_ms=DECODE_FIXED_MS, fp32_tensors=FP32_TENSORS,
                           expert_index_tensors=("tid2eid",)),
 }

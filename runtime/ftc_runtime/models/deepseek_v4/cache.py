@@ -13,9 +13,30 @@ import torch
 
 from ftc_runtime.cache.kv import KVCache, new_generation
 from ftc_runtime.cache.sequence import SequenceCache
-from ftc_runtime.experts.vram_plan import sequence_state_bytes
 from ftc_runtime.models.deepseek_v4.state import LayerState
 from ftc_runtime.spec import ModelSpec
+
+
+def state_bytes(spec: ModelSpec, tokens: int, element_size: int) -> int:
+    """Bytes of one sequence's state after `tokens` tokens: per layer the ring of its last
+    sliding_window raw rows, and per compressor (a layer's own, a CSA layer's indexer's) its
+    entries so far, the source rows (keys and gates) of one window and, where windows overlap
+    (CSA), the last closed one's first series with its gates in fp32."""
+    c, d = spec.compressed, spec.attention.head_dim
+
+    def compressor(rate: int, dim: int, overlap: bool) -> int:
+        width = 2 * dim if overlap else dim
+        own = (tokens // rate * dim + 2 * rate * width + (rate * dim if overlap else 0)) * element_size
+        return own + (rate * dim * 4 if overlap else 0)
+
+    total = 0
+    for kind in c.layer_types:
+        total += c.sliding_window * d * element_size
+        if kind == "hca":
+            total += compressor(c.hca_rate, d, False)
+        elif kind == "csa":
+            total += compressor(c.csa_rate, d, True) + compressor(c.csa_rate, c.index_head_dim, True)
+    return total
 
 
 class CompressedCache(SequenceCache):
@@ -43,4 +64,4 @@ class CompressedCache(SequenceCache):
         self.length += 1
 
     def bytes_for(self, n: int) -> int:
-        return sequence_state_bytes(self.spec, n, self.dtype.itemsize)
+        return state_bytes(self.spec, n, self.dtype.itemsize)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ftc_runtime.experts.base import ExpertBackend
+from ftc_runtime.models.batch_decode import BatchDecode
 from ftc_runtime.models.deepseek_v4.attention import attend, layer_shapes, new_state
 from ftc_runtime.models.deepseek_v4.cache import CompressedCache
 from ftc_runtime.models.layers.fp8_linear import BlockFp8
@@ -30,7 +31,7 @@ from ftc_runtime.spec import ModelSpec
 Run = tuple[CompressedCache, slice]
 
 
-class DeepseekV4Model:
+class DeepseekV4Model(BatchDecode):
     """One sequence at a time (or several decoding together), on `device`: fp32 activations on the
     CPU, bf16 on a GPU; the tensors the checkpoint keeps in fp32 (hyper-connections, sinks,
     position terms, router bias) stay fp32, `tid2eid` int64."""
@@ -89,17 +90,9 @@ class DeepseekV4Model:
         return logits if all_logits else logits[-1:]
 
     @torch.inference_mode()
-    def decode_batch(self, tokens: list[int], caches: list[CompressedCache]) -> torch.Tensor:
-        """One new token for each of several sequences, each after its own tokens: logits [B, vocab]
-        fp32. Hyper-connections, router, experts and head run once over the batch; attention runs
-        per sequence on its own state. On a GPU whose experts run a step on the device, the whole
-        step is one CUDA graph (`step_batch`)."""
-        if len(tokens) != len(caches) or not tokens:
-            raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
-        if self.decode_graphs is not None and self.decode_graphs.batch_ready(len(tokens)):
-            return self.decode_graphs.step_batch(tokens, caches)
-        if len(tokens) == 1:
-            return self.forward(torch.tensor(tokens), caches[0])
+    def _eager_batch(self, tokens: list[int], caches: list[CompressedCache]) -> torch.Tensor:
+        """Hyper-connections, router, experts and head run once over the batch; attention runs per
+        sequence on its own state."""
         return self._pass(torch.tensor(tokens), [(c, slice(j, j + 1)) for j, c in enumerate(caches)], None,
                           prompt=False)
 

@@ -5,7 +5,13 @@ an engine without one writes GLM's format (`glm_tools.jinja`); tool calls are re
 
 from ftc_runtime.models.base import CheckpointLayout, Family
 from ftc_runtime.models.glm_moe_dsa.decode import LatentDecodeGraphs
-from ftc_runtime.models.glm_moe_dsa.loader import FP8_LINEARS, check_spec, dense_tensor_shapes, spec_from_hf
+from ftc_runtime.models.glm_moe_dsa.loader import (
+    FP8_LINEARS,
+    check_spec,
+    dense_tensor_shapes,
+    spec_from_hf,
+    state_bytes,
+)
 from ftc_runtime.models.glm_moe_dsa.model import GlmMoeDsaModel
 
 # Latent attention's and the indexer's many small kernels, and the NVFP4 experts' hits: GLM-5.2's
@@ -15,6 +21,6 @@ DECODE_FIXED_MS = 0.31
 
 FAMILIES = {
     "glm_moe_dsa": Family("glm_moe_dsa", GlmMoeDsaModel, check_spec, dense_tensor_shapes, spec_from_hf,
-                          CheckpointLayout, LatentDecodeGraphs, "glm_tools.jinja", "glm", FP8_LINEARS,
+                          CheckpointLayout, LatentDecodeGraphs, "glm_tools.jinja", "glm", state_bytes, FP8_LINEARS,
                           DECODE_FIXED_MS),
 }

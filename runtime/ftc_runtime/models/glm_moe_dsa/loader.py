@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftc_runtime.models.base import check_plain_swiglu
+from ftc_runtime.models.base import check_plain_swiglu, kv_cache_bytes
 from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.models.layers.tensor_shapes import end_tensor_shapes, mlp_tensor_shapes
 from ftc_runtime.spec import ModelSpec, Need, SpecError
@@ -67,6 +67,17 @@ def indexer_layer_types(cfg: HfConfig, n_layers: int) -> list[str]:
         raise SpecError(f"{cfg.where}: field 'index_topk_pattern' = {pattern!r}: expected a string of F and S")
     freq, offset = max(cfg.get("index_topk_freq", 1), 1), cfg.get("index_skip_topk_offset", 2)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
+
+
+def kv_row_elements(spec: ModelSpec) -> int:
+    """Elements one token keeps in one layer's cache: the latent row, its rotary key and the
+    indexer's key."""
+    ml, ix = spec.mla, spec.indexer
+    return ml.kv_lora_rank + ml.rope_dim + (ix.head_dim if ix is not None else 1)
+
+
+def state_bytes(spec: ModelSpec, tokens: int, element_size: int) -> int:
+    return kv_cache_bytes(spec, tokens, kv_row_elements(spec), element_size)
 
 
 def spec_from_hf(cfg: HfConfig) -> dict[str, Any]:

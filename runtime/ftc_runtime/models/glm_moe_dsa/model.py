@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ftc_runtime.cache.kv import KVCache
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.experts.base import ExpertBackend
+from ftc_runtime.models.batch_decode import BatchDecode
 from ftc_runtime.models.layers.dsa_indexer import (
     IndexerShape,
     index_scores,
@@ -40,7 +41,7 @@ QUERY_BLOCK = 256  # queries of a prompt chunk whose attention scores are held a
 Visible = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-class GlmMoeDsaModel:
+class GlmMoeDsaModel(BatchDecode):
     """One sequence at a time (or several decoding together), on `device`: fp32 activations on the
     CPU, bf16 on a GPU."""
 
@@ -104,17 +105,9 @@ class GlmMoeDsaModel:
         return self.head(x if all_logits else x[-1:])
 
     @torch.inference_mode()
-    def decode_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
-        """One new token for each of several sequences, each after its own cache's tokens: logits
-        [B, vocab] fp32. Projections, router, experts and head run once over the batch; attention
-        runs per sequence over its own cache. On a GPU whose experts run a step on the device, the
-        whole step is one CUDA graph (`step_batch`)."""
-        if len(tokens) != len(caches) or not tokens:
-            raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
-        if self.decode_graphs is not None and self.decode_graphs.batch_ready(len(tokens)):
-            return self.decode_graphs.step_batch(tokens, caches)
-        if len(tokens) == 1:
-            return self.forward(torch.tensor(tokens), caches[0])
+    def _eager_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
+        """Projections, router, experts and head run once over the batch; attention runs per
+        sequence over its own cache."""
         positions = torch.tensor([c.length for c in caches], device=self.device)
         self.experts.begin_pass(len(tokens), prompt=False)
         cos, sin = self.rope_at(positions)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ftc_runtime.cache.kv import KVCache
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.experts.base import ExpertBackend
+from ftc_runtime.models.batch_decode import BatchDecode
 from ftc_runtime.models.layers.attention import attention_in, attention_out, cached_attention
 from ftc_runtime.models.layers.mlp import dense_mlp
 from ftc_runtime.models.layers.norm import rms_norm
@@ -23,7 +24,7 @@ from ftc_runtime.models.layers.router import route
 from ftc_runtime.spec import ModelSpec
 
 
-class Qwen3MoeModel:
+class Qwen3MoeModel(BatchDecode):
     """One sequence at a time, on `device`: fp32 activations on the CPU, bf16 on a GPU."""
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], experts: ExpertBackend,
@@ -85,17 +86,9 @@ class Qwen3MoeModel:
         return self.head(x)
 
     @torch.inference_mode()
-    def decode_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
-        """One new token for each of several sequences, each after its own cache's tokens: logits
-        [B, vocab] fp32. The projections, router, experts and head run once over the batch (the
-        experts of B tokens as one call); attention runs per sequence over its own cache. On a GPU
-        whose experts run a step on the device, the whole step is one CUDA graph (`step_batch`)."""
-        if len(tokens) != len(caches) or not tokens:
-            raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
-        if self.decode_graphs is not None and self.decode_graphs.batch_ready(len(tokens)):
-            return self.decode_graphs.step_batch(tokens, caches)
-        if len(tokens) == 1:
-            return self.forward(torch.tensor(tokens), caches[0])
+    def _eager_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
+        """The projections, router, experts and head run once over the batch (the experts of B
+        tokens as one call); attention runs per sequence over its own cache."""
         positions = [c.length for c in caches]
         self.experts.begin_pass(len(tokens), prompt=False)
         cos, sin = self.rope_at(torch.tensor(positions, device=self.device))

@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from ftc_runtime.models.base import CheckpointError, CheckpointLayout, CheckpointReader, check_gqa_softmax_topk
+from ftc_runtime.models.base import (
+    CheckpointError,
+    CheckpointLayout,
+    CheckpointReader,
+    check_gqa_softmax_topk,
+    gqa_state_bytes,
+)
 from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.models.layers.tensor_shapes import end_tensor_shapes, mlp_tensor_shapes
 from ftc_runtime.spec import ModelSpec, Need, SpecError
@@ -53,6 +59,17 @@ def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         else:
             shapes |= mlp_tensor_shapes(p + "mlp.", m.dense_intermediate_size, h)
     return shapes
+
+
+def state_bytes(spec: ModelSpec, tokens: int, element_size: int) -> int:
+    """The full-attention layers' keys and values, and each Gated DeltaNet layer's convolution
+    window (16-bit) and recurrent state (fp32), whatever the tokens."""
+    la = spec.linear_attention
+    if la is None:
+        return gqa_state_bytes(spec, tokens, element_size)
+    conv = (2 * la.num_k_heads * la.k_head_dim + la.num_v_heads * la.v_head_dim) * (la.conv_kernel - 1) * 2
+    recurrent = la.num_v_heads * la.k_head_dim * la.v_head_dim * 4
+    return gqa_state_bytes(spec, tokens, element_size) + len(spec.linear_attention_layers) * (conv + recurrent)
 
 
 def spec_from_hf(cfg: HfConfig) -> dict[str, Any]:

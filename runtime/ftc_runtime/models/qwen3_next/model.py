@@ -20,6 +20,7 @@ from ftc_runtime.cache.base import RecurrentCheckpoint
 from ftc_runtime.cache.kv import KVCache
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.experts.base import ExpertBackend
+from ftc_runtime.models.batch_decode import BatchDecode
 from ftc_runtime.models.layers.attention import cached_attention
 from ftc_runtime.models.layers.gated_attention import gated_attention_in, gated_attention_out
 from ftc_runtime.models.layers.gated_deltanet import (
@@ -51,7 +52,7 @@ FUSED = (
 )
 
 
-class Qwen3NextModel:
+class Qwen3NextModel(BatchDecode):
     """Sequences on `device`: fp32 activations on the CPU, bf16 on a GPU; the Gated DeltaNet
     state stays fp32."""
 
@@ -146,17 +147,9 @@ class Qwen3NextModel:
         return self.head(x if all_logits else x[-1:])
 
     @torch.inference_mode()
-    def decode_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
-        """One new token for each of several sequences, each after its own tokens: logits [B, vocab]
-        fp32. Projections, router, experts and head run once over the batch; attention and the
-        linear layers' recurrence run per sequence on its own state. On a GPU whose experts run a
-        step on the device, the whole step is one CUDA graph (`step_batch`)."""
-        if len(tokens) != len(caches) or not tokens:
-            raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
-        if self.decode_graphs is not None and self.decode_graphs.batch_ready(len(tokens)):
-            return self.decode_graphs.step_batch(tokens, caches)
-        if len(tokens) == 1:
-            return self.forward(torch.tensor(tokens), caches[0])
+    def _eager_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
+        """Projections, router, experts and head run once over the batch; attention and the linear
+        layers' recurrence run per sequence on its own state."""
         positions = [c.length for c in caches]
         self.experts.begin_pass(len(tokens), prompt=False)
         cos, sin = self.rope_at(torch.tensor(positions, device=self.device))

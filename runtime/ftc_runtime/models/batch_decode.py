@@ -1,0 +1,26 @@
+"""`BatchDecode`: the one entry every family's model gives the generation loop for a decode step of
+several sequences, `decode_batch`. What all families share is which path a step takes: one CUDA
+graph where the experts run the step on the device and a graph for that batch size exists, the
+one-token forward for a single sequence, else the family's eager batch (`_eager_batch`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class BatchDecode:
+    """Mixed into a family's model, which has `decode_graphs` (`DecodeGraphs` or None), `forward`
+    (one sequence's tokens) and `_eager_batch` (one token of each of several sequences)."""
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], caches: list) -> torch.Tensor:
+        """One new token for each of several sequences, each after its own cache's tokens: logits
+        [B, vocab] fp32. On a GPU whose experts run a step on the device, the whole step is one
+        CUDA graph (`step_batch`)."""
+        if len(tokens) != len(caches) or not tokens:
+            raise ValueError(f"decode_batch: {len(tokens)} tokens for {len(caches)} caches")
+        if self.decode_graphs is not None and self.decode_graphs.batch_ready(len(tokens)):
+            return self.decode_graphs.step_batch(tokens, caches)
+        if len(tokens) == 1:
+            return self.forward(torch.tensor(tokens), caches[0])
+        return self._eager_batch(tokens, caches)
