@@ -7,11 +7,13 @@
 #   gpu-tests [-- PYTEST_ARGS]  every GPU test (pytest -m gpu tests), its log in OUT_DIR/pytest_gpu.txt;
 #                               arguments after -- narrow it (e.g. -- -k deepseek)
 #   matrix                      decode tok/s of each engine of the README's table under the miss policies
-#                               adaptive, gpu and cpu (bench/decode_matrix.py: one expert pool per engine,
-#                               drawn in memory; qwen3-30b-a3b bf16 at 32 GiB and MXFP4 at 8 GiB with the
-#                               bundled trace and uniform routing, qwen3.6-35b-a3b bf16 at 32 GiB and NVFP4
-#                               at 8 GiB uniform), into OUT_DIR/decode.jsonl
-#   pdl                         the qwen3-30b-a3b bf16 32 GiB trace row again with FTC_PDL=0 and 1
+#                               adaptive, gpu and cpu (`ftc bench matrix`: one expert pool per engine, drawn
+#                               in memory; qwen3-30b-a3b bf16 at 32 GiB and MXFP4 at 8 GiB with the bundled
+#                               trace and uniform routing, qwen3.6-35b-a3b bf16 at 32 GiB and NVFP4 at 8 GiB
+#                               uniform): the tables into OUT_DIR/matrix.txt, each engine's runs (what
+#                               `ftc bench decode` prints for each) into OUT_DIR/matrix-MODEL-FORMAT-BUDGET.json
+#   pdl                         the qwen3-30b-a3b bf16 32 GiB trace row again with FTC_PDL=0 and 1, into
+#                               OUT_DIR/pdl.txt and OUT_DIR/pdl0.json, pdl1.json
 #   anchor                      llama.cpp's MXFP4 decode at -ncmoe 30 on the same machine (needs .anchors/,
 #                               see ../shared/anchors/README.md), into OUT_DIR/anchor
 #
@@ -30,13 +32,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 
 q30=model_specs/qwen3-30b-a3b.yaml
 q36=model_specs/qwen3.6-35b-a3b.yaml
-trace=trace:bench/traces/qwen3-30b-a3b-k6.npz
+trace=bench/traces/qwen3-30b-a3b-k6.npz
 
-matrix() {  # SPEC BUDGET ROUTINGS [decode_matrix args...]
-  local spec=$1 budget=$2 routings=$3
+ftc() { python3 -m ftc.cli.main "$@"; }  # the console script's folder may not be on the machine's PATH
+
+matrix() {  # NAME SPEC BUDGET [ftc bench matrix options...]
+  local name=$1 spec=$2 budget=$3
   shift 3
-  python3 bench/decode_matrix.py "$spec" --target h200 --vram-budget "$budget" --policies adaptive,gpu,cpu \
-    --routings "$routings" -o "$out" "$@" 2>&1 | tee -a "$out/matrix.txt" | grep "tok/s"
+  ftc bench matrix "$spec" --random-weights --target h200 --vram-budget "$budget" --miss-policy adaptive,gpu,cpu \
+    -o "$out/matrix-$name.json" "$@" 2>&1 | tee -a "$out/matrix.txt"
 }
 
 while [ $# -gt 0 ]; do
@@ -51,14 +55,14 @@ while [ $# -gt 0 ]; do
       python3 -m pytest -v -p no:cacheprovider --continue-on-collection-errors -m gpu tests "${args[@]}" 2>&1 \
         | tee "$out/pytest_gpu.txt" | grep -v " PASSED\| SKIPPED" | tail -40 ;;
     matrix)
-      matrix $q30 32GiB "$trace,uniform"
-      matrix $q30 8GiB "$trace,uniform" --override expert_format=mxfp4
-      matrix $q36 32GiB uniform
-      matrix $q36 8GiB uniform --override expert_format=nvfp4 ;;
+      matrix qwen3-30b-a3b-bf16-32GiB $q30 32GiB --routing-trace $trace --uniform
+      matrix qwen3-30b-a3b-mxfp4-8GiB $q30 8GiB --routing-trace $trace --uniform --override expert_format=mxfp4
+      matrix qwen3.6-35b-a3b-bf16-32GiB $q36 32GiB --uniform
+      matrix qwen3.6-35b-a3b-nvfp4-8GiB $q36 8GiB --uniform --override expert_format=nvfp4 ;;
     pdl)
       for pdl in 0 1; do
-        FTC_PDL=$pdl python3 bench/decode_matrix.py $q30 --target h200 --vram-budget 32GiB --policies adaptive \
-          --routings "$trace" -o "$out/pdl$pdl" 2>&1 | tee -a "$out/pdl.txt" | grep "tok/s"
+        FTC_PDL=$pdl ftc bench matrix $q30 --random-weights --target h200 --vram-budget 32GiB --miss-policy adaptive \
+          --routing-trace $trace -o "$out/pdl$pdl.json" 2>&1 | tee -a "$out/pdl.txt"
       done ;;
     anchor)
       bash .anchors/llama_anchor.sh "$out/anchor" mxfp4 "30" 2>&1 | tail -20 ;;

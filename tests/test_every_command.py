@@ -42,7 +42,7 @@ TIMEOUT_S = 600  # per call; the slowest, `bench experts` (3 s a measurement), t
 
 # The commands of today: the walk must find every one (more is fine), so that it cannot pass on none.
 KNOWN = {"compile", "package", "inspect", "run", "profile", "trace",
-         "bench experts", "bench decode", "bench prefill", "bench agent", "bench load"}
+         "bench experts", "bench decode", "bench matrix", "bench prefill", "bench agent", "bench load"}
 ENGINE_ARGUMENTS = {"engine", "source"}  # names of the arguments that take the engine (or a spec)
 
 

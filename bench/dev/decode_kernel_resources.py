@@ -1,5 +1,5 @@
 """The plan kernel's registers and spills for sm_90 at each batch size, compiled ahead of time by
-Triton's own ptxas (no GPU needed): the figures that set its warps (decode/plan_kernel.py).
+Triton's own ptxas (no GPU needed): the figures that set its warps (experts/device/plan_kernel.py).
 
     python bench/dev/decode_kernel_resources.py [--warps 4,8,16,32]
 """
@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ftc_runtime.decode import plan_kernel
+from ftc_runtime.experts.device import plan_kernel
 
 _I64, _F32 = "*i64", "*fp32"
 SIGNATURE = dict(zip(

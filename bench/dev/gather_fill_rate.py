@@ -1,4 +1,4 @@
-"""How fast the plan's fill kernel (`decode/gather_fills.py`) moves expert rows from the pinned,
+"""How fast the plan's fill kernel (`experts/device/gather_fills.py`) moves expert rows from the pinned,
 mapped host pool into device slots, against one `copy_` per row (the copy engines), on the GPU.
 
     python bench/dev/gather_fill_rate.py [--expert-bytes 2506752] [--fills 1,2,4,8]
@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.testing
 
-from ftc_runtime.decode.device_plan import LayerPlan
-from ftc_runtime.decode.gather_fills import CHUNK, PARTS, gather_fills
+from ftc_runtime.experts.device.device_plan import LayerPlan
+from ftc_runtime.experts.device.gather_fills import CHUNK, PARTS, gather_fills
 from ftc_runtime.io.host_memory import MappedHost, mapped_address, pin_in_place
 
 

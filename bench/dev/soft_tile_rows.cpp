@@ -1,5 +1,6 @@
 // The AVX-512 BF16 tile GEMM's inner loop alone (templates/cpu/expert_tiles.cpp.j2, `soft_gemm`),
-// by weight rows per pass: 16 rows 4 KiB apart thrash an 8-way L1 (docs/performance.md, issue 24).
+// by weight rows per pass: 16 rows 4 KiB apart thrash an 8-way L1 (docs/history/performance-log.md,
+// issue 24).
 //   g++ -O3 -std=c++20 -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mfma bench/dev/soft_tile_rows.cpp -o /tmp/str
 #include <immintrin.h>
 #include <cstdint>

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU kernel at T tokens per expert: tiles (this tree) against the row buckets alone (the same
 # source with the tile thresholds out of reach) and torch's bf16 matmul, per format, on this
-# machine (docs/performance.md, issue 24). Run from the repository root after `make test`'s venv.
+# machine (docs/history/performance-log.md, issue 24). Run from the repository root after `make test`'s venv.
 set -euo pipefail
 for fmt in bf16 mxfp4 nvfp4; do
   .venv/bin/ftc compile model_specs/qwen3-30b-a3b.yaml --random-weights --target auto --override num_layers=1 \
@@ -16,6 +16,6 @@ e = Path('/tmp/eng/q30-$fmt-buckets')
 build_kernels(e / 'kernels', e / 'lib', Path(tempfile.mkdtemp()))"
   for v in "" "-buckets"; do
     echo "== $fmt$v"
-    .venv/bin/python bench/cpu_batch_throughput.py /tmp/eng/q30-$fmt$v --tokens 1,8,16,32,64,128,256,512 --seconds 1
+    .venv/bin/python bench/dev/cpu_batch_throughput.py /tmp/eng/q30-$fmt$v --tokens 1,8,16,32,64,128,256,512 --seconds 1
   done
 done

@@ -1,5 +1,6 @@
-"""`ftc bench experts | decode | prefill | agent | load`: one command per benchmark, each with the
-options it reads. Every one prints one JSON object (and writes it with -o)."""
+"""`ftc bench experts | decode | matrix | prefill | agent | load`: one command per benchmark, each
+with the options it reads. Every one prints one JSON object (and writes it with -o), but `matrix`,
+which prints a table of its runs (the JSON with --json)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ftc.cli.options import (
     CachePolicyArg,
     CpuExpertsArg,
     MissPolicyArg,
+    MissPolicyOpt,
     PrefillChunkArg,
     PrefillSplitArg,
     SlotsArg,
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from ftc_runtime.io.ftw import ExpertPool
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure an engine, or a spec built in memory with random weights; "
-                        "each benchmark prints one JSON object.")
+                        "each benchmark prints one JSON object (matrix: a table, or the JSON with --json).")
 
 # Options that several benchmarks share.
 EngineArg = Annotated[Path, typer.Argument(metavar="ENGINE", help="Engine directory, or a spec YAML with "
@@ -165,6 +167,117 @@ def decode(
             trace, routing = routing_for(routing_trace, synthetic_locality, EngineManifest.read(path).spec, 0, zipf)
             text = _report(bench_decode(path, offload, trace, routing, prompt_tokens, new_tokens, pool=pool), output)
     print(text)
+
+
+@bench_app.command()
+def matrix(
+    engine: EngineArg,
+    miss_policy: Annotated[str, typer.Option(metavar="POLICY[,POLICY...]", help="Where cache misses run, "
+                                             "comma-separated: each policy is measured on each routing (adaptive, "
+                                             "gpu, cpu, half).")] = "adaptive,gpu,cpu",
+    routing_trace: Annotated[list[Path] | None, typer.Option(metavar="PATH", help="Replay the router choices of "
+                                                             "this trace (.npz, from `ftc trace`); "
+                                                             "repeatable.")] = None,
+    synthetic_locality: Annotated[str | None, typer.Option(metavar="LOCALITY[,LOCALITY...]", help="Replay "
+                                                           "synthetic traces of these localities, in [0, 1], "
+                                                           "comma-separated.")] = None,
+    zipf: Annotated[float, typer.Option(parser=number_in(0), help="With --synthetic-locality: the Zipf exponent of "
+                                        "the experts' popularity.")] = 1.0,
+    uniform: Annotated[bool, typer.Option("--uniform", help="Uniform routing: every step draws its experts "
+                                          "uniformly (--synthetic-locality 0 --zipf 0).")] = False,
+    own_router: Annotated[bool, typer.Option("--own-router", help="The model's own router too (without any "
+                                             "routing option, the only one).")] = False,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length (random tokens).")] = 128,
+    new_tokens: Annotated[int, typer.Option(min=2, help="Tokens to generate.")] = 64,
+    device: DeviceArg = "cuda",
+    vram_budget: VramBudgetArg = None,
+    slots: SlotsArg = None,
+    cache_policy: CachePolicyArg = "lru",
+    cpu_experts: CpuExpertsArg = False,
+    stream_min_tokens: StreamMinTokensArg = None,
+    prefill_split: PrefillSplitArg = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON object instead of the table.")] = False,
+    output: OutputArg = None,
+    random_weights: RandomWeightsArg = False,
+    seed: SeedArg = 0,
+    target: TargetArg = "auto",
+    override: OverrideArg = None,
+) -> None:
+    """`bench decode` under several miss policies and routings, as a table.
+
+    One `bench decode` run per routing and miss policy on one engine, its experts read (or drawn,
+    for a spec) once; routings: each --routing-trace, each --synthetic-locality, --uniform and
+    --own-router, in that order. Prints a table (--json: the JSON object, the runs as `bench
+    decode` prints them; -o writes it either way); each run's tok/s on stderr as it ends."""
+    from ftc.bench.matrix import bench_matrix, matrix_table
+    from ftc_runtime.artifact import EngineManifest
+    from ftc_runtime.experts.routing_trace import RoutingTrace
+
+    with failing_on_user_errors():
+        policies = _matrix_policies(miss_policy)
+        offloads = [offload_config(device, vram_budget, slots, policy, cache_policy, cpu_experts, stream_min_tokens,
+                                   prefill_split) for policy in policies]
+        localities = [] if synthetic_locality is None else \
+            [_locality(part) for part in synthetic_locality.split(",")]
+        if zipf != 1.0 and not localities:
+            raise ValueError("--zipf shapes the synthetic traces: give --synthetic-locality too (--uniform is "
+                             "locality 0, Zipf 0)")
+        traces = [(path, RoutingTrace.load(path)) for path in routing_trace or ()]  # before a spec's build
+        with _engine(engine, random_weights, seed, target, override) as (path, pool):
+            routings = _matrix_routings(EngineManifest.read(path).spec, traces, localities, zipf, uniform,
+                                        own_router)
+
+            def progress(i: int, n: int, routing, run: dict) -> None:
+                err.print(f"matrix {i}/{n}: {routing.name}, {run['miss_policy']}: {run['decode_tok_s']} tok/s, "
+                          f"{run['ms_per_token']} ms/token", markup=False, highlight=False)
+
+            result = bench_matrix(path, offloads, routings, prompt_tokens, new_tokens, pool, progress)
+        text = _report(result, output)
+    if as_json:
+        print(text)
+    else:
+        from rich.console import Console
+
+        console = Console()
+        if not console.is_terminal:  # a pipe or a log: no terminal width to fit the rows into
+            console.width = 160
+        console.print(matrix_table(result))
+
+
+def _matrix_policies(text: str) -> list[str]:
+    """--miss-policy of `bench matrix`: policies, comma-separated, each once."""
+    names = [p.value for p in MissPolicyOpt]
+    policies = [part.strip() for part in text.split(",")]
+    bad = [p for p in policies if p not in names]
+    if bad or len(set(policies)) != len(policies):
+        raise ValueError(f"--miss-policy {text!r}: expected policies among {', '.join(names)}, comma-separated, "
+                         "each once")
+    return policies
+
+
+def _locality(text: str) -> float:
+    try:
+        return number_in(0, 1)(text)
+    except ValueError as e:
+        raise ValueError(f"--synthetic-locality: {e}") from None
+
+
+def _matrix_routings(spec, traces: list, localities: list[float], zipf: float, uniform: bool, own_router: bool):
+    """`bench matrix`'s routings, as `bench decode` builds and names each (routing_for); the model's
+    own router where none is given."""
+    from ftc.bench.matrix import Routing
+
+    routings = [Routing(f"trace {path.name}", f"trace {path}", trace) for path, trace in traces]
+    for locality in localities:
+        trace, label = routing_for(None, locality, spec, 0, zipf)
+        routings.append(Routing(f"locality {locality:g}, Zipf {zipf:g}", label, trace))
+    if uniform:
+        trace, label = routing_for(None, 0.0, spec, 0, 0.0)
+        routings.append(Routing("uniform", label, trace))
+    if own_router or not routings:
+        routings.append(Routing("own router", routing_for(None, None, spec, 0)[1], None))
+    seen: set[str] = set()  # --uniform and --synthetic-locality 0 --zipf 0 are one routing
+    return [r for r in routings if not (r.label in seen or seen.add(r.label))]
 
 
 @bench_app.command()

@@ -68,10 +68,11 @@ def render_cpu_kernels(spec: ModelSpec, plan: Plan, kernels_dir: Path) -> list[d
 
 
 # The grouped GEMM's tiling (rows of tokens, rows of weights, warps, pipeline stages): the best for
-# every expert format in bench/tune_grouped_gemm.py's sweep on an H200 (docs/performance.md).
+# every expert format in bench/dev/tune_grouped_gemm.py's sweep on an H200
+# (docs/history/performance-log.md).
 GROUPED_TILES = (128, 128, 8, 3)
 # The decode kernel's tiling (gate/up rows per program and K per step, down rows per program and K per
-# step, warps): bench/tune_decode_experts.py sweeps it.
+# step, warps): bench/dev/tune_decode_experts.py sweeps it.
 DECODE_TILES = (16, 256, 32, 128, 4)
 
 

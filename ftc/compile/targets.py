@@ -51,7 +51,7 @@ PRESETS: dict[str, Target] = {
                            gpu_read_gbps=1792.0),
     # The device machine: B_P at 9.4 MiB, B_H from `ftc bench experts`, and the both-at-once rates as
     # `ftc profile` measured them on the GPU engine's own workers (copies at 48.31 GB/s beside the
-    # CPU experts at 84.48; docs/performance.md: the older probe's 41 and 63 were beaten by the
+    # CPU experts at 84.48; docs/history/performance-log.md: the older probe's 41 and 63 were beaten by the
     # one-graph step, so its bound was no bound); the GPU's read rate as torch measures it there.
     "h200": Target("h200", "avx512_bf16", 16, "NVIDIA H200", 143771 * 2**20, 51.0, 88.0, 48.31, 84.48,
                    gpu_read_gbps=4057.2),

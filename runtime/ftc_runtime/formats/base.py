@@ -79,7 +79,7 @@ class CpuTemplate:
     """A CPU expert kernel of a format for one ISA: its primitives' template (which extends the
     skeleton `cpu/expert_ffn.cpp.j2`), the step that hidden and intermediate sizes must be
     multiples of (its vector width, or its scale block), and its measured tiling: matrix rows per
-    work item and rows prefetched ahead (docs/performance.md has the sweeps). `tile_min_avx512`:
+    work item and rows prefetched ahead (docs/history/performance-log.md has the sweeps). `tile_min_avx512`:
     experts of at least that many routed tokens run as 16 × 16 tile GEMMs on AVX-512 BF16
     (templates/ftc_templates/cpu/expert_tiles.cpp.j2), the kernel saying where its rows are as bf16; None: no
     tiles. `tile_min_amx`: the same on AMX, where the row buckets (each row read once per 8 tokens)

@@ -42,7 +42,8 @@ ROW_GROUP = 16  # rows interleaved in FTW
 UNIT = 8  # columns of a row in one 64-byte unit
 PACKING = "e2m1r16"  # the header's names for the packing above: codes, scales
 # Tokens per expert from which the AVX-512 BF16 tiles beat the 4-bit row kernel (vpdpbusd on int8
-# activations), their 16-row groups dequantized to bf16 once per work item (docs/performance.md).
+# activations), their 16-row groups dequantized to bf16 once per work item
+# (docs/history/performance-log.md, issue 24).
 TILE_MIN_AVX512 = 256
 # On AMX (Sapphire Rapids, 16 cores) the row kernel still leads at 32 tokens (1.51-1.54 against the
 # tiles' 1.25-1.34 TFLOP/s), the tiles from 64 (1.96-2.05 against 1.48-1.68).

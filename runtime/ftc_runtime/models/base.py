@@ -75,7 +75,7 @@ class Family:
     # spec's dense_format is fp8; none: the family holds its dense weights in bf16 only.
     fp8_linears: tuple[str, ...] = ()
     # The one-graph decode step's device time per MoE layer beyond its bytes (launches and the
-    # dependencies between its kernels), measured on the h200 (docs/performance.md): `ftc inspect`'s
+    # dependencies between its kernels), measured on the h200 (docs/history/performance-log.md): `ftc inspect`'s
     # prediction adds it per MoE layer. The default is the Qwen families' (their timelines: body,
     # plan and hits less their reads, 0.07-0.09 ms).
     decode_fixed_ms: float = 0.08

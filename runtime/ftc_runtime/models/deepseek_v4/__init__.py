@@ -25,7 +25,8 @@ FP32_TENSORS = ("hc.fn", "hc.base", "hc.scale", "hc_fn", "hc_base", "hc_scale", 
 
 # The hyper-connections, the compressors, the indexer and the sparse attention as a decode graph's
 # many small kernels: DeepSeek-V4-Flash cut to 20 layers with FP8 projections on the h200 (body
-# 0.3365, plan 0.011, hits 0.0781 ms per MoE layer less 0.073 of reads; docs/performance.md).
+# 0.3365, plan 0.011, hits 0.0781 ms per MoE layer less 0.073 of reads;
+# docs/history/performance-log.md).
 DECODE_FIXED_MS = 0.35
 
 FAMILIES = {

@@ -16,7 +16,8 @@ from ftc_runtime.models.glm_moe_dsa.model import GlmMoeDsaModel
 
 # Latent attention's and the indexer's many small kernels, and the NVFP4 experts' hits: GLM-5.2's
 # cut on the h200 with FP8 projections (body 0.2725, plan 0.0215, hits 0.1542 ms per MoE layer
-# less 0.136 of reads); the bf16 cut's timeline gives 0.32 (docs/performance.md).
+# less 0.136 of reads); the bf16 cut's timeline gives 0.32
+# (docs/history/performance-log.md).
 DECODE_FIXED_MS = 0.31
 
 FAMILIES = {

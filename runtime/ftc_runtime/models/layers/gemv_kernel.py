@@ -138,7 +138,7 @@ def _gemv(x, w, out, norm_w, bias, residual, normed_out, out_gate, in_gate, plus
 def gemv_blocks(n: int, k: int) -> tuple[int, int, int]:
     """(rows per program, K per step, warps) for an [n, k] weight: two rows per program, so that
     even a router's few rows spread over many SMs, in steps of 1024 columns (4 KB of bf16 per
-    row), whose loads each thread issues together (docs/performance.md has the sweep)."""
+    row), whose loads each thread issues together (docs/history/performance-log.md has the sweep)."""
     return 2, min(triton.next_power_of_2(k), 1024), 4
 
 

@@ -6,7 +6,7 @@ device time; where host→device copies waited behind others, and with the CPU p
 (`--prefill-split`), how the copies ran during its parts and the serial stretches between them;
 writes each run's Chrome trace (gzip) for a closer look.
 
-    python bench/prefill_profile.py SPEC --tokens 2048,8192 --vram-budget 8GiB --override expert_format=nvfp4 \
+    python bench/dev/prefill_profile.py SPEC --tokens 2048,8192 --vram-budget 8GiB --override expert_format=nvfp4 \
         --prefill-split off,auto --trace-dir OUT
 """
 

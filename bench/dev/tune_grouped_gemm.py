@@ -1,6 +1,6 @@
 """Times the grouped GEMM (prompt chunks) of each expert format over several tilings, on one GPU.
 
-    python bench/tune_grouped_gemm.py model_specs/qwen3-30b-a3b.yaml --formats bf16,mxfp4,nvfp4 \\
+    python bench/dev/tune_grouped_gemm.py model_specs/qwen3-30b-a3b.yaml --formats bf16,mxfp4,nvfp4 \\
         --tokens 8192 --tiles 64x64x4x3,128x64x4x3,128x128x8x3
 
 A tiling is BLOCK_M x BLOCK_N x warps x stages. Every expert of one MoE layer sits in a slot (random

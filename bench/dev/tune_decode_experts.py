@@ -1,7 +1,7 @@
 """Times the decode expert kernel (`expert_ffn`: one token's top-k experts in cache slots) of a spec's
 expert format over tilings, on one GPU, as a decode graph runs it (calls captured in a CUDA graph).
 
-    python bench/tune_decode_experts.py model_specs/glm-5.2.yaml [--override expert_format=nvfp4] \\
+    python bench/dev/tune_decode_experts.py model_specs/glm-5.2.yaml [--override expert_format=nvfp4] \\
         [--pairs 8] [--gate-up 16x256x4,32x512x8] [--down 32x128x4,64x256x8]
 
 A gate/up tiling is rows per program x K per step x warps, a down tiling likewise; the two are swept

@@ -5,7 +5,7 @@ every call (hot: in the caches), with the pool on huge pages or on 4 KiB pages. 
 measured once per round, rounds interleaved, since this VM's rates move from minute to minute.
 Dropped stages give wrong sums; only the time counts.
 
-    python bench/fp4_kernel_ablation.py ENGINE [--variants base,pf_t0,...] [--threads 16,1] [--pages 2m,4k]
+    python bench/dev/fp4_kernel_ablation.py ENGINE [--variants base,pf_t0,...] [--threads 16,1] [--pages 2m,4k]
 
 Prints one JSON line per (variant, threads, pages, routing): the median GB/s and each round's.
 """

@@ -1,11 +1,11 @@
 """Host time of one CUDA graph launch, by what the graph holds and what the CPU does meanwhile.
 
-Decode on the device spent 62-89 µs of host time per `cudaGraphLaunch` (docs/performance.md),
+Decode on the device spent 62-89 µs of host time per `cudaGraphLaunch` (docs/history/performance-log.md),
 two launches per layer. This separates the suspects: the number of kernel nodes, memcpy nodes
 to and from pinned host memory (a decode layer graph has both), and the CPU expert workers
 streaming host memory on the other cores while the launching thread works.
 
-    python bench/graph_launch.py -o OUT_DIR [--replays 2000] [--load-procs 14]
+    python bench/dev/graph_launch.py -o OUT_DIR [--replays 2000] [--load-procs 14]
 
 Writes `graph_launch.jsonl` (one line per graph kind × CPU load) and prints a table.
 """

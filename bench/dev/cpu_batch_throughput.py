@@ -4,7 +4,7 @@ has it unless FTC_AMX=0), against torch's bf16 matmul of the same experts (oneDN
 where the CPU has them), their weights dequantized to bf16 before the timing. Prints TFLOP/s and
 GB/s of expert bytes per T.
 
-    python bench/cpu_batch_throughput.py ENGINE [--tokens 1,8,16,32,64,128] [--threads N]
+    python bench/dev/cpu_batch_throughput.py ENGINE [--tokens 1,8,16,32,64,128] [--threads N]
 """
 
 from __future__ import annotations

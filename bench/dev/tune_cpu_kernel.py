@@ -1,6 +1,6 @@
 """Sweeps the CPU expert kernel's tiling knobs and worker counts on one engine's expert pool.
 
-    python bench/tune_cpu_kernel.py ENGINE [--threads 8,12,16] [--prefetch 0,2,4] [--chunk 8,16,32]
+    python bench/dev/tune_cpu_kernel.py ENGINE [--threads 8,12,16] [--prefetch 0,2,4] [--chunk 8,16,32]
 
 Each variant is rendered and built like `ftc compile` does (cached by source hash) and measured
 like `ftc bench experts ENGINE`; prints one JSON line per variant.

@@ -1,6 +1,6 @@
 """The elastic-VRAM GPU test's error measure (teacher-forced logits of the GPU engine against the fp32
 CPU engine) for twelve fixed seeded prompts, with 64 slots and then 25: how far bf16 alone strays.
-  python3 bench/elastic_error.py OUT_ENGINE_DIR    (on the device)"""
+  python3 bench/dev/elastic_error.py OUT_ENGINE_DIR    (on the device)"""
 import random
 import sys
 from pathlib import Path

@@ -4,7 +4,7 @@ and without, times the spec's linear layers. Each capture count is timed with th
 (`gated_deltanet`: one chunked call, the captures from its per-block states) and with one fla call
 per piece between captures (the path it replaced), so that both stand in one table.
 
-    python bench/capture_cost.py model_specs/qwen3.6-35b-a3b.yaml [--tokens 2048,8192]
+    python bench/dev/capture_cost.py model_specs/qwen3.6-35b-a3b.yaml [--tokens 2048,8192]
         [--captures 0,1,8,64] [--reps 20] [-o OUT_DIR]
 
 Prints one line per (tokens, captures, path) and writes `capture_cost.jsonl`: the layer's median

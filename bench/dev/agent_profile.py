@@ -5,7 +5,7 @@ host→device copies that waited behind others, the split's CPU parts and the st
 them), and its time to first token (the profiler's overhead included). Turns are numbered as
 `ftc bench agent` numbers them (the last is the edit).
 
-    python bench/agent_profile.py SPEC --vram-budget 32GiB --session-tokens 20000 --turns 13,14,16 \
+    python bench/dev/agent_profile.py SPEC --vram-budget 32GiB --session-tokens 20000 --turns 13,14,16 \
         --prefill-split auto --trace-dir OUT
 """
 

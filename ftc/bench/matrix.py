@@ -1,0 +1,79 @@
+"""`ftc bench matrix ENGINE`: `ftc bench decode` over several miss policies and routings of one
+engine, its expert pool read (or, for a spec, drawn) once and shared by every run: one
+`bench_decode` run per (routing, miss policy), each the JSON object `ftc bench decode` prints, and
+a table of them (tok/s, ms/token against the bandwidth bound, the miss split).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+from ftc.bench.decode import bench_decode
+from ftc_runtime.artifact import EngineManifest
+from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.experts.routing_trace import RoutingTrace
+from ftc_runtime.io import ftw
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One row set of the matrix: `name` in the table, `label` as `ftc bench decode` names it
+    (its JSON's `routing`), `trace` the router choices replayed (None: the model's own router)."""
+
+    name: str
+    label: str
+    trace: RoutingTrace | None
+
+
+def bench_matrix(engine_dir: Path, offloads: list[OffloadConfig], routings: list[Routing], prompt_tokens: int = 128,
+                 new_tokens: int = 64, pool: ftw.ExpertPool | None = None,
+                 on_run: Callable[[int, int, Routing, dict], None] | None = None) -> dict:
+    """Every routing under every offload (one per miss policy), routing by routing. `pool`: the
+    experts of an engine compiled with them in memory; else the engine's file, read once here.
+    `on_run(i, n, routing, run)` after each of the n runs."""
+    manifest = EngineManifest.read(engine_dir)
+    spec = manifest.spec
+    for r in routings:  # a trace that does not fit is refused before any run, not after some
+        if r.trace is not None:
+            r.trace.check_fits(len(spec.moe_layers), spec.moe.num_experts, r.label)
+    if pool is None and not manifest.experts_in_memory:  # (else Engine.load says why it needs the pool)
+        pool = ftw.load(manifest.experts_source())
+    runs, n = [], len(routings) * len(offloads)
+    for r in routings:
+        for offload in offloads:
+            run = bench_decode(engine_dir, offload, r.trace, r.label, prompt_tokens, new_tokens, pool=pool)
+            runs.append(run)
+            gc.collect()  # the engine's slots must be free before the next one allocates its own
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if on_run is not None:
+                on_run(len(runs), n, r, run)
+    return {"engine": spec.name, "miss_policies": [o.miss_policy for o in offloads],
+            "routings": [{"name": r.name, "routing": r.label} for r in routings], "runs": runs}
+
+
+def matrix_table(result: dict) -> Table:
+    """The runs as a table: a row per (routing, miss policy), routing by routing."""
+    names = {r["routing"]: r["name"] for r in result["routings"]}
+    first = result["runs"][0]
+    table = Table(title=f"{result['engine']}: decode on {first['device']}, {first['slots']} expert slots, "
+                        f"{first['prompt_tokens']} prompt tokens, {first['decode_tokens']} timed steps",
+                  caption="bound: the bandwidth bound in ms/token; m: misses per MoE call; q: of them filled "
+                          "into the device cache, the rest computed on the CPU")
+    for column in ("routing", "policy"):
+        table.add_column(column, no_wrap=True)
+    for column in ("tok/s", "ms/token", "bound", "×bound", "miss rate", "m", "q"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for run in result["runs"]:
+        e, over = run["experts"], run["measured_over_bound"]
+        table.add_row(names.get(run["routing"], run["routing"]), run["miss_policy"], f"{run['decode_tok_s']:.2f}",
+                      f"{run['ms_per_token']:.2f}", f"{run['bound_ms_per_token']:.2f}",
+                      "-" if over is None else f"{over:.2f}", f"{e['miss_rate']:.3f}", f"{e['mean_m']:.2f}",
+                      f"{e['mean_q']:.2f}")
+    return table
