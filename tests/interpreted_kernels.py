@@ -24,12 +24,12 @@ import triton
 import triton.language as tl
 
 from ftc.codegen.render import render_triton_kernels
-from ftc_runtime.decode.device_plan import TUNE_STEP, CacheTables, LayerPlan, PlanRule, plan_layer
-from ftc_runtime.decode.doorbell_kernels import DoorbellKernels, join_relay
-from ftc_runtime.decode.gather_fills import gather_fills
-from ftc_runtime.decode.plan_kernel import candidates_buffer, lru_candidates, plan_layer_triton
-from ftc_runtime.decode.step_counts import StepCounts
 from ftc_runtime.experts.cache import ExpertCache
+from ftc_runtime.experts.device.device_plan import TUNE_STEP, CacheTables, LayerPlan, PlanRule, plan_layer
+from ftc_runtime.experts.device.doorbell_kernels import DoorbellKernels, join_relay
+from ftc_runtime.experts.device.gather_fills import gather_fills
+from ftc_runtime.experts.device.plan_kernel import candidates_buffer, lru_candidates, plan_layer_triton
+from ftc_runtime.experts.device.step_counts import StepCounts
 from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
 from ftc_runtime.experts.replay_kernel import replay_route_gpu
 from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay

@@ -1,4 +1,4 @@
-"""The CPU doorbell (`decode/cpu_doorbell.py`, csrc/cpu_doorbell.cpp): jobs written into its
+"""The CPU doorbell (`experts/device/cpu_doorbell.py`, csrc/cpu_doorbell.cpp): jobs written into its
 mailbox from the host, as the GPU will write them, are computed by the native thread and
 answered in order, with what the engine's CPU kernel computes for the same routing."""
 
@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from ftc_runtime.decode.cpu_doorbell import DONE, CpuDoorbell, DoorbellError
 from ftc_runtime.experts.base import Routing
+from ftc_runtime.experts.device.cpu_doorbell import DONE, CpuDoorbell, DoorbellError
 
 
 @pytest.fixture
@@ -104,10 +104,10 @@ def test_the_gpu_rings_and_joins_the_cpu_job_also_in_a_graph(cpu_engine, seed):
     """The device posts the plan's CPU job into the pinned mailbox and rings, the doorbell thread
     computes it, the device waits and adds it: eagerly, then as one captured graph replayed on new
     inputs (the job numbers go on on the device), each time the CPU kernel's own result."""
-    from ftc_runtime.decode.device_plan import CacheTables, PlanRule
-    from ftc_runtime.decode.doorbell_kernels import DoorbellKernels
-    from ftc_runtime.decode.plan_kernel import plan_layer_triton
     from ftc_runtime.experts.cache import ExpertCache
+    from ftc_runtime.experts.device.device_plan import CacheTables, PlanRule
+    from ftc_runtime.experts.device.doorbell_kernels import DoorbellKernels
+    from ftc_runtime.experts.device.plan_kernel import plan_layer_triton
     from ftc_runtime.experts.miss_planner import MissPlanner
 
     rng = random.Random(seed)
@@ -171,8 +171,8 @@ def test_the_wait_tunes_the_split_towards_the_side_that_finished_last(seed):
     import threading
     import time
 
-    from ftc_runtime.decode.device_plan import TUNE_STEP, LayerPlan, PlanRule
-    from ftc_runtime.decode.doorbell_kernels import DoorbellKernels, join_relay
+    from ftc_runtime.experts.device.device_plan import TUNE_STEP, LayerPlan, PlanRule
+    from ftc_runtime.experts.device.doorbell_kernels import DoorbellKernels, join_relay
     from ftc_runtime.experts.miss_planner import MissPlanner
     from ftc_runtime.io.host_memory import MappedHost
 

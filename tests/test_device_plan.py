@@ -1,4 +1,4 @@
-"""The decode plan as device data (`ftc_runtime.decode.device_plan`) against the host planner
+"""The decode plan as device data (`ftc_runtime.experts.device.device_plan`) against the host planner
 (`OffloadedExperts`' general path over `ExpertCache` and `MissPlanner`), step by step over random
 routings, batch sizes, slot counts and policies: the same cache state, the same victims and fills
 in the same order, the same split and CPU job, every routed expert served from the slot the host
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from ftc_runtime import Engine, SamplingParams
-from ftc_runtime.decode.device_plan import TUNE_STEP, CacheTables, PlanRule, plan_layer
 from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.experts.device.device_plan import PLANNED_TOKENS, TUNE_STEP, CacheTables, PlanRule, plan_layer
 from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
-from ftc_runtime.experts.offload import PLANNED_TOKENS, OffloadedExperts
+from ftc_runtime.experts.offload import OffloadedExperts
 
 from slot_checks import check_slots_hold_their_rows
 
@@ -277,11 +277,11 @@ def test_engine_with_the_device_plan_equals_the_cpu_engine(engine_dir, cpu_engin
 @pytest.mark.gpu
 @pytest.mark.parametrize("run", range(6))
 def test_triton_plan_equals_the_torch_plan(run, seed):
-    """The plan's Triton kernels (`decode/plan_kernel.py`) against `plan_layer` on random tables,
+    """The plan's Triton kernels (`experts/device/plan_kernel.py`) against `plan_layer` on random tables,
     slot counts (up to several candidate blocks), rules and batch sizes: the same plans and the
     same tables, step by step; and the kernels replay in a CUDA graph."""
-    from ftc_runtime.decode.plan_kernel import plan_layer_triton
     from ftc_runtime.experts.cache import ExpertCache
+    from ftc_runtime.experts.device.plan_kernel import plan_layer_triton
 
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
@@ -359,7 +359,7 @@ def test_a_device_step_that_cannot_run_says_why_once(engine_dir, capsys):
     assert capsys.readouterr().err == ""
     experts.on_gpu = True
     experts.routing = HostRouting()
-    mends = [("not mapped into the device", lambda: setattr(experts, "_gather_fills", lambda plan: None)),
+    mends = [("not mapped into the device", lambda: setattr(experts.device_path, "gather", lambda plan: None)),
              ("no background worker pool", lambda: setattr(experts.kernel, "background", True)),
              ("no generated device expert kernels", lambda: setattr(experts.store, "kernels", object())),
              ("HostRouting", lambda: setattr(experts, "routing", None))]
@@ -375,8 +375,8 @@ def test_a_device_step_that_cannot_run_says_why_once(engine_dir, capsys):
 def test_gather_fills_copy_the_plans_rows_from_the_mapped_pool(seed):
     """The fill kernel reads the pinned host rows through their device mapping and writes exactly
     the plan's fills (up to its count) into their slots; every other slot keeps its bytes."""
-    from ftc_runtime.decode.device_plan import LayerPlan
-    from ftc_runtime.decode.gather_fills import gather_fills
+    from ftc_runtime.experts.device.device_plan import LayerPlan
+    from ftc_runtime.experts.device.gather_fills import gather_fills
     from ftc_runtime.io.host_memory import MappedHost, mapped_address, pin_in_place
 
     rng = random.Random(seed)

@@ -152,7 +152,7 @@ def test_gpu_prefill_split_matches_copying_every_expert(engine_dir, split, devic
     stats = engines[0].model.experts.stats
     assert stats.stream_cpu > 0 and stats.stream_layers > 0
     assert engines[1].model.experts.stats.stream_cpu == 0
-    flag = engines[0].model.experts._buffers.get(("stream_cpu_flag", True))  # the signalled jobs so far
+    flag = engines[0].model.experts.buffers.held.get(("stream_cpu_flag", True))  # the signalled jobs so far
     assert (flag is not None and int(flag[0]) > 0) == device_waits, f"seed={seed}: {flag}"
     for got in (a, b):
         assert float((got - want).norm() / want.norm()) < 8e-2, f"seed={seed}"

@@ -1,6 +1,6 @@
 """The module layout's rules, checked on the source: the runtime's import graph has no cycle, core
-subsystems never import a model family, the runtime never imports the compiler, and an engine
-imports only the family it runs."""
+subsystems never import a model family, the expert path and the decode graphs import nothing of
+each other, the runtime never imports the compiler, and an engine imports only the family it runs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ PACKAGE = "ftc_runtime"
 CORE = ("experts", "cache", "decode", "serve", "io")
 # What a core module may import from models/: the registry and the record type, never a family.
 CORE_MAY_IMPORT = (f"{PACKAGE}.models", f"{PACKAGE}.models.base")
+# Subsystem folders with no import arrow between them, in either direction.
+UNRELATED = (("experts", "decode"),)
 
 
 def runtime_modules() -> dict[str, Path]:
@@ -102,6 +104,35 @@ def test_core_subsystems_never_import_a_model_family():
               for d in deps if d.startswith(f"{PACKAGE}.models") and d not in CORE_MAY_IMPORT]
     assert arrows == []
     assert all((RUNTIME / sub).is_dir() for sub in CORE)
+
+
+def crossings(graph: dict[str, set[str]], a: str, b: str) -> list[str]:
+    """The import arrows between subsystem folders a and b, either way, as "importer -> imported"."""
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else None
+
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if {folder(m), folder(d)} == {a, b})
+
+
+def test_the_expert_path_and_the_decode_graphs_import_nothing_of_each_other():
+    """experts/ (the backends, and under experts/device/ the device plan, the doorbell and the
+    one-graph step's MoE layer) never imports decode/, and decode/ (the graph machinery, which
+    knows no family and no experts) never imports experts/: the graphs drive the expert backend
+    through the model's `experts` object alone, and their timeline is a protocol of their own
+    (`graphs.StepTimeline`), which the expert path's `DeviceTimeline` meets."""
+    graph = import_graph()
+    for a, b in UNRELATED:
+        arrows = crossings(graph, a, b)
+        assert arrows == [], f"{a}/ and {b}/ import each other's modules: " + "; ".join(arrows)
+
+
+def test_the_crossing_finder_finds_either_direction():
+    p = PACKAGE
+    graph = {f"{p}.experts.x": {f"{p}.decode.g", f"{p}.io.y"}, f"{p}.decode.g": {f"{p}.experts"},
+             f"{p}.decode": set(), f"{p}.experts": set(), f"{p}.io.y": set()}
+    assert crossings(graph, "experts", "decode") == [f"{p}.decode.g -> {p}.experts", f"{p}.experts.x -> {p}.decode.g"]
+    assert crossings(graph, "experts", "io") == [f"{p}.experts.x -> {p}.io.y"]
 
 
 def test_no_family_imports_another():

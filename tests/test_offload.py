@@ -84,7 +84,7 @@ def test_native_one_token_plan_equals_the_general_path(cpu_engine, run, seed):
             general.end_of_prompt()
     counts = ("calls", "unique", "hits", "fills", "cpu")
     assert [native.stats.to_dict()[c] for c in counts] == [general.stats.to_dict()[c] for c in counts]
-    assert native._token is not None and general._token is None
+    assert native.host_split.token is not None and general.host_split.token is None
     check_slots_hold_their_rows(native)
 
 

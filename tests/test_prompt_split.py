@@ -129,7 +129,7 @@ def test_a_serial_stretch_longer_than_the_copies_gives_the_cpu_none(seed):
 @pytest.mark.parametrize("priced", [True, False])
 def test_the_results_read_and_the_slower_copies_beside_the_cpu_can_outweigh_its_share(priced, seed):
     """The device's figures for `qwen3-30b-a3b` bf16 on 16 cores (H200, profile rates B_P 51 and
-    B_P' 48.31 GB/s; docs/performance.md, sixth part): at 8K tokens an expert of 512 tokens took
+    B_P' 48.31 GB/s; docs/history/performance-log.md, issue 24's sixth part): at 8K tokens an expert of 512 tokens took
     the CPU about 2.8e-6 s an expert-token and a part's stretch 6.97 ms, and the split's 11 experts
     a layer made the prompt 11% slower than copying every expert; at 2K, 2.9e-6 s and 3.1 ms,
     1.29x faster. Priced, the result's read (64 MiB a layer at 8K) and the copies' slower rate
@@ -251,7 +251,7 @@ def test_split_chunks_equal_copying_every_expert(engine_dir, cpu_engine, monkeyp
         assert torch.allclose(got_cache.kv.values(layer), want_cache.kv.values(layer), rtol=1e-4, atol=1e-5)
     if slots >= experts.stream_slots:
         assert experts.stats.stream_cpu > 0 and computed, f"seed={seed}: the CPU computed nothing"
-        flag = experts._buffers.get(("stream_cpu_flag", True))  # the jobs that raised it
+        flag = experts.buffers.held.get(("stream_cpu_flag", True))  # the jobs that raised it
         assert (flag is not None and int(flag[0]) == len(computed)) == device_waits, f"seed={seed}: {flag}"
     if experts.stats.stream_cpu:
         assert experts.prompt_split.measured, f"seed={seed}: no CPU part's time measured"

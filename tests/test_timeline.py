@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftc_runtime.decode import timeline as timeline_module
-from ftc_runtime.decode.timeline import MOE_PHASES, DeviceTimeline
+from ftc_runtime.experts.device import timeline as timeline_module
+from ftc_runtime.experts.device.timeline import MOE_PHASES, DeviceTimeline
 
 
 class _ClockEvent:

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from ftc_runtime import Engine, SamplingParams
-from ftc_runtime.decode.timeline import DeviceTimeline
 from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.experts.device.timeline import DeviceTimeline
 from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay
 from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.experts.throughput import torch_read_gbps

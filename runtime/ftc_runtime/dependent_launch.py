@@ -15,7 +15,7 @@ has finished; so kernels outside this scheme (torch's, cuBLAS's) keep their orde
 the launches become programmatic edges of the graph. The MoE part of a one-graph step (the plan,
 the fills, the CPU job's post, the experts, the join) launches plainly: with all of it launched
 with PDL the adaptive split drifted towards the GPU and every adaptive row lost 12-51%
-(docs/performance.md, the tenth session of issue 20), most likely because waiting programs hold
+(docs/history/performance-log.md, the tenth session of issue 20), most likely because waiting programs hold
 their SM slots, behind the fills (a tenth of a millisecond) too, while the CPU job's post and the
 hits need SMs on other streams. Off by default until the body's gain is measured alone.
 """

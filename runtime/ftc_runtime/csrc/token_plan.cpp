@@ -1,7 +1,7 @@
 // One MoE layer's host work for one decode token, in one call: cache lookup, miss split, LRU
 // victims, cache update, the CPU experts started in the background, and the lists that the GPU
 // side needs (fills to copy, (slot, token, weight) pairs to compute). The same steps in numpy
-// (`OffloadedExperts._launch_general`) cost 0.3-0.6 ms per layer on the device; this is a few µs.
+// (`HostSplit.launch_general`) cost 0.3-0.6 ms per layer on the device; this is a few µs.
 // Fixed code, shipped with the runtime and compiled together with each engine's kernels, whose
 // ftc_expert_ffn_start it calls. It works on ExpertCache's own arrays, so that the general path
 // (prompts, several tokens) and this one share one cache state; tests hold the two to the same

@@ -36,14 +36,29 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from ftc_runtime.cache.base import SequenceState
 from ftc_runtime.decode.step_buffers import Captures, StepBuffers
-from ftc_runtime.decode.timeline import DeviceTimeline
 
 EAGER_FUNCTIONS = ("decode_attention", "route")  # not given to torch.compile (see __init__)
+
+
+class StepTimeline(Protocol):
+    """A whole step's device timeline as the step loop drives it (the expert path's
+    `DeviceTimeline` is one; the expert backend marks its own phases). A protocol, so that this
+    machinery imports nothing of the expert path."""
+
+    def restart(self) -> None:
+        """The step's code runs (eagerly or into a capture): its marks replace the last ones."""
+
+    def mark(self, phase: str) -> None:
+        """The end of `phase` on the current stream (here "head": the final norm and lm_head)."""
+
+    def collect(self) -> None:
+        """Adds the step that just ran to the sums."""
 
 
 class DecodeGraphs(ABC):
@@ -86,9 +101,9 @@ class DecodeGraphs(ABC):
         self.f = self.fns  # the functions of the step being run (uncompiled above width 1)
         self.captures: dict[int, Captures] = {}  # by width
         self.step_done = torch.cuda.Event(blocking=True)  # a whole-step graph's end, waited for asleep
-        self.timeline: DeviceTimeline | None = None  # a whole step's phases, where measured
+        self.timeline: StepTimeline | None = None  # a whole step's phases, where measured
 
-    def set_timeline(self, timeline: DeviceTimeline | None) -> None:
+    def set_timeline(self, timeline: StepTimeline | None) -> None:
         """Records (or stops recording) a whole step's device timeline from the next step on: the
         graphs are captured again, with the timeline's events or without them."""
         self.timeline = timeline

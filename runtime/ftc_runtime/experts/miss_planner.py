@@ -21,7 +21,8 @@ class MissPlanner:
 
     That split prices one step only. With temporal locality (real routing) an expert computed on
     the CPU comes back, a miss again each time, where a fill would make it a hit: on the device the
-    adaptive split decoded 22% slower than `gpu` with the model's own routing (docs/performance.md).
+    adaptive split decoded 22% slower than `gpu` with the model's own routing
+    (docs/history/performance-log.md, issue 3).
     So adaptive also fills every miss that the CPU computed within the last `recent_tokens` tokens
     (q = max(q, those), filled first). Without locality few misses recur that soon, and q stays."""
 
@@ -65,6 +66,11 @@ class MissPlanner:
         """q for m misses of which `recent` were computed on the CPU within `recent_tokens` tokens."""
         q = self.fills(m)
         return max(q, min(recent, m)) if self.policy == "adaptive" else q
+
+    def recent_steps(self, moe_layers: int) -> int:
+        """`recent_tokens` in cache steps (a token takes one per MoE layer); 0 but for the adaptive
+        split, the only one that fills recent misses first."""
+        return self.recent_tokens * moe_layers if self.policy == "adaptive" else 0
 
     def bound_s(self, m: int, q: int, expert_bytes: int) -> float:
         """The performance model's time for one layer's misses (docs/structures.md): q copies

@@ -13,6 +13,7 @@ copies and the torch path computes.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from ftc_runtime.experts.base import swiglu
 from ftc_runtime.experts.cache import CachePolicy, ExpertCache
+from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.io.ftw import ExpertPool
 from ftc_runtime.io.host_memory import pin_in_place
 
@@ -107,6 +109,19 @@ class SlotStore:
         since each copy costs the host several µs to queue."""
         for s, i, n in consecutive_runs(slots, ids):
             self.slots[s:s + n].copy_(self.host_rows[i:i + n], non_blocking=self.on_gpu)
+
+    def fill(self, slots: np.ndarray, ids: np.ndarray, stats: OffloadStats) -> float:
+        """`copy_rows_now`, its copies' device time and the host's time queueing them counted in
+        `stats`; returns the host's seconds. Callers fill where the current stream is idle (an
+        offloaded call begins with a sync), so no earlier kernel can still read a victim."""
+        if not slots.size:
+            return 0.0
+        t0 = time.perf_counter()
+        with stats.copy.measure():
+            self.copy_rows_now(slots, ids)
+        seconds = time.perf_counter() - t0
+        stats.host_s["fills"] += seconds
+        return seconds
 
     def experts_on_device(self, x: torch.Tensor, pairs: torch.Tensor, out: torch.Tensor) -> None:
         """out += the pairs' experts ([3, P] int32: slot, token, weight bits) with the decode kernel

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftc_runtime.decode.device_plan import LayerPlan
+from ftc_runtime.experts.device.device_plan import LayerPlan
 from ftc_runtime.io.host_memory import MappedHost
 
 PARTS = 32  # programs per row

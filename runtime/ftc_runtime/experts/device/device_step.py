@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from ftc_runtime.decode.cpu_doorbell import RING, CpuDoorbell
-from ftc_runtime.decode.device_plan import CacheTables, PlanRule
-from ftc_runtime.decode.doorbell_kernels import DoorbellKernels
-from ftc_runtime.decode.gather_fills import gather_fills
-from ftc_runtime.decode.plan_kernel import candidates_buffer, lru_candidates, plan_layer_triton
-from ftc_runtime.decode.step_counts import StepCounts
-from ftc_runtime.decode.timeline import DeviceTimeline
+from ftc_runtime.experts.device.cpu_doorbell import RING, CpuDoorbell
+from ftc_runtime.experts.device.device_plan import CacheTables, PlanRule
+from ftc_runtime.experts.device.doorbell_kernels import DoorbellKernels
+from ftc_runtime.experts.device.gather_fills import gather_fills
+from ftc_runtime.experts.device.plan_kernel import candidates_buffer, lru_candidates, plan_layer_triton
+from ftc_runtime.experts.device.step_counts import StepCounts
+from ftc_runtime.experts.device.timeline import DeviceTimeline
 from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.slots import SlotStore
 from ftc_runtime.experts.stats import OffloadStats

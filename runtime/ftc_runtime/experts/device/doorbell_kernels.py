@@ -1,4 +1,4 @@
-"""The GPU's side of the CPU doorbell (decode/cpu_doorbell.py), as two Triton kernels for a CUDA
+"""The GPU's side of the CPU doorbell (cpu_doorbell.py), as two Triton kernels for a CUDA
 graph to hold:
 
 - `post_job`: writes the plan's CPU job and the layer's input into the pinned mailbox through its
@@ -18,8 +18,8 @@ graph to hold:
 `post_job` is one program (a decode call's job is at most 16 tokens and 16·k entries). The join
 is one program per column block, each loading its pairs' rows before the wait, and the answer has
 one poller: program 0 polls the mapped flag and relays the answer through device memory to the
-others (docs/performance.md: a join whose every program polled the mapped flag slowed each call
-with CPU experts). The mapped flags are read and written with `io.mapped_flags`' acquire loads
+others (docs/history/performance-log.md: a join whose every program polled the mapped flag slowed
+each call with CPU experts). The mapped flags are read and written with `io.mapped_flags`' acquire loads
 and release stores at system scope, the relay with their `gpu`-scope forms.
 """
 
@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ftc_runtime.decode.cpu_doorbell import DONE, RING, CpuDoorbell, DoorbellError
-from ftc_runtime.decode.device_plan import LayerPlan, PlanRule
-from ftc_runtime.decode.plan_kernel import padded_entries
+from ftc_runtime.experts.device.cpu_doorbell import DONE, RING, CpuDoorbell, DoorbellError
+from ftc_runtime.experts.device.device_plan import LayerPlan, PlanRule
+from ftc_runtime.experts.device.plan_kernel import padded_entries
 from ftc_runtime.io.host_memory import MappedHost
 from ftc_runtime.io.mapped_flags import load_acquire, store_release
 

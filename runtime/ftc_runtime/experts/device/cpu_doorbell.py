@@ -37,7 +37,7 @@ class DoorbellError(RuntimeError):
 
 class CpuDoorbell:
     """A mailbox of fixed buffers for calls of up to `max_tokens` tokens and `max_entries` CPU
-    (token, expert) entries, in the layout of `decode.device_plan.LayerPlan`'s CPU job: `n_tokens`,
+    (token, expert) entries, in the layout of `device_plan.LayerPlan`'s CPU job: `n_tokens`,
     `counts` (hits, fills, CPU experts), `cpu_ids`, `cpu_offsets`, `cpu_tok` (int64), `cpu_w`
     (fp32), `x` and `out` ([max_tokens, hidden] fp32). `pinned`: page-locked, so that a GPU can
     read and write it through its mapping. Idle for `spin_ms`, the thread naps between looks."""

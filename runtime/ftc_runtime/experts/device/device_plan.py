@@ -26,6 +26,7 @@ from ftc_runtime.experts.cache import ExpertCache
 from ftc_runtime.experts.miss_planner import MissPlanner
 
 _LAST = torch.iinfo(torch.int64).max  # a key that sorts after every real one
+PLANNED_TOKENS = 16  # the largest call planned on the device: decode's batch buckets
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`plan_layer` (decode/device_plan.py) as two Triton kernels, for a CUDA graph to hold: the same
+"""`plan_layer` (device_plan.py) as two Triton kernels, for a CUDA graph to hold: the same
 plan, the same table updates, in fixed-size launches with every count on the device.
 
 - `_lru_candidates`, one program per block of slots: each block's n smallest LRU keys
@@ -10,8 +10,8 @@ plan, the same table updates, in fixed-size launches with every count on the dev
   its row, a rank is a count of smaller keys, and a list is a store at that rank.
 
 Fixed code shipped with the runtime: nothing in it depends on a model but n, which Triton
-specializes on as a constant. Warps grow with n, as the [n, n] tiles do (docs/performance.md has
-the compiler's register report).
+specializes on as a constant. Warps grow with n, as the [n, n] tiles do (docs/history/performance-log.md
+has the compiler's register report).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftc_runtime.decode.device_plan import CacheTables, LayerPlan, PlanRule
+from ftc_runtime.experts.device.device_plan import CacheTables, LayerPlan, PlanRule
 
 _LAST: tl.constexpr = tl.constexpr(2**63 - 1)
 BLOCK = 1024  # slots per candidate program
