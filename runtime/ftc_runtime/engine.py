@@ -8,7 +8,7 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from ftc_runtime.artifact import (
     Plan,
     check_engine,
 )
+from ftc_runtime.cache.base import SequenceState
 from ftc_runtime.cache.prefix import PrefixCache
 from ftc_runtime.chat.template import ChatTemplate
 from ftc_runtime.chat.tokenizer import Tokenizer
@@ -41,12 +42,13 @@ from ftc_runtime.experts.prompt_split import PromptSplit, parse_prefill_split
 from ftc_runtime.experts.slots import GpuExpertKernels
 from ftc_runtime.experts.stream_cpu import RESULT_DTYPE
 from ftc_runtime.experts.vram_plan import VramPlan, plan_vram
+from ftc_runtime.generation import Sequence, decode_step
 from ftc_runtime.io import ftw
 from ftc_runtime.kernel_sets import kernel_library
 from ftc_runtime.models import family
 from ftc_runtime.models.dense_layout import FP8_BLOCK, StoredTensors, fp8_names, scale_name, stored_bytes
 from ftc_runtime.models.layers.fp8_linear import BlockFp8, has_fp8_conversion
-from ftc_runtime.sampling import Sampler, SamplingParams
+from ftc_runtime.sampling import SamplingParams
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec
 
@@ -69,7 +71,7 @@ class OffloadConfig:
     # Prompt chunks of at least this many tokens stream whole MoE layers (None: the engine's plan);
     # shorter ones take decode's path, their misses split between fills and the CPU.
     stream_min_tokens: int | None = None
-    # Decode calls planned on the device as data (`decode.device_plan`), the host cache written
+    # Decode calls planned on the device as data (`experts.device.device_plan`), the host cache written
     # back at safe points: the plan that the one-graph decode step is built on. None: on a GPU
     # (FTC_DEVICE_PLAN=0 or 1 decides instead, for comparisons and for the CPU standing in).
     device_plan: bool | None = None
@@ -209,60 +211,57 @@ class Engine:
         """Indices of the spec's boundary tokens in `ids`: where a hybrid model's state is kept."""
         return tuple(i for i, t in enumerate(ids) if t in self.boundary_ids)
 
-    def prefill(self, ids: torch.Tensor, cache, all_logits: bool = False, checkpoints: bool = False) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, cache: SequenceState, all_logits: bool = False, checkpoints: bool = False,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """Runs the prompt `ids` after the cache's tokens in chunks of `prefill_chunk` tokens;
         returns the logits of its last token [1, vocab] (every token's with all_logits). With
         `checkpoints` (a hybrid model), the linear layers' state after every boundary token goes
-        into `cache.checkpoints`, taken inside the chunks."""
+        into `cache.checkpoints`, taken inside the chunks. `between_layers` (called after each
+        layer) may raise to abandon the pass."""
         outs = []
         for a in range(0, ids.numel(), self.prefill_chunk):
             chunk = ids[a:a + self.prefill_chunk]
             at = self.boundaries_in(chunk.tolist()) if checkpoints else ()
-            outs.append(self.model.forward(chunk, cache, all_logits, checkpoint_at=at))
+            outs.append(self.model.forward(chunk, cache, all_logits, checkpoint_at=at, between_layers=between_layers))
         return torch.cat(outs) if all_logits else outs[-1]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
                  sampling: SamplingParams | None = None, stop_at_eos: bool = True) -> Generation:
-        ids = self._check_ids(prompt_ids)
-        sampling = sampling or SamplingParams()
+        """One request run to its end through the steps that the server's scheduler runs
+        (`generation.Sequence`): its tokens as they come. Leaving the iteration early ends it,
+        what it ran kept in the prefix cache."""
+        self._check_ids(prompt_ids)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens = {max_new_tokens}: expected a number >= 0")
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        eos = set(self.spec.eos_token_ids) if stop_at_eos else set()
+        stop = frozenset(self.spec.eos_token_ids) if stop_at_eos else frozenset()
+        seq = Sequence(list(prompt_ids), max_new_tokens, sampling or SamplingParams(), stop)
+        return Generation(self._run(seq, stats), stats)
 
-        def tokens() -> Iterator[int]:
-            if max_new_tokens == 0:
-                return
-            cache, sample, prefix = self.model.new_cache(), Sampler(sampling, prompt_ids), self.prefix_cache
-            resume = prefix.resume(prompt_ids, cache) if prefix is not None else None
-            checkpoints = prefix is not None and prefix.takes_checkpoints
-            seq = list(prompt_ids)  # the tokens whose keys and values the cache holds, once run
-            try:
-                t0 = time.perf_counter()
-                self.rebalance([(cache, len(prompt_ids))])
-                stats.reused_tokens = resume.length if resume is not None else 0
-                token = sample(self.prefill(ids[stats.reused_tokens:], cache, checkpoints=checkpoints)[-1])
-                self.model.experts.end_of_prompt()
-                stats.prefill_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                for n in range(1, max_new_tokens + 1):
-                    stats.new_tokens = n
-                    stats.decode_s = time.perf_counter() - t0
-                    yield token
-                    if token in eos or n == max_new_tokens:
-                        return
-                    self.rebalance([(cache, cache.length + 1)])
-                    logits = self.model.forward(torch.tensor([token]), cache)[-1]
-                    seq.append(token)
-                    if checkpoints and token in self.boundary_ids:
-                        cache.checkpoints[cache.length] = cache.take()
-                    token = sample(logits)
-            finally:
-                if resume is not None:
-                    prefix.insert(seq[:cache.length], cache, cache.checkpoints if checkpoints else {})
-                    prefix.release(resume)
-
-        return Generation(tokens(), stats)
+    def _run(self, seq: Sequence, stats: GenerationStats) -> Iterator[int]:
+        """Drives `seq` alone: its prompt in the engine's chunks, then a decode step per token."""
+        if seq.max_new_tokens == 0:
+            return
+        seq.start(self)
+        try:
+            t0 = time.perf_counter()
+            self.rebalance([seq.kv_need()])  # alone, one safe point fits the slots to the whole prompt
+            stats.reused_tokens = seq.reused_tokens
+            token = None
+            while token is None:
+                token = seq.read_prompt(self, self.prefill_chunk)
+            stats.prefill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            while True:
+                end = seq.accept(token)
+                stats.new_tokens, stats.decode_s = seq.produced, time.perf_counter() - t0
+                yield token
+                if end is not None:
+                    return
+                self.rebalance([seq.kv_need()])
+                token = seq.advance(self, decode_step(self, [seq])[0])
+        finally:
+            seq.finish()  # kept even when interrupted (the terminal chat's Ctrl-C): the next turn resumes there
 
 
 def _expert_pool(manifest: EngineManifest, pool: ftw.ExpertPool | None, show_progress: bool) -> ftw.ExpertPool:

@@ -7,9 +7,9 @@ callback. A cancelled request (its client gone) leaves before the next step, or 
 of the prompt chunk it is in, and its KV cache is freed with it. A request that fails ends alone,
 with the reason "error" and a message; the others go on, and no request can end the engine
 thread. `stop` ends every request within a layer, then the thread.
-With the engine's prefix cache, a prompt resumes after its longest cached prefix, the hybrid
-models' state is kept after each boundary token (taken inside prompt chunks), and a finished
-request's tokens go into the cache."""
+Each request is a `generation.Sequence`, the steps `Engine.generate` drives one sequence through
+(with the engine's prefix cache: resumed after its longest cached prefix, the hybrid models' state
+kept after each boundary token, its tokens inserted when it ends, unless it failed)."""
 
 from __future__ import annotations
 
@@ -20,16 +20,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
-from ftc_runtime.cache.base import SequenceState
-from ftc_runtime.cache.prefix import Resume
 from ftc_runtime.engine import Engine
 from ftc_runtime.experts.vram_plan import VramError
-from ftc_runtime.sampling import Sampler, SamplingParams
+from ftc_runtime.generation import Sequence, decode_step
+from ftc_runtime.sampling import SamplingParams
 
 # What a request's callback receives, on the engine thread: (token id, None) for each new token,
 # then (None, finish reason) once: "stop" (a stop token), "length" (max_new_tokens), "cancelled"
@@ -38,34 +34,21 @@ TokenCallback = Callable[[int | None, str | None], None]
 _IDS = itertools.count()
 
 
-@dataclass(eq=False)
-class Request:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams
-    on_token: TokenCallback
-    stop_ids: frozenset[int] = frozenset()
-    id: int = field(default_factory=lambda: next(_IDS))
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted: float = field(default_factory=time.perf_counter)
-    # Engine-thread state: the sequence's KV cache and sampler while it runs.
-    cache: SequenceState | None = None
-    sampler: Sampler | None = None
-    produced: int = 0
-    next_token: int | None = None
-    prompt_done: int = 0  # prompt tokens run so far (or restored from the prefix cache)
-    # With the prefix cache: the namespace it shares cached prefixes within (one per API key), the
-    # nodes it resumed from, the tokens the cache holds, and whether to keep recurrent-state
-    # checkpoints after boundary tokens (in the cache's `checkpoints`).
-    namespace: str = ""
-    resume: Resume | None = None
-    seq: list[int] = field(default_factory=list)
-    checkpoints: bool = False
-    error: str | None = None  # why it ended with "error", for the client
-    # For the metrics and the request's log line (engine thread).
-    reused_tokens: int = 0  # prompt tokens restored from the prefix cache
-    first_token_at: float | None = None
-    last_token_at: float | None = None
+class Request(Sequence):
+    """A served sequence: its steps run on the engine thread, which hands it each token through
+    `on_token`; any thread may cancel it."""
+
+    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams, on_token: TokenCallback,
+                 stop_ids: frozenset[int] = frozenset(), namespace: str = ""):
+        super().__init__(prompt_ids, max_new_tokens, sampling, stop_ids, namespace)
+        self.on_token = on_token
+        self.id = next(_IDS)
+        self.cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+        self.error: str | None = None  # why it ended with "error", for the client
+        # For the metrics and the request's log line (engine thread).
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
 
     def cancel(self) -> None:
         """Asks the engine thread to drop the request before its next step (any thread may call)."""
@@ -166,8 +149,7 @@ class Scheduler:
         prompt chunk and decode step need. When even no slots leave room, the prompt being read
         (else the newest running request) ends with an error; the others go on."""
         while self.running or self.reading:
-            needs = [(r.cache, r.cache.length + 1) for r in self.running]
-            needs += [(r.cache, len(r.prompt_ids)) for r in self.reading[:1]]
+            needs = [r.kv_need() for r in self.running + self.reading[:1]]
             try:
                 self.engine.rebalance(needs)
                 return
@@ -196,37 +178,20 @@ class Scheduler:
                 self._fail(r, f"the request could not start: {e}")
 
     def _start(self, r: Request) -> None:
-        """A new sequence for r: its cache and sampler (which penalizes repeats of the whole prompt,
-        restored from the prefix cache or not), resumed after its longest cached prefix."""
-        r.cache, r.sampler = self.engine.model.new_cache(), Sampler(r.sampling, r.prompt_ids)
-        prefix = self.engine.prefix_cache
-        if prefix is not None:
-            r.resume = prefix.resume(r.prompt_ids, r.cache, r.namespace)
-            r.prompt_done, r.seq = r.resume.length, list(r.prompt_ids[:r.resume.length])
-            r.reused_tokens = r.resume.length
-            r.checkpoints = prefix.takes_checkpoints
+        r.start(self.engine)
         self.reading.append(r)
 
     def _read_prompt(self, r: Request) -> None:
         """One chunk of r's prompt; after the last, its first token."""
-        t0 = time.perf_counter()
+        t0, done = time.perf_counter(), r.prompt_done
         try:
             # Alone, a prompt runs in the engine's own chunks (a GPU streams whole layers per chunk:
             # bigger is faster); beside requests that are decoding, in short ones between their steps.
             chunk = self.engine.prefill_chunk if not self.running else min(self.prompt_chunk, self.engine.prefill_chunk)
-            end = min(len(r.prompt_ids), r.prompt_done + chunk)
-            ids = r.prompt_ids[r.prompt_done:end]
-            at = self.engine.boundaries_in(ids) if r.checkpoints else ()
-            logits = self.engine.model.forward(torch.tensor(ids), r.cache, checkpoint_at=at,
-                                               between_layers=lambda: self._check_in(r))
-            self.prefill_tokens += end - r.prompt_done
-            r.seq += ids
-            r.prompt_done = end
-            if end < len(r.prompt_ids):
+            token = r.read_prompt(self.engine, chunk, between_layers=lambda: self._check_in(r))
+            if token is None:
                 return
             self.reading.remove(r)
-            self.engine.model.experts.end_of_prompt()
-            token = r.sampler(logits[-1])
         except _Abandoned:
             self._finish(r, "cancelled")
             return
@@ -235,6 +200,7 @@ class Scheduler:
             self._fail(r, f"the prompt failed: {e}")
             return
         finally:
+            self.prefill_tokens += r.prompt_done - done
             self.prefill_s += time.perf_counter() - t0
         self.ttft_s += time.perf_counter() - r.submitted
         self.first_tokens += 1
@@ -249,7 +215,7 @@ class Scheduler:
         batch = list(self.running)
         t0 = time.perf_counter()
         try:
-            logits = self.engine.model.decode_batch([r.next_token for r in batch], [r.cache for r in batch])
+            logits = decode_step(self.engine, batch)
         except Exception as e:  # noqa: BLE001 (a failed step ends its requests, not the server)
             traceback.print_exc()
             for r in batch:
@@ -259,46 +225,29 @@ class Scheduler:
         self.decode_tokens += len(batch)
         self.decode_s += time.perf_counter() - t0
         for r, row in zip(batch, logits, strict=True):
-            r.seq.append(r.next_token)
-            self._checkpoint(r)
             try:  # one request's sampling cannot fail its batch mates
-                token = r.sampler(row)
+                token = r.advance(self.engine, row)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 self._fail(r, f"sampling failed: {e}")
                 continue
             self._accept(r, token)
 
-    def _checkpoint(self, r: Request) -> None:
-        """Keeps the linear layers' state when the token just decoded is a boundary."""
-        if r.checkpoints and r.seq[-1] in self.engine.boundary_ids:
-            r.cache.checkpoints[len(r.seq)] = r.cache.take()
-
     def _accept(self, r: Request, token: int) -> None:
-        r.produced += 1
+        end = r.accept(token)
         if self.metrics is not None:
             self.metrics.token(r)
         _notify(r, token, None)
-        if token in r.stop_ids:
-            self._finish(r, "stop")
-        elif r.produced >= r.max_new_tokens:
-            self._finish(r, "length")
-        else:
-            r.next_token = token
-            if r not in self.running:
-                self.running.append(r)
+        if end is not None:
+            self._finish(r, end)
+        elif r not in self.running:
+            self.running.append(r)
 
     def _finish(self, r: Request, reason: str) -> None:
         for group in (self.running, self.reading):
             if r in group:
                 group.remove(r)
-        prefix = self.engine.prefix_cache
-        if r.resume is not None:
-            if reason != "error":  # a failed step may have left the cache half-written
-                prefix.insert(r.seq, r.cache, r.cache.checkpoints if r.checkpoints else {}, r.namespace)
-            prefix.release(r.resume)
-            r.resume = None
-        r.cache = r.sampler = r.next_token = None  # the KV cache goes with the request
+        r.finish(keep=reason != "error")  # a failed step may have left the cache half-written
         if self.metrics is not None:
             self.metrics.finished(r, reason)
         _notify(r, None, reason)

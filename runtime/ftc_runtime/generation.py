@@ -1,0 +1,129 @@
+"""`Sequence`: one request's steps, the only code that runs a request against the prefix cache.
+`Engine.generate` drives one sequence to its end (the terminal chat rides on it); the server's
+`Scheduler` drives many, their prompts a chunk at a time between decode steps of all of them:
+
+    start → read_prompt (chunk by chunk) → accept → [decode_step → advance → accept]… → finish
+
+`start` resumes the prompt after its longest cached prefix; `read_prompt` runs a chunk (a hybrid
+model's state captured after each boundary token inside it, `Engine.prefill`) and samples the first
+token after the last; `decode_step` runs one token of several sequences together; `advance` adds
+the token a step ran (its state captured where it is a boundary) and samples the next; `accept`
+counts a token given out and says whether the sequence ends there; `finish` inserts what the cache
+holds into the prefix cache and releases the nodes the sequence resumed from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ftc_runtime.cache.base import SequenceState
+from ftc_runtime.cache.prefix import PrefixCache, Resume
+from ftc_runtime.sampling import Sampler, SamplingParams
+
+
+class Runner(Protocol):
+    """What a sequence runs on: the `Engine` (which imports this module, so it is named here by
+    what it offers)."""
+
+    model: Any
+    prefix_cache: PrefixCache | None
+    boundary_ids: frozenset[int]
+
+    def prefill(self, ids: torch.Tensor, cache: SequenceState, all_logits: bool = False, checkpoints: bool = False,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor: ...
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int] = frozenset()  # a token among these ends the answer (given out first)
+    namespace: str = ""  # the prefix cache's tree it shares prefixes within (a server: one per API key)
+    # While it runs: its KV cache and sampler, the prefix cache it resumed from and the nodes it
+    # holds there, and whether it keeps recurrent-state checkpoints after boundary tokens.
+    cache: SequenceState | None = field(default=None, init=False)
+    sampler: Sampler | None = field(default=None, init=False)
+    prefix: PrefixCache | None = field(default=None, init=False)
+    resume: Resume | None = field(default=None, init=False)
+    checkpoints: bool = field(default=False, init=False)
+    # The prompt, then each answer token once a step has run it: the cache holds its first
+    # `cache.length` tokens, which is what `finish` inserts.
+    seq: list[int] = field(default_factory=list, init=False)
+    prompt_done: int = field(default=0, init=False)  # prompt tokens run (or restored from the prefix cache)
+    reused_tokens: int = field(default=0, init=False)  # prompt tokens restored from the prefix cache
+    produced: int = field(default=0, init=False)  # answer tokens given out
+    next_token: int | None = field(default=None, init=False)  # the input of the next decode step
+
+    @property
+    def reading(self) -> bool:
+        """The prompt is not yet run through."""
+        return self.prompt_done < len(self.prompt_ids)
+
+    def start(self, runner: Runner) -> None:
+        """A new cache and sampler (which penalizes repeats of the whole prompt, restored from the
+        prefix cache or not), resumed after the prompt's longest cached prefix."""
+        self.cache, self.sampler = runner.model.new_cache(), Sampler(self.sampling, self.prompt_ids)
+        self.seq = list(self.prompt_ids)
+        self.prefix = runner.prefix_cache
+        if self.prefix is not None:
+            self.resume = self.prefix.resume(self.prompt_ids, self.cache, self.namespace)
+            self.prompt_done = self.reused_tokens = self.resume.length
+            self.checkpoints = self.prefix.takes_checkpoints
+
+    def kv_need(self) -> tuple[SequenceState, int]:
+        """Its cache and the tokens that cache must hold by the next safe point (`Engine.rebalance`):
+        the whole prompt while it is read, else one more."""
+        return self.cache, len(self.prompt_ids) if self.reading else self.cache.length + 1
+
+    def read_prompt(self, runner: Runner, chunk: int, between_layers: Callable[[], None] | None = None) -> int | None:
+        """Runs the prompt's next `chunk` tokens (at most the engine's prefill chunk); after the
+        last, returns the first answer token, else None. `between_layers` may raise to abandon
+        the chunk (the sequence must then end)."""
+        end = min(len(self.prompt_ids), self.prompt_done + chunk)
+        ids = torch.tensor(self.prompt_ids[self.prompt_done:end], dtype=torch.long)
+        logits = runner.prefill(ids, self.cache, checkpoints=self.checkpoints, between_layers=between_layers)
+        self.prompt_done = end
+        if self.reading:
+            return None
+        runner.model.experts.end_of_prompt()
+        return self.sampler(logits[-1])
+
+    def accept(self, token: int) -> str | None:
+        """Counts `token` as given out: the reason the sequence ends with it ("stop": a stop token,
+        "length": max_new_tokens reached), else None, and it is the next step's input."""
+        self.produced += 1
+        self.next_token = token
+        if token in self.stop_ids:
+            return "stop"
+        return "length" if self.produced >= self.max_new_tokens else None
+
+    def advance(self, runner: Runner, logits: torch.Tensor) -> int:
+        """After a decode step ran `next_token` (`logits` [vocab]: its row): the token joins the
+        sequence, the recurrent state after it is kept where it is a boundary, and the next token
+        is sampled."""
+        self.seq.append(self.next_token)
+        if self.checkpoints and self.next_token in runner.boundary_ids:
+            self.cache.checkpoints[self.cache.length] = self.cache.take()
+        return self.sampler(logits)
+
+    def finish(self, keep: bool = True) -> None:
+        """Ends the sequence (at any step, or before `start`): with `keep`, the tokens its cache
+        holds and their checkpoints go into the prefix cache; the nodes it resumed from are
+        released, and its cache goes with it."""
+        if self.resume is not None:
+            if keep:
+                checkpoints = self.cache.checkpoints if self.checkpoints else {}
+                self.prefix.insert(self.seq[:self.cache.length], self.cache, checkpoints, self.namespace)
+            self.prefix.release(self.resume)
+            self.resume = None
+        self.cache = self.sampler = self.next_token = None
+
+
+def decode_step(runner: Runner, seqs: list[Sequence]) -> torch.Tensor:
+    """One decode step of `seqs` together, each running its `next_token`: logits [len(seqs), vocab]
+    (for one sequence the model's one-token forward, as `decode_batch` picks)."""
+    return runner.model.decode_batch([s.next_token for s in seqs], [s.cache for s in seqs])
