@@ -164,7 +164,8 @@ def test_the_wait_tunes_the_split_towards_the_side_that_finished_last(seed):
     """The join on a mailbox answered by this thread: an answer already there moves the
     adaptive split's bias down one step (the GPU's share took longer), an answer that comes while
     the device spins moves it up; a layer without a choice (under two misses, or no CPU job while
-    the split itself chose fewer fills than misses) and an untuned rule leave it. The output is
+    the split itself chose fewer fills than misses, or a rule that sent its misses to one side
+    alone) and an untuned rule leave it. The output is
     the pairs' rows that have a slot plus the CPU's result where the call had CPU experts (a call
     without them posted no job: no wait, and the split chose every fill, the bias moves down as
     for an answer already there)."""
@@ -225,4 +226,5 @@ def test_the_wait_tunes_the_split_towards_the_side_that_finished_last(seed):
     assert wait([0, m, 0, m], 0.05, True) == -TUNE_STEP  # no CPU job: no wait for an answer
     assert wait([0, m, 0, m - 1], None, True) == 0.0  # the recent misses took every fill
     assert wait([3, 1, 0, 1], None, True) == 0.0  # one miss: no choice
+    assert wait([1, q, m - q, -1], 0.02, True) == 0.0  # the rule sent the misses to one side alone
     assert wait([1, q, m - q, q], 0.02, False) == 0.0

@@ -114,23 +114,40 @@ def test_gpu_presets_carry_the_papers_bandwidths():
         resolve_target("gtx-480")
 
 
+def _fastest_split(m: int, b_p: float, b_h: float, p: float, h: float) -> int:
+    """The reference: each q's time in milliseconds per GB of misses (q copies at p beside m - q CPU
+    experts at h; a side alone at its own b_p or b_h), the balanced q where it is as fast as any."""
+    def ms(q: int) -> float:
+        return 1e3 * (m / b_h if q == 0 else m / b_p if q == m else max(q / p, (m - q) / h))
+
+    balanced = min(m, max(1, math.floor(m * p / (p + h) + 0.5)))
+    best = min(range(m + 1), key=ms)
+    return balanced if ms(balanced) <= ms(best) * (1 + 1e-9) else best
+
+
 def test_measured_concurrent_rates_set_the_split(seed):
-    """The device machine's probe of 2026-11-29: DMA 41 GB/s beside CPU reads at 63 GB/s, so about 40% of
-    the misses are copied, not the paper's B_P / B_H ≈ 58%."""
+    """The device machine's probe of 2026-11-29: DMA 41 GB/s beside CPU reads at 63 GB/s, against
+    B_P 51 and B_H 88 alone: the two together (104) barely beat the CPU alone, and a split of
+    whole experts loses to it below 8 misses, so those go to the CPU (the paper's model, without
+    measured rates, cannot tell: it splits at B_P / B_H ≈ 58%). With more misses the split
+    balances near 40% copied. On random rates the split is the fastest in the model, the balanced
+    one where that is as fast."""
     rng = random.Random(seed)
     measured = MissPlanner("adaptive", 51.0, 88.0, 41.0, 63.0)
     paper = MissPlanner("adaptive", 51.0, 88.0)
-    assert [measured.fills(m) for m in (1, 4, 8, 16)] == [1, 2, 3, 6]
+    assert [measured.fills(m) for m in (1, 4, 8, 16)] == [0, 0, 3, 6]
     assert [paper.fills(m) for m in (1, 4, 8, 16)] == [1, 2, 5, 9]
     for _ in range(300):
-        p, h, m = rng.uniform(1, 100), rng.uniform(1, 100), rng.randrange(1, 40)
-        q = MissPlanner("adaptive", 50.0, 80.0, p, h).fills(m)
-        assert q == min(m, max(1, math.floor(m * p / (p + h) + 0.5)))
-    # Both planners' bounds balance the two sides at their own q (within one expert).
+        b_p, b_h, p, h, m = (rng.uniform(1, 100), rng.uniform(1, 200), rng.uniform(1, 100), rng.uniform(1, 200),
+                             rng.randrange(1, 40))
+        q = MissPlanner("adaptive", b_p, b_h, p, h).fills(m)
+        assert q == _fastest_split(m, b_p, b_h, p, h), f"seed={seed}: {m} misses at {b_p}, {b_h}, {p}, {h}"
+    # Both planners' bounds at a split of theirs: the slower of the two sides while both run.
     s = 9 << 20
     for planner in (measured, paper):
         copy, cpu = planner.rates()
         q = planner.fills(8)
+        assert 0 < q < 8
         assert planner.bound_s(8, q, s) == max(q * s / (copy * 1e9), (8 - q) * s / (cpu * 1e9))
     assert paper.rates() == (51.0, 37.0) and measured.rates() == (41.0, 63.0)
     # One side alone keeps its own rate: copies only at B_P, CPU experts only at B_H.

@@ -49,11 +49,12 @@ PRESETS: dict[str, Target] = {
     # kernels are AVX-512 BF16; compiled on a CPU without it, they are checked where the engine loads.
     "rtx-pro-6000": Target("rtx-pro-6000", "avx512_bf16", None, "RTX PRO 6000", 96 * _GB, 51.5, 178.0,
                            gpu_read_gbps=1792.0),
-    # The device machine: B_P at 9.4 MiB, B_H from `ftc bench experts`, and the both-at-once rates as
-    # `ftc profile` measured them on the GPU engine's own workers (copies at 48.31 GB/s beside the
-    # CPU experts at 84.48; docs/history/performance-log.md: the older probe's 41 and 63 were beaten by the
-    # one-graph step, so its bound was no bound); the GPU's read rate as torch measures it there.
-    "h200": Target("h200", "avx512_bf16", 16, "NVIDIA H200", 143771 * 2**20, 51.0, 88.0, 48.31, 84.48,
+    # The device machine, its rates as the one-graph decode step keeps them (docs/performance.md,
+    # "The h200 target's rates"): qwen3-30b-a3b bf16 experts (9 MiB) at 32 GiB with uniform routing,
+    # each phase's device time per MoE layer: copies alone (`gpu`) 48.9 GB/s, the CPU experts alone
+    # (`cpu`: post to answer) 112.5, and beside each other (`adaptive`) 49.1 and 75.7, the host's
+    # memory bus shared; the GPU's read rate as torch measures it there.
+    "h200": Target("h200", "avx512_bf16", 16, "NVIDIA H200", 143771 * 2**20, 48.9, 112.5, 49.1, 75.7,
                    gpu_read_gbps=4057.2),
 }
 

@@ -13,10 +13,15 @@ MISS_POLICIES: tuple[str, ...] = ("adaptive", "gpu", "cpu", "half")
 
 @dataclass(frozen=True)
 class MissPlanner:
-    """`adaptive`: q makes the copies and the CPU experts take the same time while both run,
-    q / B_P' = (m − q) / B_H', so q = round(m · B_P' / (B_P' + B_H')), clamped to [1, m]. B_P' and
-    B_H' are the rates measured with both running (`ftc profile`); without them the paper's model
-    holds (B_P' = B_P, B_H' = B_H − B_P), which gives its q* = m · B_P / B_H, and all m go to the
+    """`adaptive`: the balanced split, where copies and CPU experts end together while both run,
+    q / B_P' = (m − q) / B_H', so q = round(m · B_P' / (B_P' + B_H')), at least one (a fill also
+    caches its expert); unless the performance model (`bound_s`) prices another q from 0 to m
+    faster, then that one. B_P' and B_H' are the rates measured with both running (`ftc
+    profile`); a side alone keeps its own, B_P or B_H. Where both share the host's memory bus,
+    B_P' + B_H' is not much more than B_H, and a split of a few misses (whole experts on either
+    side) loses to the CPU alone: then q = 0. Without measured rates the paper's model holds
+    (B_P' = B_P, B_H' = B_H − B_P), in which every split takes at least the CPU's time alone, so it
+    cannot rank them: q is the balanced one, the paper's q* = m · B_P / B_H, and all m go to the
     GPU when B_H ≤ B_P. `gpu`: q = m; `cpu`: q = 0; `half`: q = ceil(m / 2).
 
     That split prices one step only. With temporal locality (real routing) an expert computed on
@@ -58,9 +63,17 @@ class MissPlanner:
             return (m + 1) // 2
         if self.policy == "gpu" or (not self.measured_concurrency and self.b_h <= self.b_p):
             return m
+        balanced = self._balanced(m)
+        if not self.measured_concurrency:
+            return balanced
+        times = [self.bound_s(m, q, 1) for q in range(m + 1)]
+        fastest = min(times)
+        return balanced if times[balanced] <= fastest * (1 + 1e-9) else times.index(fastest)
+
+    def _balanced(self, m: int) -> int:
+        """The q at which copies and CPU experts end together while both run, within [1, m]."""
         copy, cpu = self.rates()
-        q = math.floor(m * copy / (copy + cpu) + 0.5)  # round half up, not to even
-        return min(m, max(1, q))
+        return min(m, max(1, math.floor(m * copy / (copy + cpu) + 0.5)))  # round half up, not to even
 
     def fills_for(self, m: int, recent: int) -> int:
         """q for m misses of which `recent` were computed on the CPU within `recent_tokens` tokens."""

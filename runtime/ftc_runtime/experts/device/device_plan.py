@@ -95,12 +95,13 @@ class PlanRule:
     cache policy, whose pinned set never changes).
 
     `bias` (fp32 [1]) corrects the split as the step runs it: q = q_for_m[m] + ⌊m · bias + ½⌋,
-    within [0, m], then at least the recent misses. The planner's rates price copies and CPU
-    experts alone; in the one-graph step the device's own experts run after the fills, the CPU's
-    job has a latency, and the CPU kernel's rate depends on the expert format, so the adaptive
-    policy (`tune_step` > 0) lets every layer's wait move it (`DoorbellKernels.wait_and_join`):
-    up when the GPU waited for the CPU, down when the CPU was done first, so that both sides end
-    together. It starts at 0, where q is the planner's."""
+    within [0, m], then at least the recent misses; where q_for_m[m] is 0 or m (the planner found
+    one side alone faster) the bias does not apply, and such calls do not tune it. The planner's
+    rates price copies and CPU experts alone; in the one-graph step the device's own experts run
+    after the fills, the CPU's job has a latency, and the CPU kernel's rate depends on the expert
+    format, so the adaptive policy (`tune_step` > 0) lets every split layer's wait move it
+    (`DoorbellKernels.wait_and_join`): up when the GPU waited for the CPU, down when the CPU was
+    done first, so that both sides end together. It starts at 0, where q is the planner's."""
 
     q_for_m: torch.Tensor  # int64 [max_unique + 1]
     recent_steps: int
@@ -129,6 +130,7 @@ class LayerPlan:
     cpu_tok: torch.Tensor  # int64 [n]: token row of each CPU entry, ascending within an expert
     cpu_w: torch.Tensor  # fp32 [n]: its router weight
     counts: torch.Tensor  # int64 [4]: hits, fills, CPU experts (unique experts), the split's own q
+    # (-1 where the rule sends this call's misses to one side alone: the waits do not tune it)
     pairs: torch.Tensor  # int32 [3, T·k]: the device kernel's pairs (slot, token row, weight bits) of
     # every routed entry, the CPU's with slot -1
     phase_pairs: torch.Tensor  # int32 [2, 3, T·k]: `pairs` split by when their slot is ready: [0] the
@@ -196,8 +198,10 @@ def plan_layer(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.Tensor, 
     recent = miss & (t.cpu_step[u.rows] >= t.step - rule.recent_steps) if rule.recent_steps > 0 \
         else torch.zeros_like(miss)
     n_miss = miss.sum()
-    q_split = rule.q_for_m.index_select(0, n_miss.view(1)).squeeze(0)  # indexing by a tensor would sync
-    q_split = torch.minimum((q_split + torch.floor(n_miss * rule.bias[0] + 0.5).long()).clamp(min=0), n_miss)
+    q_rule = rule.q_for_m.index_select(0, n_miss.view(1)).squeeze(0)  # indexing by a tensor would sync
+    splits = (q_rule > 0) & (q_rule < n_miss)  # the bias corrects a split, not one side alone
+    q_split = q_rule + torch.where(splits, torch.floor(n_miss * rule.bias[0] + 0.5).long(), 0)
+    q_split = torch.minimum(q_split.clamp(min=0), n_miss)
     q = torch.maximum(q_split, recent.sum()) if rule.allow_fills else n_miss.new_zeros(())
     # Misses in the host's order: recent first, then more tokens first, then ascending rows.
     order_key = ((~recent).long() * (n + 1) + (n - u.count)) * n + ar
@@ -219,7 +223,8 @@ def plan_layer(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.Tensor, 
     cpu_tok = torch.where(in_job, cpu_entry // k, 0)
     cpu_w = torch.where(in_job, weights.reshape(-1).float()[cpu_entry], 0.0)
     _update(t, u.rows, is_cpu, fill_rows, fill_slots, ar < n_fill, where_u)
-    counts = torch.stack([hit.sum(), n_fill, n_cpu, q_split if rule.allow_fills else n_fill])
+    counts = torch.stack([hit.sum(), n_fill, n_cpu, torch.where(splits, q_split, -1) if rule.allow_fills
+                          else n_fill.new_full((), -1)])
     pair_slot = where_u[u.of_entry]
     pairs = torch.stack([pair_slot.int(), (ar // k).int(), weights.reshape(-1).float().contiguous().view(torch.int32)])
     phase_pairs = pairs.repeat(2, 1, 1)

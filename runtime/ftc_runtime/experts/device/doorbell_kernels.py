@@ -67,9 +67,10 @@ def _post_job(counts, cpu_ids, cpu_offsets, cpu_tok, cpu_w, x, n_tokens, n, hidd
 
 @triton.jit
 def _tune(counts, bias, waited, step):
-    """The split's bias moved by `step` towards the side that finished last, within [-1, 1]."""
+    """The split's bias moved by `step` towards the side that finished last, within [-1, 1]; only
+    by a call the rule split (q_split ≥ 0: not one side alone)."""
     fills, cpu, q_split = tl.load(counts + 1), tl.load(counts + 2), tl.load(counts + 3)
-    if (fills + cpu >= 2) & ((cpu > 0) | (q_split >= fills + cpu)):
+    if (fills + cpu >= 2) & (q_split >= 0) & ((cpu > 0) | (q_split >= fills + cpu)):
         b = tl.load(bias) + tl.where(waited, step, -step)
         tl.store(bias, tl.minimum(tl.maximum(b, -1.0), 1.0))
 

@@ -69,7 +69,9 @@ def _plan(ids, ids_stride, weights, weights_stride, base_id, n, k, slot_of, id_o
     last_cpu = tl.load(cpu_step + row, mask=miss, other=-1)
     recent = miss & (last_cpu >= step - recent_steps) & (recent_steps > 0)
     n_miss = tl.sum(miss.to(tl.int64))
-    q_split = tl.load(q_for_m + n_miss) + tl.floor(n_miss.to(tl.float32) * tl.load(bias) + 0.5).to(tl.int64)
+    q_rule = tl.load(q_for_m + n_miss)
+    splits = (q_rule > 0) & (q_rule < n_miss)  # the bias corrects a split, not one side alone
+    q_split = q_rule + tl.where(splits, tl.floor(n_miss.to(tl.float32) * tl.load(bias) + 0.5).to(tl.int64), 0)
     q_split = tl.minimum(tl.maximum(q_split, 0), n_miss)
     q = tl.maximum(q_split, tl.sum(recent.to(tl.int64)))
     q = tl.where(allow_fills != 0, q, 0)
@@ -113,7 +115,7 @@ def _plan(ids, ids_stride, weights, weights_stride, base_id, n, k, slot_of, id_o
     tl.store(counts + 0, tl.sum(hit.to(tl.int64)))
     tl.store(counts + 1, n_fill)
     tl.store(counts + 2, n_cpu)
-    tl.store(counts + 3, tl.where(allow_fills != 0, q_split, n_fill))
+    tl.store(counts + 3, tl.where((allow_fills != 0) & splits, q_split, -1))
     _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_fill, is_cpu, victim, where_first)
 
 
