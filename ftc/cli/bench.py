@@ -67,6 +67,12 @@ TargetArg = Annotated[str, typer.Option(rich_help_panel=SPEC, help="Hardware tar
 OverrideArg = Annotated[list[str] | None, typer.Option(rich_help_panel=SPEC, help="Edit a spec field: FIELD=VALUE, "
                                                        "repeatable.")]
 
+# What `bench decode` and `bench matrix` share: the decode run's lengths and the synthetic traces' shape.
+PromptTokensArg = Annotated[int, typer.Option(min=1, help="Prompt length (random tokens).")]
+NewTokensArg = Annotated[int, typer.Option(min=2, help="Tokens to generate.")]
+ZipfArg = Annotated[float, typer.Option(parser=number_in(0), help="With --synthetic-locality: the Zipf exponent of "
+                                        "the experts' popularity (0: uniform routing).")]
+
 
 @contextmanager
 def _engine(engine: Path, random_weights: bool, seed: int, target: str,
@@ -122,10 +128,9 @@ def decode(
                                                        "`ftc trace`).")] = None,
     synthetic_locality: Annotated[float | None, typer.Option(parser=number_in(0, 1), help="Replay a synthetic trace "
                                                              "of this locality, in [0, 1].")] = None,
-    zipf: Annotated[float, typer.Option(parser=number_in(0), help="With --synthetic-locality: the Zipf exponent of "
-                                        "the experts' popularity (0: uniform routing).")] = 1.0,
-    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length (random tokens).")] = 128,
-    new_tokens: Annotated[int, typer.Option(min=2, help="Tokens to generate.")] = 64,
+    zipf: ZipfArg = 1.0,
+    prompt_tokens: PromptTokensArg = 128,
+    new_tokens: NewTokensArg = 64,
     sequences: Annotated[str | None, typer.Option(help="Concurrent sequences, comma-separated (e.g. 1,2,4,8,16): "
                                                   "the aggregate throughput of each count decoding together, "
                                                   "with the model's own router and sampled tokens.")] = None,
@@ -181,14 +186,13 @@ def matrix(
     synthetic_locality: Annotated[str | None, typer.Option(metavar="LOCALITY[,LOCALITY...]", help="Replay "
                                                            "synthetic traces of these localities, in [0, 1], "
                                                            "comma-separated.")] = None,
-    zipf: Annotated[float, typer.Option(parser=number_in(0), help="With --synthetic-locality: the Zipf exponent of "
-                                        "the experts' popularity.")] = 1.0,
+    zipf: ZipfArg = 1.0,
     uniform: Annotated[bool, typer.Option("--uniform", help="Uniform routing: every step draws its experts "
                                           "uniformly (--synthetic-locality 0 --zipf 0).")] = False,
     own_router: Annotated[bool, typer.Option("--own-router", help="The model's own router too (without any "
                                              "routing option, the only one).")] = False,
-    prompt_tokens: Annotated[int, typer.Option(min=1, help="Prompt length (random tokens).")] = 128,
-    new_tokens: Annotated[int, typer.Option(min=2, help="Tokens to generate.")] = 64,
+    prompt_tokens: PromptTokensArg = 128,
+    new_tokens: NewTokensArg = 64,
     device: DeviceArg = "cuda",
     vram_budget: VramBudgetArg = None,
     slots: SlotsArg = None,
