@@ -8,7 +8,9 @@ Beside it, the CPU time per token of the thread that drives the step (`host_cpu_
 Python, planning, launches; beside a GPU the expert workers and the CPU doorbell are other threads,
 so this is the host's cost outside the CPU experts). Where the step is one graph on the device,
 a few more steps after the timed ones record its per-layer device timeline (`device_timeline`:
-body, plan, fills, hits, CPU wait, from CUDA events in the graph; `DeviceTimeline`).
+body, plan, fills, hits, CPU wait, from CUDA events in the graph; `DeviceTimeline`). With a
+`Speculation`, the answer's passes after the prompt (`speculation`: one per decode step or
+verification of drafts), the tokens each gave out, and the share of drafts accepted.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from pathlib import Path
 
 import torch
 
-from ftc_runtime import Engine, SamplingParams
+from ftc_runtime import Engine, GenerationStats, SamplingParams
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.experts.device.timeline import DeviceTimeline
 from ftc_runtime.experts.routing_trace import RoutingTrace, TraceReplay
 from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.experts.throughput import torch_read_gbps
 from ftc_runtime.io.ftw import ExpertPool
+from ftc_runtime.speculative.config import Speculation
 
 PROFILED_STEPS = 4
 TIMELINE_STEPS = 8
@@ -33,12 +36,14 @@ TIMELINE_STEPS = 8
 
 def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace | None, routing: str,
                  prompt_tokens: int = 128, new_tokens: int = 64, seed: int = 0,
-                 pool: ExpertPool | None = None, profile_to: Path | None = None, temperature: float = 0.0) -> dict:
+                 pool: ExpertPool | None = None, profile_to: Path | None = None, temperature: float = 0.0,
+                 speculation: Speculation | None = None) -> dict:
     """`temperature` > 0 samples the tokens: a random-weight model decoding greedily repeats one
     token, so its router picks the same experts every step (a 99% hit rate on the device), while
     sampled tokens route near-uniformly. `profile_to`: also write a torch profiler table of a few
     decode steps there (not timed)."""
     engine = Engine.load(engine_dir, offload=offload, pool=pool)
+    engine.enable_speculation(speculation)
     experts = engine.model.experts
     if trace is not None:
         trace.check_fits(len(engine.spec.moe_layers), engine.spec.moe.num_experts, routing)
@@ -53,7 +58,7 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
     warmup = 2 if engine.model.decode_graphs is not None else 0
     if new_tokens < warmup + 2:
         raise ValueError(f"new_tokens = {new_tokens}: decode benchmarks need at least {warmup + 2}")
-    decode_s, warmup_s, host_cpu_s = _timed_decode(engine, prompt, new_tokens, sampling, warmup)
+    decode_s, warmup_s, host_cpu_s, gen = _timed_decode(engine, prompt, new_tokens, sampling, warmup)
     s = experts.stats
     split_bias = experts.split_bias
     timeline = _device_timeline(engine, prompt, sampling, warmup)
@@ -78,13 +83,22 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
         "host_cpu_ms_per_token": round(1e3 * host_cpu_s / steps, 3),
         "experts": s.to_dict(),
         "decode_graphs": engine.model.decode_graphs is not None,
-    } | ({"device_timeline": timeline.summary()} if timeline is not None else {})
+        "speculate": str(speculation) if speculation is not None else "off",
+    } | ({"device_timeline": timeline.summary()} if timeline is not None else {}) \
+        | ({"speculation": _speculation(gen)} if speculation is not None else {})
+
+
+def _speculation(gen: GenerationStats) -> dict:
+    """The whole answer's passes after the prompt (warm-up steps included): each a plain decode
+    step (where the drafter had nothing) or one verification of drafts."""
+    return {"steps": gen.decode_steps, "tokens_per_step": round(gen.tokens_per_step, 3), "drafted": gen.drafted,
+            "accepted": gen.accepted, "acceptance": round(gen.acceptance, 3)}
 
 
 def _timed_decode(engine: Engine, prompt: list[int], new_tokens: int, sampling: SamplingParams,
-                  warmup: int) -> tuple[float, float, float]:
+                  warmup: int) -> tuple[float, float, float, GenerationStats]:
     """Seconds of the decode steps after `warmup` steps (whose statistics are dropped), of those,
-    and the CPU seconds of this (the driving) thread in the timed steps."""
+    the CPU seconds of this (the driving) thread in the timed steps, and the answer's statistics."""
     experts = engine.model.experts
     gen = engine.generate(prompt, new_tokens, sampling, stop_at_eos=False)
     t0 = warm_t0 = cpu_t0 = 0.0
@@ -94,7 +108,7 @@ def _timed_decode(engine: Engine, prompt: list[int], new_tokens: int, sampling: 
         if n == warmup:  # decode statistics only, after the warm-up steps
             experts.stats = OffloadStats(experts.device)
             t0, cpu_t0 = time.perf_counter(), time.thread_time()
-    return time.perf_counter() - t0, t0 - warm_t0, time.thread_time() - cpu_t0
+    return time.perf_counter() - t0, t0 - warm_t0, time.thread_time() - cpu_t0, gen.stats
 
 
 def _device_timeline(engine: Engine, prompt: list[int], sampling: SamplingParams,

@@ -23,6 +23,7 @@ from ftc.cli.options import (
     PrefillChunkArg,
     PrefillSplitArg,
     SlotsArg,
+    SpeculateArg,
     VramBudgetArg,
     check_plot,
     engine_in_memory,
@@ -142,6 +143,7 @@ def decode(
     cpu_experts: CpuExpertsArg = False,
     stream_min_tokens: StreamMinTokensArg = None,
     prefill_split: PrefillSplitArg = None,
+    speculate: SpeculateArg = None,
     output: OutputArg = None,
     random_weights: RandomWeightsArg = False,
     seed: SeedArg = 0,
@@ -152,7 +154,8 @@ def decode(
 
     Tok/s, the split's statistics (hits, fills, CPU misses) and the bandwidth bound of the steps
     that ran; the router's own choices, or a replayed trace. With --sequences, the aggregate
-    throughput of several sequences at once instead."""
+    throughput of several sequences at once instead. With --speculate, the passes after the prompt,
+    the tokens each gave out and the share of drafts accepted (`speculation`)."""
     from ftc.bench.decode import bench_decode
     from ftc.bench.decode_batches import bench_decode_batches
     from ftc_runtime.artifact import EngineManifest
@@ -164,13 +167,19 @@ def decode(
         if counts is not None and (routing_trace is not None or synthetic_locality is not None or zipf != 1.0):
             raise ValueError("--sequences decodes with the model's own router: leave out --routing-trace, "
                              "--synthetic-locality and --zipf")
+        if counts is not None and speculate is not None:
+            raise ValueError(f"--speculate {speculate}: sequences decoded together (--sequences) do not speculate")
         with _engine(engine, random_weights, seed, target, override) as (path, pool):
             if counts is not None:
                 print(_report(bench_decode_batches(path, offload, counts, prompt_tokens, new_tokens, pool=pool),
                               output))
                 return
-            trace, routing = routing_for(routing_trace, synthetic_locality, EngineManifest.read(path).spec, 0, zipf)
-            text = _report(bench_decode(path, offload, trace, routing, prompt_tokens, new_tokens, pool=pool), output)
+            spec = EngineManifest.read(path).spec
+            if speculate is not None:
+                speculate.check_family(spec)  # before the engine loads
+            trace, routing = routing_for(routing_trace, synthetic_locality, spec, 0, zipf)
+            text = _report(bench_decode(path, offload, trace, routing, prompt_tokens, new_tokens, pool=pool,
+                                        speculation=speculate), output)
     print(text)
 
 

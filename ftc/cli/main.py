@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -39,9 +39,11 @@ from ftc.cli.options import (
     PrefixCacheArg,
     ServedModelNameArg,
     SlotsArg,
+    SpeculateArg,
     VramBudgetArg,
     check_device,
     check_run_mode,
+    check_speculation,
     err,
     number_in,
     offload_config,
@@ -56,6 +58,9 @@ from ftc.cli.options import (
     size,
 )
 from ftc.compile.targets import PRESETS
+
+if TYPE_CHECKING:
+    from ftc_runtime.speculative.config import Speculation
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="ftc, the FreeToken compiler: MoE models compiled into engines for one machine.")
@@ -217,6 +222,7 @@ def run(
                                             "engine.json and split misses by them.")] = False,
     prefill_chunk: PrefillChunkArg = None,
     prefill_split: PrefillSplitArg = None,
+    speculate: SpeculateArg = None,
     serve: Annotated[bool, typer.Option("--serve", help="Serve the OpenAI and Anthropic APIs over HTTP "
                                         "instead.")] = False,
     host: HostArg = "127.0.0.1",
@@ -250,6 +256,7 @@ def run(
             config |= {"metrics_public": metrics_public, "served_model_names": served_names(served_model_name)}
         else:
             text, given_ids = run_prompt(engine, prompt, prompt_file, prompt_ids, raw, system, as_json)
+            check_speculation(speculate, engine)
     except user_errors() as e:
         fail(e)
     if serve:
@@ -259,35 +266,39 @@ def run(
         return
     sampling = {"seed": seed, "temperature": temperature, "top_p": top_p, "top_k": top_k, **penalties}
     if raw or given_ids is not None:
-        _generate(engine, offload, prefill_chunk, reprofile, given_ids, text, max_new_tokens, sampling,
+        _generate(engine, offload, prefill_chunk, reprofile, speculate, given_ids, text, max_new_tokens, sampling,
                   not ignore_eos, stop or [], as_json)
     else:
-        _chat(engine, offload, prefill_chunk, reprofile, text, system, max_new_tokens, sampling, not ignore_eos,
-              stop or [], as_json)
+        _chat(engine, offload, prefill_chunk, reprofile, speculate, text, system, max_new_tokens, sampling,
+              not ignore_eos, stop or [], as_json)
 
 
-def _load(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, quiet: bool, asked: dict):
-    """The engine for `ftc run`, its load time, reprofiled if asked, and the sampling: what the
-    options ask, else the engine's defaults (its checkpoint's generation_config.json)."""
+def _load(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, speculate: Speculation | None,
+          quiet: bool, asked: dict):
+    """The engine for `ftc run`, its load time, reprofiled if asked, speculating if asked, and the
+    sampling: what the options ask, else the engine's defaults (its checkpoint's generation_config.json)."""
     from ftc_runtime import Engine
     from ftc_runtime.sampling import with_defaults
 
     t0 = time.perf_counter()
     eng = Engine.load(engine, show_progress=not quiet, offload=offload, prefill_chunk=prefill_chunk)
     load_s = time.perf_counter() - t0
+    eng.enable_speculation(speculate)  # a family that cannot roll back its state refuses
     if reprofile:
         reprofile_engine(engine, eng, offload)
     return eng, load_s, with_defaults(eng.manifest.sampling, **asked)
 
 
-def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, text: str | None, system: str | None,
-          max_new_tokens: int, sampling: dict, stop_at_eos: bool, stop: list[str], as_json: bool) -> None:
+def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, speculate: Speculation | None,
+          text: str | None,
+          system: str | None, max_new_tokens: int, sampling: dict, stop_at_eos: bool, stop: list[str],
+          as_json: bool) -> None:
     """One chat turn (`text`), or a conversation at the terminal (`text` None)."""
     from ftc.cli.chat import note_random_weights, print_turn, repl, turn_json
     from ftc_runtime.chat.session import ChatSession
 
     try:
-        eng, load_s, sampling = _load(engine, offload, prefill_chunk, reprofile, as_json, sampling)
+        eng, load_s, sampling = _load(engine, offload, prefill_chunk, reprofile, speculate, as_json, sampling)
         session = ChatSession(eng, system, stop_at_eos, stop)
         if not as_json:
             note_random_weights(eng)
@@ -304,9 +315,9 @@ def _chat(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, tex
         fail(e)
 
 
-def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, given_ids: list[int] | None,
-              prompt: str | None, max_new_tokens: int, sampling: dict, stop_at_eos: bool, stop: list[str],
-              as_json: bool) -> None:
+def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, speculate: Speculation | None,
+              given_ids: list[int] | None, prompt: str | None, max_new_tokens: int, sampling: dict, stop_at_eos: bool,
+              stop: list[str], as_json: bool) -> None:
     """Loads the engine and generates, streaming the text (or printing one JSON object at the end)
     up to the first `stop` string."""
     from ftc.cli.chat import timings
@@ -320,7 +331,7 @@ def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool,
             sys.stdout.flush()
 
     try:
-        eng, load_s, sampling = _load(engine, offload, prefill_chunk, reprofile, as_json, sampling)
+        eng, load_s, sampling = _load(engine, offload, prefill_chunk, reprofile, speculate, as_json, sampling)
         ids = given_ids if given_ids is not None else eng.tokenizer.encode(prompt)
         gen = eng.generate(ids, max_new_tokens, sampling, stop_at_eos)
         decoder, stops, tokens, pieces = StreamDecoder(eng.tokenizer), StopMatcher(stop), [], []

@@ -9,10 +9,13 @@ import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from ftc_runtime.speculative.config import Speculation
 
 err = Console(stderr=True)
 
@@ -73,6 +76,13 @@ def number_in(low: float, high: float | None = None, low_open: bool = False) -> 
     return parse
 
 
+def speculate(text: str) -> Speculation | None:
+    """--speculate: off (None) or ngram:K, as `ftc_runtime.speculative.config.Speculation`."""
+    from ftc_runtime.speculative.config import parse_speculation
+
+    return parse_speculation(text)
+
+
 def output_file(text: str | Path) -> Path:
     """A file to write once the work is done: its folder must exist now, not only minutes later."""
     path = Path(text)
@@ -106,6 +116,15 @@ PrefillSplitArg = Annotated[str | None, typer.Option(metavar="auto|off|SHARE", h
                                                      "CPU, which computes them in place: auto (as many as finish "
                                                      "beside the copies at the measured rates), off (copy them "
                                                      "all; the default), or a fixed share in [0, 1].")]
+# `ftc run` and `ftc bench decode`: a Speculation, or None (off). Parsed when given (the default
+# is not), so that a command line that leaves it out imports no torch to read it.
+SpeculateArg = Annotated[object | None, typer.Option(parser=speculate, metavar="off|ngram:K", help="Speculative "
+                                                     "decoding: draft up to K tokens (1..8) a step from earlier "
+                                                     "text that the context's last tokens follow (prompt lookup), "
+                                                     "verified in one pass; greedy output is unchanged and sampled "
+                                                     "output keeps its distribution. Not yet for families with "
+                                                     "recurrent or compressed state (the hybrid Qwens, DeepSeek-V4). "
+                                                     "Default: off.")]
 
 # --serve's options.
 HostArg = Annotated[str, typer.Option(help="--serve: address to bind (loopback unless told).")]
@@ -189,9 +208,17 @@ SERVE_ONLY = ("host", "port", "api_key", "api_keys_file", "allowed_hosts", "max_
               "max_tokens", "max_body_bytes", "prefix_cache", "metrics_public", "log_level", "served_model_name")
 GENERATE_ONLY = ("prompt", "prompt_file", "prompt_ids", "system", "raw", "max_new_tokens", "temperature", "top_p",
                  "top_k", "seed", "repeat_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "stop",
-                 "as_json", "reprofile")
+                 "as_json", "reprofile", "speculate")
 RUN_SHARED = ("engine", "device", "vram_budget", "slots", "miss_policy", "cache_policy", "cpu_experts",
               "prefill_chunk", "prefill_split", "serve")
+
+
+def check_speculation(speculation: Speculation | None, engine_dir: Path) -> None:
+    """--speculate against the engine's family, before the engine loads (`Speculation.check_family`)."""
+    from ftc_runtime.artifact import EngineManifest
+
+    if speculation is not None:
+        speculation.check_family(EngineManifest.read(engine_dir).spec)
 
 
 def sampling_penalties(repeat: float | None, presence: float | None, frequency: float | None) -> dict:

@@ -42,7 +42,7 @@ from ftc_runtime.experts.prompt_split import PromptSplit, parse_prefill_split
 from ftc_runtime.experts.slots import GpuExpertKernels
 from ftc_runtime.experts.stream_cpu import RESULT_DTYPE
 from ftc_runtime.experts.vram_plan import VramPlan, plan_vram
-from ftc_runtime.generation import Sequence, decode_step
+from ftc_runtime.generation import Sequence
 from ftc_runtime.io import ftw
 from ftc_runtime.kernel_sets import kernel_library
 from ftc_runtime.models import family
@@ -51,6 +51,7 @@ from ftc_runtime.models.layers.fp8_linear import BlockFp8, has_fp8_conversion
 from ftc_runtime.sampling import SamplingParams
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec
+from ftc_runtime.speculative.config import Speculation
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,22 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    decode_steps: int = 0  # passes after the prompt's: a decode step, or a verification of drafts
+    drafted: int = 0  # speculative draft tokens verified
+    accepted: int = 0  # of those, the ones the acceptance rule kept
 
     @property
     def decode_tok_s(self) -> float:
         return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens given out per pass after the prompt's (1 without speculation)."""
+        return (self.new_tokens - 1) / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -122,6 +135,7 @@ class Engine:
         self.boundary_ids = frozenset(manifest.spec.token_id(t) for t in manifest.spec.tokens.boundaries)
         self.prefix_cache: PrefixCache | None = None
         self.elastic: ElasticVram | None = None  # a GPU engine's budget split between KV and expert slots
+        self.speculation: Speculation | None = None  # `generate`'s drafts (`enable_speculation`)
         # The conversation → prompt template (engines compiled before it was stored have none).
         self.chat_template = chat_template
         if self.prefill_chunk < 1:
@@ -197,6 +211,14 @@ class Engine:
         self.prefix_cache = PrefixCache(kv_budget, checkpoint_budget, self.spec.resumes_at_checkpoints)
         return self.prefix_cache
 
+    def enable_speculation(self, speculation: Speculation | None) -> None:
+        """`generate` drafts tokens and verifies them in one pass per step (None: off); the
+        family must be one whose state rolls back by its length (`Speculation.check_family`).
+        The server's scheduler, which decodes several sequences together, does not speculate."""
+        if speculation is not None:
+            speculation.check_family(self.spec)
+        self.speculation = speculation
+
     def rebalance(self, needs: list[tuple[object, int]]) -> None:
         """A safe point: fits the expert slots to the budget left by these sequences' caches
         (each to hold the given number of tokens) and the prefix cache's KV (its checkpoints live
@@ -235,11 +257,13 @@ class Engine:
             raise ValueError(f"max_new_tokens = {max_new_tokens}: expected a number >= 0")
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         stop = frozenset(self.spec.eos_token_ids) if stop_at_eos else frozenset()
-        seq = Sequence(list(prompt_ids), max_new_tokens, sampling or SamplingParams(), stop)
+        seq = Sequence(list(prompt_ids), max_new_tokens, sampling or SamplingParams(), stop,
+                       speculation=self.speculation)
         return Generation(self._run(seq, stats), stats)
 
     def _run(self, seq: Sequence, stats: GenerationStats) -> Iterator[int]:
-        """Drives `seq` alone: its prompt in the engine's chunks, then a decode step per token."""
+        """Drives `seq` alone: its prompt in the engine's chunks, then a step at a time, each giving
+        out one token or (speculating) several, one by one."""
         if seq.max_new_tokens == 0:
             return
         seq.start(self)
@@ -251,15 +275,17 @@ class Engine:
             while token is None:
                 token = seq.read_prompt(self, self.prefill_chunk)
             stats.prefill_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
+            t0, tokens = time.perf_counter(), [token]
             while True:
-                end = seq.accept(token)
-                stats.new_tokens, stats.decode_s = seq.produced, time.perf_counter() - t0
-                yield token
-                if end is not None:
-                    return
+                for token in tokens:
+                    end = seq.accept(token)
+                    stats.new_tokens, stats.decode_s = seq.produced, time.perf_counter() - t0
+                    yield token
+                    if end is not None:
+                        return
                 self.rebalance([seq.kv_need()])
-                token = seq.advance(self, decode_step(self, [seq])[0])
+                tokens = seq.step(self)
+                stats.decode_steps, stats.drafted, stats.accepted = stats.decode_steps + 1, seq.drafted, seq.accepted
         finally:
             seq.finish()  # kept even when interrupted (the terminal chat's Ctrl-C): the next turn resumes there
 

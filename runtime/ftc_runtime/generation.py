@@ -4,12 +4,17 @@
 
     start → read_prompt (chunk by chunk) → accept → [decode_step → advance → accept]… → finish
 
+A sequence alone (`Engine.generate`) takes `step` instead of decode_step and advance: with a
+`Speculation` its next token and a few drafts run as one pass (`verify_drafts`), and each token
+that the acceptance rule keeps is then given out through `accept`, as a plain step's would be.
+
 `start` resumes the prompt after its longest cached prefix; `read_prompt` runs a chunk (a hybrid
 model's state captured after each boundary token inside it, `Engine.prefill`) and samples the first
 token after the last; `decode_step` runs one token of several sequences together; `advance` adds
 the token a step ran (its state captured where it is a boundary) and samples the next; `accept`
 counts a token given out and says whether the sequence ends there; `finish` inserts what the cache
-holds into the prefix cache and releases the nodes the sequence resumed from."""
+holds into the prefix cache and releases the nodes the sequence resumed from. The server's
+scheduler does not speculate (yet)."""
 
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ import torch
 from ftc_runtime.cache.base import SequenceState
 from ftc_runtime.cache.prefix import PrefixCache, Resume
 from ftc_runtime.sampling import Sampler, SamplingParams
+from ftc_runtime.speculative.config import Speculation
+from ftc_runtime.speculative.ngram import NgramDrafter
+from ftc_runtime.speculative.verify import verify
 
 
 class Runner(Protocol):
@@ -43,6 +51,7 @@ class Sequence:
     sampling: SamplingParams
     stop_ids: frozenset[int] = frozenset()  # a token among these ends the answer (given out first)
     namespace: str = ""  # the prefix cache's tree it shares prefixes within (a server: one per API key)
+    speculation: Speculation | None = None  # drafts verified per `step` (a family whose state cuts back)
     # While it runs: its KV cache and sampler, the prefix cache it resumed from and the nodes it
     # holds there, and whether it keeps recurrent-state checkpoints after boundary tokens.
     cache: SequenceState | None = field(default=None, init=False)
@@ -57,6 +66,11 @@ class Sequence:
     reused_tokens: int = field(default=0, init=False)  # prompt tokens restored from the prefix cache
     produced: int = field(default=0, init=False)  # answer tokens given out
     next_token: int | None = field(default=None, init=False)  # the input of the next decode step
+    # With speculation: its context's n-gram index (the prompt and every token given out), the
+    # draft tokens verified and, of those, accepted.
+    drafter: NgramDrafter | None = field(default=None, init=False)
+    drafted: int = field(default=0, init=False)
+    accepted: int = field(default=0, init=False)
 
     @property
     def reading(self) -> bool:
@@ -73,11 +87,14 @@ class Sequence:
             self.resume = self.prefix.resume(self.prompt_ids, self.cache, self.namespace)
             self.prompt_done = self.reused_tokens = self.resume.length
             self.checkpoints = self.prefix.takes_checkpoints
+        if self.speculation is not None:
+            self.drafter = NgramDrafter(self.prompt_ids)
 
     def kv_need(self) -> tuple[SequenceState, int]:
         """Its cache and the tokens that cache must hold by the next safe point (`Engine.rebalance`):
-        the whole prompt while it is read, else one more."""
-        return self.cache, len(self.prompt_ids) if self.reading else self.cache.length + 1
+        the whole prompt while it is read, else one more (and the drafts of a speculative pass)."""
+        ahead = 1 + (self.speculation.k if self.speculation is not None else 0)
+        return self.cache, len(self.prompt_ids) if self.reading else self.cache.length + ahead
 
     def read_prompt(self, runner: Runner, chunk: int, between_layers: Callable[[], None] | None = None) -> int | None:
         """Runs the prompt's next `chunk` tokens (at most the engine's prefill chunk); after the
@@ -97,6 +114,8 @@ class Sequence:
         "length": max_new_tokens reached), else None, and it is the next step's input."""
         self.produced += 1
         self.next_token = token
+        if self.drafter is not None:
+            self.drafter.add(token)
         if token in self.stop_ids:
             return "stop"
         return "length" if self.produced >= self.max_new_tokens else None
@@ -110,17 +129,55 @@ class Sequence:
             self.cache.checkpoints[self.cache.length] = self.cache.take()
         return self.sampler(logits)
 
+    def step(self, runner: Runner) -> list[int]:
+        """One step of this sequence alone: its drafts verified in one pass where the drafter has
+        any, else a plain decode step. Returns the tokens to give out, in order (`accept` each)."""
+        drafts = self._drafts()
+        if drafts:
+            return self.verify_drafts(runner, drafts)
+        return [self.advance(runner, decode_step(runner, [self])[0])]
+
+    def _drafts(self) -> list[int]:
+        if self.drafter is None:
+            return []
+        # A pass gives out at most one token more than its drafts: none past max_new_tokens.
+        return self.drafter.propose(min(self.speculation.k, self.max_new_tokens - self.produced - 1))
+
+    def verify_drafts(self, runner: Runner, drafts: list[int]) -> list[int]:
+        """Runs `next_token` and `drafts` as one chunk (every position's logits; the experts of
+        all of them one call per MoE layer), keeps the drafts that the acceptance rule accepts
+        (`speculative.verify`) and cuts the cache back to `next_token` and those. Returns the
+        tokens to give out: the accepted drafts, then the target's own token."""
+        start, ids = self.cache.length, [self.next_token, *drafts]
+        logits = runner.prefill(torch.tensor(ids, dtype=torch.long), self.cache, all_logits=True)
+        tokens = verify(self.sampler, logits, drafts)
+        kept = len(tokens)  # next_token and the accepted drafts, len(tokens) - 1 of them
+        self.cache.truncate(start + kept)
+        self.seq += ids[:kept]
+        self.drafted += len(drafts)
+        self.accepted += kept - 1
+        return tokens
+
     def finish(self, keep: bool = True) -> None:
         """Ends the sequence (at any step, or before `start`): with `keep`, the tokens its cache
         holds and their checkpoints go into the prefix cache; the nodes it resumed from are
         released, and its cache goes with it."""
         if self.resume is not None:
             if keep:
+                self._hold_given_out()
                 checkpoints = self.cache.checkpoints if self.checkpoints else {}
                 self.prefix.insert(self.seq[:self.cache.length], self.cache, checkpoints, self.namespace)
             self.prefix.release(self.resume)
             self.resume = None
-        self.cache = self.sampler = self.next_token = None
+        self.cache = self.sampler = self.next_token = self.drafter = None
+
+    def _hold_given_out(self) -> None:
+        """A speculative pass may have run tokens that a stop token, or the consumer's leaving,
+        kept from being given out: the cache is cut back to what a plain sequence holds at its
+        end, the prompt and the answer but its last token (which no step ran)."""
+        given = len(self.prompt_ids) + self.produced - 1
+        if self.produced and self.cache.length > given:
+            self.cache.truncate(given)
 
 
 def decode_step(runner: Runner, seqs: list[Sequence]) -> torch.Tensor:

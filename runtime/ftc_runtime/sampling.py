@@ -175,19 +175,32 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] fp32. The token chosen is recorded as generated."""
-        token = self.reasoning.forced() if self.reasoning is not None else None
+        token = self.forced()
         if token is None:
-            token = self._pick(logits if self.penalties is None else self.penalties.apply(logits))
-        if self.penalties is not None:
-            self.penalties.add(token)
-        if self.reasoning is not None:
-            self.reasoning.add(token)
+            token = self._pick(logits)
+        self.record(token)
         return token
 
     def _pick(self, logits: torch.Tensor) -> int:
-        if self.params.temperature < MIN_TEMPERATURE:
-            return int(torch.argmax(logits))
-        logits = logits.float()
+        """The sampler's own choice, the reasoning budget aside: the penalized argmax, or a draw."""
+        return int(torch.argmax(self.penalized(logits))) if self.greedy else self.draw(self.distribution(logits))
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature < MIN_TEMPERATURE
+
+    def forced(self) -> int | None:
+        """The token the reasoning budget imposes now (its closing tag), else None."""
+        return self.reasoning.forced() if self.reasoning is not None else None
+
+    def penalized(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.penalties is None else self.penalties.apply(logits)
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """The probabilities [vocab] fp32, summing to 1, that a sampled token is drawn from (not
+        greedy): the penalties, top-k, temperature and top-p applied to `logits`. The speculative
+        acceptance rule (`speculative.verify`) judges drafts against this same distribution."""
+        logits = self.penalized(logits).float()
         if 0 < self.params.top_k < logits.numel():
             kth = torch.topk(logits, self.params.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -195,8 +208,24 @@ class Sampler:
         if self.params.top_p < 1:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < self.params.top_p  # always keeps the top one
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=self._generator(probs.device)))
+            kept = sorted_p[keep]
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], kept / kept.sum())
+        return probs
+
+    def draw(self, weights: torch.Tensor) -> int:
+        """A token drawn in proportion to `weights` [vocab] (need not sum to 1), from the seeded stream."""
+        return int(torch.multinomial(weights, 1, generator=self._generator(weights.device)))
+
+    def uniform(self, device: torch.device) -> torch.Tensor:
+        """A number uniform in [0, 1) from the seeded stream, on `device`."""
+        return torch.rand((), generator=self._generator(device), device=device)
+
+    def record(self, token: int) -> None:
+        """Counts `token` as generated: the penalties' history and the reasoning budget."""
+        if self.penalties is not None:
+            self.penalties.add(token)
+        if self.reasoning is not None:
+            self.reasoning.add(token)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """Seeded on the logits' device (a GPU samples where its logits are)."""

@@ -67,3 +67,15 @@ class SequenceCache:
         for state, saved in zip(self.linear, checkpoint.states, strict=True):
             state.assign(saved)
         self.length = checkpoint.length
+
+    def truncate(self, n: int) -> None:
+        """Cuts the sequence back to its first n tokens (a speculative pass's rejected drafts): the
+        attention layers' keys and values past n are overwritten by later appends. A recurrent
+        layer's state has no earlier token to cut back to, so a sequence with any raises (it
+        rewinds only to a checkpoint, `restore`)."""
+        if self.recurrent:
+            raise ValueError(f"truncate to token {n}: this sequence's state includes recurrent layers, which "
+                             "rewind only to a checkpoint")
+        if not 0 <= n <= self.length:
+            raise ValueError(f"truncate to token {n}: the sequence holds {self.length}")
+        self.length = n

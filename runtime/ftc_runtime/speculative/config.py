@@ -1,0 +1,47 @@
+"""`Speculation`: the drafter and the most draft tokens a verification pass checks (`ftc run
+--speculate ngram:K`), and the families whose state can take it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ftc_runtime.spec import ModelSpec
+
+DRAFTERS = ("ngram",)
+# Past a few tokens a pass mostly checks drafts that a rejection earlier in the run has voided
+# already, and each one adds its experts' misses to the pass.
+MAX_DRAFT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Speculation:
+    drafter: str = "ngram"
+    k: int = 4  # draft tokens per verification pass, at most
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS or not 1 <= self.k <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculate {self}: expected off or ngram:K with K in 1..{MAX_DRAFT_TOKENS}")
+
+    def __str__(self) -> str:
+        return f"{self.drafter}:{self.k}"
+
+    def check_family(self, spec: ModelSpec) -> None:
+        """A rejected draft is dropped by cutting the sequence's state back to the accepted tokens
+        (`SequenceState.truncate`): a KV cache is cut by its length, but state that replaces the
+        past (Gated DeltaNet's recurrence, DeepSeek-V4's compressors) cannot be, and its rollback
+        is not built yet."""
+        if spec.resumes_at_checkpoints:
+            raise ValueError(f"--speculate {self}: family {spec.family} keeps recurrent or compressed state, "
+                             "which cannot roll back a rejected draft yet; use --speculate off")
+
+
+def parse_speculation(text: str) -> Speculation | None:
+    """`off` (None) or `ngram:K`, K in 1..MAX_DRAFT_TOKENS."""
+    drafter, colon, k = text.strip().lower().partition(":")
+    if drafter == "off" and not colon:
+        return None
+    if drafter in DRAFTERS and k.isdigit() and 1 <= int(k) <= MAX_DRAFT_TOKENS:
+        return Speculation(drafter, int(k))
+    raise ValueError(f"--speculate {text!r}: expected off or ngram:K with K in 1..{MAX_DRAFT_TOKENS}")

@@ -1,0 +1,399 @@
+"""Speculative decoding (`ftc_runtime.speculative`, `--speculate ngram:K`): the prompt-lookup drafter
+against a brute-force search; greedy output token for token the same as without speculation, for
+every family whose state rolls back by its length, on the CPU engine, the offload path and with the
+prefix cache; the sampling rule's tokens distributed as the plain sampler's (first token, and whole
+answers of a fake target with penalties); a rolled-back cache decoding as if the rejected drafts
+had never run."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+from itertools import product
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ftc.cli.main import app
+from ftc.compile.pipeline import CompileOptions, compile_engine
+from ftc.compile.spec_loader import load_spec
+from ftc_runtime import Engine, GenerationStats, SamplingParams
+from ftc_runtime.cache.kv import KVCache
+from ftc_runtime.cache.sequence import SequenceCache
+from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.generation import Sequence
+from ftc_runtime.sampling import Sampler
+from ftc_runtime.speculative.config import Speculation, parse_speculation
+from ftc_runtime.speculative.ngram import NgramDrafter
+from ftc_runtime.speculative.verify import judge, verify
+
+SPECS = Path(__file__).resolve().parents[1] / "model_specs"
+ROLLS_BACK = ("qwen3-moe-tiny", "glm-5-tiny")  # the families whose state is a KV cache alone
+TEXT_IDS = 400  # prompt tokens below every tiny spec's special tokens
+SE_BOUND = 5  # frequencies within 5 standard errors of the exact probability (each: 6e-7 false alarm)
+
+
+# -- the drafter ------------------------------------------------------------------------------------
+
+
+def reference_draft(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """What `NgramDrafter.propose` must return, by scanning: for n from hi down to lo, the latest
+    earlier occurrence of the last n tokens, the k tokens after it, the copy continued with its
+    period where the sequence ends first."""
+    end_of = len(tokens)
+    for n in range(min(hi, end_of), lo - 1, -1):
+        for after in range(end_of - 1, n - 1, -1):  # the occurrence tokens[after - n:after], a token after it
+            if tokens[after - n:after] == tokens[end_of - n:]:
+                draft: list[int] = []
+                for i in range(k):
+                    draft.append(tokens[after + i] if after + i < end_of else draft[i - (end_of - after)])
+                return draft
+    return []
+
+
+def planted(rng: random.Random, length: int, vocab: int) -> list[int]:
+    """Random tokens with copies of earlier stretches planted in them (and loops, from short copies)."""
+    tokens: list[int] = []
+    while len(tokens) < length:
+        if tokens and rng.random() < 0.4:
+            a = rng.randrange(len(tokens))
+            tokens += tokens[a:a + rng.randrange(1, 12)]
+        else:
+            tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+    return tokens[:length]
+
+
+def test_ngram_drafts_equal_a_brute_force_search(seed):
+    rng = random.Random(seed)
+    for _ in range(30):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        tokens = planted(rng, rng.randrange(1, 120), rng.choice([2, 5, 50]))
+        drafter = NgramDrafter(tokens[:1], lo, hi)
+        for i in range(1, len(tokens) + 1):
+            k = rng.randrange(0, 10)
+            assert drafter.propose(k) == reference_draft(tokens[:i], k, lo, hi), (tokens[:i], k, lo, hi)
+            if i < len(tokens):
+                drafter.add(tokens[i])
+        assert len(drafter) == len(tokens)
+
+
+def test_ngram_drafts_follow_the_latest_longest_match():
+    drafter = NgramDrafter([9, 1, 2, 3, 7, 5, 2, 3, 8, 1, 2, 3])
+    assert drafter.propose(3) == [7, 5, 2]  # (1, 2, 3) last occurred before 7, not (2, 3) before 8
+    drafter.add(4)
+    assert drafter.propose(2) == []  # 4 never occurred before
+    assert NgramDrafter([6, 6, 6]).propose(4) == [6, 6, 6, 6]  # a loop drafts k tokens
+    with pytest.raises(ValueError, match="n-gram"):
+        NgramDrafter(min_ngram=3, max_ngram=2)
+
+
+# -- the option, the families ----------------------------------------------------------------------
+
+
+def test_speculate_values_and_the_families_that_take_them():
+    assert parse_speculation("off") is None and parse_speculation(" NGRAM:3 ") == Speculation("ngram", 3)
+    for bad in ("ngram:0", "ngram:9", "ngram", "ngram:", "mtp:2", "on", "off:1", "ngram:-1", "ngram:x"):
+        with pytest.raises(ValueError, match=f"--speculate '{bad}'"):
+            parse_speculation(bad)
+    for name in ("qwen3-moe-tiny", "glm-5-tiny", "qwen3.6-moe-tiny", "deepseek-v4-tiny"):
+        spec = load_spec(SPECS / f"{name}.yaml")[0]
+        if name in ROLLS_BACK:
+            Speculation("ngram", 2).check_family(spec)
+        else:
+            with pytest.raises(ValueError, match=f"family {spec.family} "):
+                Speculation("ngram", 2).check_family(spec)
+
+
+class _Recurrent:
+    """A stand-in recurrent layer state: all `truncate` looks at is that there is one."""
+
+
+def test_truncate_cuts_a_kv_cache_and_refuses_recurrent_state():
+    cache = SequenceCache(KVCache(2, 1, 4, torch.float32))
+    for layer in range(2):
+        cache.kv.append(layer, torch.ones(5, 1, 4), torch.ones(5, 1, 4))
+    cache.length = 5
+    cache.truncate(3)
+    assert cache.length == 3 and cache.kv.keys(0).shape[0] == 3
+    for n in (-1, 4):
+        with pytest.raises(ValueError, match=f"truncate to token {n}"):
+            cache.truncate(n)
+    with pytest.raises(ValueError, match="recurrent"):
+        SequenceCache(KVCache(1, 1, 4, torch.float32), [_Recurrent()]).truncate(0)
+
+
+# -- greedy: the same tokens -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=ROLLS_BACK)
+def family_dir(request, tmp_path_factory) -> Path:
+    return compile_engine(CompileOptions(source=SPECS / f"{request.param}.yaml", target="cpu", random_weights=True,
+                                         seed=5, output=tmp_path_factory.mktemp("spec") / request.param))
+
+
+def repeating_prompt(rng: random.Random) -> list[int]:
+    """Random text in which one span comes back twice, the prompt ending inside its last copy."""
+    def text(n: int) -> list[int]:
+        return [rng.randrange(TEXT_IDS) for _ in range(n)]
+
+    span = text(rng.randrange(4, 12))
+    return text(rng.randrange(2, 10)) + span + text(rng.randrange(2, 8)) + span + text(2) \
+        + span[:rng.randrange(1, len(span))]
+
+
+def load(engine_dir: Path, mode: str, speculation: Speculation | None) -> Engine:
+    """The engine as `mode` runs it: all on the CPU ("cpu", "prefix": with a prefix cache), or
+    offloaded to the CPU standing in for a GPU, few slots so that misses split ("offload")."""
+    offload = OffloadConfig(device="cpu", n_slots=6, b_p=20.0, b_h=40.0) if mode == "offload" else None
+    engine = Engine.load(engine_dir, offload=offload)
+    if mode == "prefix":
+        engine.enable_prefix_cache(kv_budget=1 << 30, checkpoint_budget=1 << 30)
+    engine.enable_speculation(speculation)
+    return engine
+
+
+def session(engine: Engine, parts: list[list[int]], news: list[int]) -> tuple[list[list[int]], list[GenerationStats]]:
+    """Turns of one conversation, each prompt the history so far and the next part (a prefix cache
+    resumes each after the last): each turn's greedy tokens and statistics, stopping at EOS."""
+    history, outs, stats = [], [], []
+    for part, new in zip(parts, news, strict=True):
+        history += part
+        gen = engine.generate(history, new, SamplingParams(0.0))
+        outs.append(list(gen))
+        stats.append(gen.stats)
+        history += outs[-1]
+    return outs, stats
+
+
+def a_draft_would_hit(parts: list[list[int]], outs: list[list[int]]) -> bool:
+    """Whether the drafter's first draft, at some position of an answer that a step drafts (not its
+    first token, which the prompt's pass gives, nor its last), is the token there: then ngram:1
+    accepts a draft (that position is a draft's, or one already accepted put it past one)."""
+    history = []
+    for part, out in zip(parts, outs, strict=True):
+        history += part
+        drafter = NgramDrafter(history + out[:1])
+        for token in out[1:-1]:
+            if drafter.propose(1) == [token]:
+                return True
+            drafter.add(token)
+        history += out
+    return False
+
+
+@pytest.mark.parametrize("mode", ["cpu", "offload", "prefix"])
+def test_greedy_speculation_gives_the_tokens_of_plain_decoding(family_dir, mode, seed):
+    rng = random.Random(seed)
+    for _ in range(20):  # a conversation in which speculation accepts drafts, else the test tests little
+        parts = [repeating_prompt(rng) for _ in range(3)]
+        news = [rng.randrange(8, 48) for _ in parts]
+        want, plain = session(load(family_dir, mode, None), parts, news)
+        if a_draft_would_hit(parts, want):
+            break
+    accepted = 0
+    for k in range(1, 5):
+        engine = load(family_dir, mode, Speculation("ngram", k))
+        got, stats = session(engine, parts, news)
+        assert got == want, f"ngram:{k}"
+        # The prefix cache holds what it holds without speculation: drafts run past the end dropped.
+        assert [s.reused_tokens for s in stats] == [s.reused_tokens for s in plain], f"ngram:{k}"
+        if engine.prefix_cache is not None:
+            assert engine.prefix_cache.stats.inserted_tokens == sum(len(p) for p in parts) + sum(map(len, got)) - 1
+        assert all(s.decode_steps <= s.new_tokens - 1 for s in stats)
+        accepted += sum(s.accepted for s in stats)
+    assert accepted > 0, "no draft was accepted: the test checked no speculative run"
+
+
+def test_cli_run_speculates_to_the_same_tokens(engine_dir, seed):
+    ids = ",".join(map(str, repeating_prompt(random.Random(seed))))
+    runner = CliRunner()
+
+    def tokens(*more: str) -> list[int]:
+        r = runner.invoke(app, ["run", str(engine_dir), "--prompt-ids", ids, "--max-new-tokens", "24", "--json", *more])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["tokens"]
+
+    assert tokens("--speculate", "ngram:3") == tokens() == tokens("--speculate", "off")
+
+
+# -- rollback --------------------------------------------------------------------------------------
+
+
+def test_a_truncated_cache_decodes_as_if_the_drafts_never_ran(family_dir, seed):
+    """After a pass of a token and 4 drafts, the cache cut back to the token and j drafts (each j)
+    gives the next token the logits of a cache that ran those alone."""
+    rng = random.Random(seed)
+    engine = Engine.load(family_dir)
+    prompt, run, after = repeating_prompt(rng), [rng.randrange(TEXT_IDS) for _ in range(5)], rng.randrange(TEXT_IDS)
+    for j in range(5):
+        cut = engine.model.new_cache()
+        engine.prefill(torch.tensor(prompt), cut)
+        engine.prefill(torch.tensor(run), cut, all_logits=True)
+        cut.truncate(len(prompt) + 1 + j)
+        fresh = engine.model.new_cache()
+        engine.prefill(torch.tensor(prompt), fresh)
+        engine.prefill(torch.tensor(run[:1 + j]), fresh, all_logits=True)
+        got, want = engine.prefill(torch.tensor([after]), cut), engine.prefill(torch.tensor([after]), fresh)
+        assert cut.length == fresh.length == len(prompt) + 2 + j
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"cut after {j} drafts")
+
+
+# -- the acceptance rule ---------------------------------------------------------------------------
+
+
+def test_greedy_verification_keeps_the_drafts_up_to_the_first_miss(seed):
+    rng = random.Random(seed)
+    for _ in range(50):
+        k, vocab = rng.randint(1, 6), 8
+        logits = torch.randn(k + 1, vocab, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        best = logits.argmax(-1).tolist()
+        miss = rng.randint(0, k)  # the first draft that is not the argmax (k: none)
+        drafts = best[:miss] + [(best[miss] + rng.randint(1, vocab - 1)) % vocab for _ in range(miss < k)]
+        drafts += [rng.randrange(vocab) for _ in range(k - len(drafts))]
+        assert verify(Sampler(SamplingParams(0.0)), logits, drafts) == best[:miss + 1]
+
+
+def within_standard_errors(counts: Counter, n: int, probs: dict, what: str) -> None:
+    """Each outcome's frequency within SE_BOUND standard errors of its exact probability (a
+    probability of 0: never drawn)."""
+    for outcome in set(probs) | set(counts):
+        p, f = probs.get(outcome, 0.0), counts[outcome] / n
+        assert abs(f - p) <= SE_BOUND * math.sqrt(p * (1 - p) / n) + 1e-12, \
+            f"{what}: {outcome} drawn at {f:.5f}, probability {p:.5f} ({n} draws)"
+
+
+def test_the_first_token_of_a_sampled_verification_is_distributed_as_the_plain_samplers(seed):
+    """Drafts the target finds likely, unlikely and impossible (outside top-k): 70,000 judged
+    tokens each, their frequencies against the distribution the plain sampler draws from."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    logits = torch.randn(6) * 1.5
+    params = SamplingParams(temperature=rng.uniform(0.5, 1.5), top_k=5, top_p=rng.uniform(0.9, 1.0), seed=seed)
+    plain = Sampler(params)
+    p = plain.distribution(logits)
+    probs = {t: float(p[t]) for t in range(6)}
+    order = sorted(probs, key=probs.get)
+    assert probs[order[0]] == 0  # top-k cut it
+    n = 70_000
+    for draft in (order[-1], order[2], order[0]):
+        sampler = Sampler(params)
+        counts = Counter(judge(sampler, logits, draft) for _ in range(n))
+        within_standard_errors(counts, n, probs, f"draft {draft}")
+
+
+class MarkovModel:
+    """A fake target whose next-token logits depend on the token run and its position mod 3 (so a
+    cache left too long or too short changes them). Its cache is the list of tokens run."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table  # [3, vocab, vocab]
+        self.experts = self
+
+    def end_of_prompt(self) -> None:
+        pass
+
+    def new_cache(self) -> FakeCache:
+        return FakeCache()
+
+    def run(self, ids: list[int], cache: FakeCache) -> torch.Tensor:
+        start = cache.length
+        cache.tokens += ids
+        return torch.stack([self.table[(start + i) % 3, t] for i, t in enumerate(ids)])
+
+    def decode_batch(self, tokens: list[int], caches: list[FakeCache]) -> torch.Tensor:
+        return torch.cat([self.run([t], c) for t, c in zip(tokens, caches, strict=True)])
+
+
+class FakeCache:
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.checkpoints: dict = {}
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+
+
+class MarkovEngine:
+    """What `Engine._run` (the loop `Engine.generate` drives a sequence with) needs of an engine."""
+
+    prefill_chunk = 64
+    prefix_cache = None
+    boundary_ids = frozenset()
+    _run = Engine._run
+
+    def __init__(self, table: torch.Tensor):
+        self.model = MarkovModel(table)
+
+    def rebalance(self, needs: list) -> None:
+        pass
+
+    def prefill(self, ids: torch.Tensor, cache: FakeCache, all_logits: bool = False, **_) -> torch.Tensor:
+        logits = self.model.run(ids.tolist(), cache)
+        return logits if all_logits else logits[-1:]
+
+    def generate(self, prompt: list[int], new: int, params: SamplingParams, stop: frozenset[int] = frozenset(),
+                 speculation: Speculation | None = None) -> tuple[list[int], GenerationStats]:
+        seq, stats = Sequence(list(prompt), new, params, stop, speculation=speculation), GenerationStats()
+        out = list(self._run(seq, stats))
+        assert seq.cache is None  # finished
+        return out, stats
+
+
+def exact_answers(engine: MarkovEngine, prompt: list[int], params: SamplingParams, new: int) -> dict:
+    """The probability of each answer of `new` tokens under the plain sampler, step by step: its
+    distribution after the prompt and each earlier answer token (penalties included)."""
+    vocab, probs = engine.model.table.shape[-1], {}
+    for answer in product(range(vocab), repeat=new):
+        sampler, p, ids = Sampler(params, prompt), 1.0, list(prompt)
+        for token in answer:
+            p *= float(sampler.distribution(engine.model.run(ids, FakeCache())[-1])[token])
+            sampler.record(token)
+            ids.append(token)
+        probs[answer] = p
+    return probs
+
+
+def test_sampled_answers_with_speculation_are_distributed_as_without(seed):
+    """Whole answers of 3 tokens from a fake target, with every sampling transform and penalties
+    (which depend on each token given out), each answer's frequency over 12,000 speculative runs
+    within bounds of its exact probability under the plain sampler."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 3
+    engine = MarkovEngine(torch.randn(3, vocab, vocab, generator=gen) * 2)
+    prompt = [0, 1, 2, 0, 1, 2, 0, 1]  # drafts are proposed from the first token on
+    params = dict(temperature=rng.uniform(0.7, 1.3), top_p=rng.uniform(0.9, 1.0), repetition_penalty=1.3,
+                  presence_penalty=0.4, frequency_penalty=0.2)
+    probs = exact_answers(engine, prompt, SamplingParams(**params), 3)
+    n, counts, drafted = 12_000, Counter(), 0
+    for i in range(n):
+        out, stats = engine.generate(prompt, 3, SamplingParams(**params, seed=i), speculation=Speculation("ngram", 2))
+        counts[tuple(out)] += 1
+        drafted += stats.drafted
+    assert drafted >= n
+    within_standard_errors(counts, n, probs, "answer")
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_answer_there():
+    """A target that loops 1 2 3 4 and a prompt of that loop: every draft is accepted; a stop
+    token, or max_new_tokens, inside a run ends the answer there, the rest of the run dropped."""
+    table = torch.full((3, 6, 6), -10.0)
+    for t in range(1, 5):
+        table[:, t, t % 4 + 1] = 10.0
+    engine, greedy = MarkovEngine(table), SamplingParams(0.0)
+    prompt = [1, 2, 3, 4, 1, 2, 3]
+    out, stats = engine.generate(prompt, 20, greedy, speculation=Speculation("ngram", 4))
+    assert out == [4, 1, 2, 3] * 5 and stats.decode_steps == 4 and stats.accepted == stats.drafted == 15
+    for stop, new in ((2, 20), (4, 20), (5, 3), (5, 7)):
+        want, _ = engine.generate(prompt, new, greedy, frozenset({stop}))
+        got, stats = engine.generate(prompt, new, greedy, frozenset({stop}), Speculation("ngram", 4))
+        assert got == want and stats.decode_steps <= 2, (stop, new)
