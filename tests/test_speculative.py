@@ -32,7 +32,8 @@ from ftc_runtime.speculative.ngram import NgramDrafter
 from ftc_runtime.speculative.verify import judge, verify
 
 SPECS = Path(__file__).resolve().parents[1] / "model_specs"
-ROLLS_BACK = ("qwen3-moe-tiny", "glm-5-tiny")  # the families whose state is a KV cache alone
+# The families whose state rolls back: a KV cache alone, and the hybrid's linear layers beside it
+ROLLS_BACK = ("qwen3-moe-tiny", "glm-5-tiny", "qwen3.6-moe-tiny")
 TEXT_IDS = 400  # prompt tokens below every tiny spec's special tokens
 SE_BOUND = 5  # frequencies within 5 standard errors of the exact probability (each: 6e-7 false alarm)
 
@@ -226,15 +227,16 @@ def test_cli_run_speculates_to_the_same_tokens(engine_dir, seed):
 
 def test_a_truncated_cache_decodes_as_if_the_drafts_never_ran(family_dir, seed):
     """After a pass of a token and 4 drafts, the cache cut back to the token and j drafts (each j)
-    gives the next token the logits of a cache that ran those alone."""
+    gives the next token the logits of a cache that ran those alone; a recurrent state rewinds to
+    the state the pass took after that token."""
     rng = random.Random(seed)
     engine = Engine.load(family_dir)
     prompt, run, after = repeating_prompt(rng), [rng.randrange(TEXT_IDS) for _ in range(5)], rng.randrange(TEXT_IDS)
     for j in range(5):
         cut = engine.model.new_cache()
         engine.prefill(torch.tensor(prompt), cut)
-        engine.prefill(torch.tensor(run), cut, all_logits=True)
-        cut.truncate(len(prompt) + 1 + j)
+        engine.model.forward(torch.tensor(run), cut, True, checkpoint_at=tuple(range(5)) if cut.recurrent else ())
+        cut.truncate(len(prompt) + 1 + j, cut.checkpoints.get(len(prompt) + 1 + j))
         fresh = engine.model.new_cache()
         engine.prefill(torch.tensor(prompt), fresh)
         engine.prefill(torch.tensor(run[:1 + j]), fresh, all_logits=True)
@@ -308,8 +310,16 @@ class MarkovModel:
     def decode_batch(self, tokens: list[int], caches: list[FakeCache]) -> torch.Tensor:
         return torch.cat([self.run([t], c) for t, c in zip(tokens, caches, strict=True)])
 
+    def forward(self, ids: torch.Tensor, cache: FakeCache, all_logits: bool = False,
+                checkpoint_at: tuple[int, ...] = ()) -> torch.Tensor:
+        assert not checkpoint_at, "a cache without recurrent state needs no states inside a pass"
+        logits = self.run(ids.tolist(), cache)
+        return logits if all_logits else logits[-1:]
+
 
 class FakeCache:
+    recurrent = False
+
     def __init__(self):
         self.tokens: list[int] = []
         self.checkpoints: dict = {}
@@ -318,7 +328,7 @@ class FakeCache:
     def length(self) -> int:
         return len(self.tokens)
 
-    def truncate(self, n: int) -> None:
+    def truncate(self, n: int, checkpoint: None = None) -> None:
         del self.tokens[n:]
 
 
@@ -337,8 +347,7 @@ class MarkovEngine:
         pass
 
     def prefill(self, ids: torch.Tensor, cache: FakeCache, all_logits: bool = False, **_) -> torch.Tensor:
-        logits = self.model.run(ids.tolist(), cache)
-        return logits if all_logits else logits[-1:]
+        return self.model.forward(ids, cache, all_logits)
 
     def generate(self, prompt: list[int], new: int, params: SamplingParams, stop: frozenset[int] = frozenset(),
                  speculation: Speculation | None = None) -> tuple[list[int], GenerationStats]:

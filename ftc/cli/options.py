@@ -122,8 +122,8 @@ SpeculateArg = Annotated[object | None, typer.Option(parser=speculate, metavar="
                                                      "decoding: draft up to K tokens (1..8) a step from earlier "
                                                      "text that the context's last tokens follow (prompt lookup), "
                                                      "verified in one pass; greedy output is unchanged and sampled "
-                                                     "output keeps its distribution. Not yet for families with "
-                                                     "recurrent or compressed state (the hybrid Qwens, DeepSeek-V4). "
+                                                     "output keeps its distribution. Not yet for DeepSeek-V4, whose "
+                                                     "compressed state does not roll back yet. "
                                                      "Default: off.")]
 
 # --serve's options.

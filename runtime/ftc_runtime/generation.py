@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ftc_runtime.cache.base import SequenceState
+from ftc_runtime.cache.base import RecurrentCheckpoint, SequenceState
 from ftc_runtime.cache.prefix import PrefixCache, Resume
 from ftc_runtime.sampling import Sampler, SamplingParams
 from ftc_runtime.speculative.config import Speculation
@@ -71,6 +71,9 @@ class Sequence:
     drafter: NgramDrafter | None = field(default=None, init=False)
     drafted: int = field(default=0, init=False)
     accepted: int = field(default=0, init=False)
+    # The recurrent state after each token of the latest verification pass, by length (hybrid
+    # models): where a draft is rejected, or the answer ends inside the pass, the state rewinds.
+    pass_states: dict[int, RecurrentCheckpoint] = field(default_factory=dict, init=False)
 
     @property
     def reading(self) -> bool:
@@ -149,14 +152,29 @@ class Sequence:
         (`speculative.verify`) and cuts the cache back to `next_token` and those. Returns the
         tokens to give out: the accepted drafts, then the target's own token."""
         start, ids = self.cache.length, [self.next_token, *drafts]
-        logits = runner.prefill(torch.tensor(ids, dtype=torch.long), self.cache, all_logits=True)
+        logits = self._verification_pass(runner, ids)
         tokens = verify(self.sampler, logits, drafts)
         kept = len(tokens)  # next_token and the accepted drafts, len(tokens) - 1 of them
-        self.cache.truncate(start + kept)
+        if kept < len(ids):
+            self.cache.truncate(start + kept, self.pass_states.get(start + kept))
+        if self.checkpoints:  # as `advance` keeps them: the state after each boundary token run
+            self.cache.checkpoints.update({start + i + 1: self.pass_states[start + i + 1] for i in range(kept)
+                                           if ids[i] in runner.boundary_ids})
         self.seq += ids[:kept]
         self.drafted += len(drafts)
         self.accepted += kept - 1
         return tokens
+
+    def _verification_pass(self, runner: Runner, ids: list[int]) -> torch.Tensor:
+        """Every position's logits of `ids` run after the cache's tokens. A recurrent state (the
+        hybrid models' linear layers) is taken after each of them, within the one pass, into
+        `pass_states` by length: a rejected draft rewinds to one of those."""
+        start = self.cache.length
+        at = tuple(range(len(ids))) if self.cache.recurrent else ()
+        logits = runner.model.forward(torch.tensor(ids, dtype=torch.long), self.cache, True, checkpoint_at=at)
+        self.pass_states = {n: self.cache.checkpoints.pop(n) for n in range(start + 1, start + len(ids) + 1)
+                            if n in self.cache.checkpoints}
+        return logits
 
     def finish(self, keep: bool = True) -> None:
         """Ends the sequence (at any step, or before `start`): with `keep`, the tokens its cache
@@ -170,6 +188,7 @@ class Sequence:
             self.prefix.release(self.resume)
             self.resume = None
         self.cache = self.sampler = self.next_token = self.drafter = None
+        self.pass_states = {}
 
     def _hold_given_out(self) -> None:
         """A speculative pass may have run tokens that a stop token, or the consumer's leaving,
@@ -177,7 +196,9 @@ class Sequence:
         end, the prompt and the answer but its last token (which no step ran)."""
         given = len(self.prompt_ids) + self.produced - 1
         if self.produced and self.cache.length > given:
-            self.cache.truncate(given)
+            self.cache.truncate(given, self.pass_states.get(given))
+            for n in [n for n in self.cache.checkpoints if n > given]:
+                del self.cache.checkpoints[n]
 
 
 def decode_step(runner: Runner, seqs: list[Sequence]) -> torch.Tensor:

@@ -68,14 +68,17 @@ class SequenceCache:
             state.assign(saved)
         self.length = checkpoint.length
 
-    def truncate(self, n: int) -> None:
+    def truncate(self, n: int, checkpoint: RecurrentCheckpoint | None = None) -> None:
         """Cuts the sequence back to its first n tokens (a speculative pass's rejected drafts): the
         attention layers' keys and values past n are overwritten by later appends. A recurrent
-        layer's state has no earlier token to cut back to, so a sequence with any raises (it
-        rewinds only to a checkpoint, `restore`)."""
-        if self.recurrent:
-            raise ValueError(f"truncate to token {n}: this sequence's state includes recurrent layers, which "
-                             "rewind only to a checkpoint")
+        layer's state has no earlier token to cut back to: a sequence with any takes the state
+        after token n from `checkpoint` (taken in the pass, `forward`'s checkpoint_at)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"truncate to token {n}: the sequence holds {self.length}")
-        self.length = n
+        if not self.recurrent:
+            self.length = n
+        elif checkpoint is None or checkpoint.length != n:
+            raise ValueError(f"truncate to token {n}: this sequence's state includes recurrent layers, which "
+                             "rewind only to a checkpoint taken after that token")
+        else:
+            self.restore(checkpoint)

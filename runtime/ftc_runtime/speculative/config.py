@@ -29,11 +29,12 @@ class Speculation:
 
     def check_family(self, spec: ModelSpec) -> None:
         """A rejected draft is dropped by cutting the sequence's state back to the accepted tokens
-        (`SequenceState.truncate`): a KV cache is cut by its length, but state that replaces the
-        past (Gated DeltaNet's recurrence, DeepSeek-V4's compressors) cannot be, and its rollback
-        is not built yet."""
-        if spec.resumes_at_checkpoints:
-            raise ValueError(f"--speculate {self}: family {spec.family} keeps recurrent or compressed state, "
+        (`SequenceState.truncate`): a KV cache is cut by its length, and a Gated DeltaNet layer's
+        state rewinds to the state its pass kept after each token. DeepSeek-V4's compressed state
+        keeps one only by cutting its pass at that token, which would run the drafts one by one;
+        its rollback is not built yet."""
+        if spec.attention.kind == "compressed":
+            raise ValueError(f"--speculate {self}: family {spec.family} keeps compressed attention state, "
                              "which cannot roll back a rejected draft yet; use --speculate off")
 
 
