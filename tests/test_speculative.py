@@ -29,6 +29,7 @@ from ftc_runtime.generation import Sequence
 from ftc_runtime.sampling import Sampler
 from ftc_runtime.speculative.config import Speculation, parse_speculation
 from ftc_runtime.speculative.ngram import NgramDrafter
+from ftc_runtime.speculative.oracle import DraftOracle
 from ftc_runtime.speculative.verify import judge, verify
 
 SPECS = Path(__file__).resolve().parents[1] / "model_specs"
@@ -406,3 +407,42 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_answer_there():
         want, _ = engine.generate(prompt, new, greedy, frozenset({stop}))
         got, stats = engine.generate(prompt, new, greedy, frozenset({stop}), Speculation("ngram", 4))
         assert got == want and stats.decode_steps <= 2, (stop, new)
+
+
+# -- the draft oracle (benchmarks) -----------------------------------------------------------------
+
+
+def test_the_draft_oracle_drafts_the_answer_right_with_probability_p(seed):
+    """Each draft is the answer's token with probability P (within 5 standard errors over 20,000
+    drafts), else another token of the vocabulary; the drafts follow the tokens given out."""
+    rng = random.Random(seed)
+    vocab, p = rng.randrange(2, 50), rng.uniform(0.1, 0.9)
+    answer = tuple(rng.randrange(vocab) for _ in range(40))
+    drafter = Speculation("ngram", 4, DraftOracle(answer, p, vocab, seed)).new_drafter([1, 2, 3])
+    right = total = 0
+    for given in range(1, 40):
+        drafter.add(answer[given - 1])
+        for _ in range(128):
+            for i, d in enumerate(drafter.propose(4)):
+                assert 0 <= d < vocab, f"seed={seed}"
+                right, total = right + (d == answer[given + i]), total + 1
+    assert total == sum(min(4, 40 - g) for g in range(1, 40)) * 128
+    assert abs(right / total - p) < 5 * math.sqrt(p * (1 - p) / total), f"seed={seed}: {right / total} for P = {p}"
+    with pytest.raises(ValueError, match="--draft-oracle 1.5"):
+        DraftOracle(answer, 1.5, vocab)
+
+
+@pytest.mark.parametrize("p", [1.0, 0.0])
+def test_bench_decode_with_a_draft_oracle_verifies_the_answer_it_drafts(engine_dir, p, seed):
+    """`--draft-oracle 1` drafts the answer the timed run then gives: every draft is accepted, and
+    a pass gives out K + 1 tokens but where the answer ends; `--draft-oracle 0` none. So the oracle's
+    answer is the timed run's, from the same start."""
+    from ftc.bench.decode import bench_decode
+
+    k, new = random.Random(seed).randrange(1, 5), 24
+    run = bench_decode(engine_dir, OffloadConfig(device="cpu", n_slots=12), None, "own router", 16, new,
+                       seed=seed, speculation=Speculation("ngram", k), draft_oracle=p)
+    s = run["speculation"]
+    assert s["drafts"].startswith("a draft oracle") and run["speculate"] == f"oracle (P = {p:g}):{k}"
+    assert s["accepted"] == (s["drafted"] if p else 0), f"seed={seed}: {s}"
+    assert s["steps"] == (math.ceil((new - 1) / (k + 1)) if p else new - 1), f"seed={seed}: {s}"

@@ -10,13 +10,18 @@ so this is the host's cost outside the CPU experts). Where the step is one graph
 a few more steps after the timed ones record its per-layer device timeline (`device_timeline`:
 body, plan, fills, hits, CPU wait, from CUDA events in the graph; `DeviceTimeline`). With a
 `Speculation`, the answer's passes after the prompt (`speculation`: one per decode step or
-verification of drafts), the tokens each gave out, and the share of drafts accepted.
+verification of drafts), the tokens each gave out, and the share of drafts accepted; with a draft
+oracle (`--draft-oracle P`) the drafts are the known greedy answer's, each wrong with probability
+1 - P: the cost of verification at that acceptance, not a drafter's acceptance (random weights
+make any drafter's meaningless).
 """
 
 from __future__ import annotations
 
+import gc
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,6 +34,7 @@ from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.experts.throughput import torch_read_gbps
 from ftc_runtime.io.ftw import ExpertPool
 from ftc_runtime.speculative.config import Speculation
+from ftc_runtime.speculative.oracle import DraftOracle
 
 PROFILED_STEPS = 4
 TIMELINE_STEPS = 8
@@ -37,19 +43,23 @@ TIMELINE_STEPS = 8
 def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace | None, routing: str,
                  prompt_tokens: int = 128, new_tokens: int = 64, seed: int = 0,
                  pool: ExpertPool | None = None, profile_to: Path | None = None, temperature: float = 0.0,
-                 speculation: Speculation | None = None) -> dict:
+                 speculation: Speculation | None = None, draft_oracle: float | None = None) -> dict:
     """`temperature` > 0 samples the tokens: a random-weight model decoding greedily repeats one
     token, so its router picks the same experts every step (a 99% hit rate on the device), while
     sampled tokens route near-uniformly. `profile_to`: also write a torch profiler table of a few
-    decode steps there (not timed)."""
-    engine = Engine.load(engine_dir, offload=offload, pool=pool)
+    decode steps there (not timed). `draft_oracle` P: `speculation`'s drafts come from the greedy
+    answer, each wrong with probability 1 - P (`DraftOracle`), which an engine of its own decodes
+    first, so that the timed one starts from the same cache as a run without speculation."""
+    if draft_oracle is not None:
+        if temperature > 0:
+            raise ValueError(f"--draft-oracle {draft_oracle:g}: its drafts are the greedy answer's; sampled "
+                             "tokens would leave it")
+        speculation = _oracle_speculation(engine_dir, offload, trace, prompt_tokens, new_tokens, seed, pool,
+                                          speculation, draft_oracle)
+    engine = _engine_replaying(engine_dir, offload, pool, trace, routing)
     engine.enable_speculation(speculation)
     experts = engine.model.experts
-    if trace is not None:
-        trace.check_fits(len(engine.spec.moe_layers), engine.spec.moe.num_experts, routing)
-        engine.model.experts.routing = TraceReplay(trace)
-    rng = random.Random(seed)
-    prompt = [rng.randrange(engine.spec.vocab_size) for _ in range(prompt_tokens)]
+    prompt = _prompt(engine, prompt_tokens, seed)
     device_gbps = torch_read_gbps(1 << 30, 0.5, experts.device)
     sampling = SamplingParams(temperature, seed=seed)
     if profile_to is not None:
@@ -85,14 +95,49 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
         "decode_graphs": engine.model.decode_graphs is not None,
         "speculate": str(speculation) if speculation is not None else "off",
     } | ({"device_timeline": timeline.summary()} if timeline is not None else {}) \
-        | ({"speculation": _speculation(gen)} if speculation is not None else {})
+        | ({"speculation": _speculation(gen, speculation)} if speculation is not None else {})
 
 
-def _speculation(gen: GenerationStats) -> dict:
+def _engine_replaying(engine_dir: Path, offload: OffloadConfig, pool: ExpertPool | None, trace: RoutingTrace | None,
+                      routing: str) -> Engine:
+    engine = Engine.load(engine_dir, offload=offload, pool=pool)
+    if trace is not None:
+        trace.check_fits(len(engine.spec.moe_layers), engine.spec.moe.num_experts, routing)
+        engine.model.experts.routing = TraceReplay(trace)
+    return engine
+
+
+def _prompt(engine: Engine, prompt_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(engine.spec.vocab_size) for _ in range(prompt_tokens)]
+
+
+def _oracle_speculation(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace | None, prompt_tokens: int,
+                        new_tokens: int, seed: int, pool: ExpertPool | None, speculation: Speculation | None,
+                        accuracy: float) -> Speculation:
+    """`speculation`'s K with drafts from the greedy answer of the benchmark's prompt, decoded by
+    an engine that is then freed (its expert cache holds that answer's experts)."""
+    if speculation is None:
+        raise ValueError(f"--draft-oracle {accuracy:g}: give the drafts per pass with --speculate ngram:K")
+    engine = _engine_replaying(engine_dir, offload, pool, trace, "")
+    answer = tuple(engine.generate(_prompt(engine, prompt_tokens, seed), new_tokens, SamplingParams(0.0),
+                                   stop_at_eos=False))
+    oracle = DraftOracle(answer, accuracy, engine.spec.vocab_size, seed)
+    del engine
+    gc.collect()  # the engine's slots must be free before the timed one allocates its own
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return replace(speculation, oracle=oracle)
+
+
+def _speculation(gen: GenerationStats, speculation: Speculation) -> dict:
     """The whole answer's passes after the prompt (warm-up steps included): each a plain decode
     step (where the drafter had nothing) or one verification of drafts."""
-    return {"steps": gen.decode_steps, "tokens_per_step": round(gen.tokens_per_step, 3), "drafted": gen.drafted,
-            "accepted": gen.accepted, "acceptance": round(gen.acceptance, 3)}
+    drafts = (f"a draft oracle: the known greedy answer's tokens, each wrong with probability "
+              f"{1 - speculation.oracle.accuracy:g} (what verification costs at that acceptance, not a drafter's "
+              "acceptance)" if speculation.oracle is not None else speculation.drafter)
+    return {"drafts": drafts, "steps": gen.decode_steps, "tokens_per_step": round(gen.tokens_per_step, 3),
+            "drafted": gen.drafted, "accepted": gen.accepted, "acceptance": round(gen.acceptance, 3)}
 
 
 def _timed_decode(engine: Engine, prompt: list[int], new_tokens: int, sampling: SamplingParams,

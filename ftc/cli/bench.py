@@ -144,6 +144,11 @@ def decode(
     stream_min_tokens: StreamMinTokensArg = None,
     prefill_split: PrefillSplitArg = None,
     speculate: SpeculateArg = None,
+    draft_oracle: Annotated[float | None, typer.Option(parser=number_in(0, 1), metavar="P", help="With --speculate "
+                                                       "ngram:K: draft from the known greedy answer instead, each "
+                                                       "draft wrong with probability 1 - P: what verification "
+                                                       "costs at acceptance P (with random weights no drafter's "
+                                                       "acceptance means anything).")] = None,
     output: OutputArg = None,
     random_weights: RandomWeightsArg = False,
     seed: SeedArg = 0,
@@ -169,6 +174,8 @@ def decode(
                              "--synthetic-locality and --zipf")
         if counts is not None and speculate is not None:
             raise ValueError(f"--speculate {speculate}: sequences decoded together (--sequences) do not speculate")
+        if draft_oracle is not None and speculate is None:
+            raise ValueError(f"--draft-oracle {draft_oracle:g}: give the drafts per pass with --speculate ngram:K")
         with _engine(engine, random_weights, seed, target, override) as (path, pool):
             if counts is not None:
                 print(_report(bench_decode_batches(path, offload, counts, prompt_tokens, new_tokens, pool=pool),
@@ -179,7 +186,7 @@ def decode(
                 speculate.check_family(spec)  # before the engine loads
             trace, routing = routing_for(routing_trace, synthetic_locality, spec, 0, zipf)
             text = _report(bench_decode(path, offload, trace, routing, prompt_tokens, new_tokens, pool=pool,
-                                        speculation=speculate), output)
+                                        speculation=speculate, draft_oracle=draft_oracle), output)
     print(text)
 
 

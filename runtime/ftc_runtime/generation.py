@@ -27,8 +27,7 @@ import torch
 from ftc_runtime.cache.base import RecurrentCheckpoint, SequenceState
 from ftc_runtime.cache.prefix import PrefixCache, Resume
 from ftc_runtime.sampling import Sampler, SamplingParams
-from ftc_runtime.speculative.config import Speculation
-from ftc_runtime.speculative.ngram import NgramDrafter
+from ftc_runtime.speculative.config import Drafter, Speculation
 from ftc_runtime.speculative.verify import verify
 
 
@@ -66,9 +65,9 @@ class Sequence:
     reused_tokens: int = field(default=0, init=False)  # prompt tokens restored from the prefix cache
     produced: int = field(default=0, init=False)  # answer tokens given out
     next_token: int | None = field(default=None, init=False)  # the input of the next decode step
-    # With speculation: its context's n-gram index (the prompt and every token given out), the
-    # draft tokens verified and, of those, accepted.
-    drafter: NgramDrafter | None = field(default=None, init=False)
+    # With speculation: its drafter (told the prompt and every token given out), the draft tokens
+    # verified and, of those, accepted.
+    drafter: Drafter | None = field(default=None, init=False)
     drafted: int = field(default=0, init=False)
     accepted: int = field(default=0, init=False)
     # The recurrent state after each token of the latest verification pass, by length (hybrid
@@ -91,7 +90,7 @@ class Sequence:
             self.prompt_done = self.reused_tokens = self.resume.length
             self.checkpoints = self.prefix.takes_checkpoints
         if self.speculation is not None:
-            self.drafter = NgramDrafter(self.prompt_ids)
+            self.drafter = self.speculation.new_drafter(self.prompt_ids)
 
     def kv_need(self) -> tuple[SequenceState, int]:
         """Its cache and the tokens that cache must hold by the next safe point (`Engine.rebalance`):

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+from ftc_runtime.speculative.ngram import NgramDrafter
+from ftc_runtime.speculative.oracle import DraftOracle, OracleDrafter
 
 if TYPE_CHECKING:
     from ftc_runtime.spec import ModelSpec
@@ -15,17 +18,31 @@ DRAFTERS = ("ngram",)
 MAX_DRAFT_TOKENS = 8
 
 
+class Drafter(Protocol):
+    """What a sequence drafts with: told each token given out, asked for up to k drafts."""
+
+    def add(self, token: int) -> None: ...
+
+    def propose(self, k: int) -> list[int]: ...
+
+
 @dataclass(frozen=True)
 class Speculation:
     drafter: str = "ngram"
     k: int = 4  # draft tokens per verification pass, at most
+    # A benchmark's drafts of a set acceptance in place of the drafter's (`--draft-oracle`)
+    oracle: DraftOracle | None = None
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS or not 1 <= self.k <= MAX_DRAFT_TOKENS:
             raise ValueError(f"--speculate {self}: expected off or ngram:K with K in 1..{MAX_DRAFT_TOKENS}")
 
     def __str__(self) -> str:
-        return f"{self.drafter}:{self.k}"
+        return f"{self.drafter}:{self.k}" if self.oracle is None else f"{self.oracle}:{self.k}"
+
+    def new_drafter(self, context: list[int]) -> Drafter:
+        """The drafter of a sequence whose context (its prompt) is `context`."""
+        return OracleDrafter(self.oracle, context) if self.oracle is not None else NgramDrafter(context)
 
     def check_family(self, spec: ModelSpec) -> None:
         """A rejected draft is dropped by cutting the sequence's state back to the accepted tokens
