@@ -14,6 +14,10 @@
 #                               `ftc bench decode` prints for each) into OUT_DIR/matrix-MODEL-FORMAT-BUDGET.json
 #   pdl                         the qwen3-30b-a3b bf16 32 GiB trace row again with FTC_PDL=0 and 1, into
 #                               OUT_DIR/pdl.txt and OUT_DIR/pdl0.json, pdl1.json
+#   speculate                   decode without drafts and with --draft-oracle 0.6, 0.8 and 0.9 (ngram:4 passes:
+#                               verification's cost at those acceptances), adaptive, on qwen3.6-35b-a3b bf16 at
+#                               32 GiB and NVFP4 at 8 GiB (uniform) and qwen3-30b-a3b MXFP4 at 8 GiB (the trace):
+#                               OUT_DIR/speculate.txt and OUT_DIR/speculate-MODEL-FORMAT-BUDGET.json
 #   anchor                      llama.cpp's MXFP4 decode at -ncmoe 30 on the same machine (needs .anchors/,
 #                               see ../shared/anchors/README.md), into OUT_DIR/anchor
 #
@@ -43,6 +47,14 @@ matrix() {  # NAME SPEC BUDGET [ftc bench matrix options...]
     -o "$out/matrix-$name.json" "$@" 2>&1 | tee -a "$out/matrix.txt"
 }
 
+drafted() {  # NAME SPEC BUDGET [ftc bench matrix options...]: adaptive without drafts and at each oracle P
+  local name=$1 spec=$2 budget=$3
+  shift 3
+  ftc bench matrix "$spec" --random-weights --target h200 --vram-budget "$budget" --miss-policy adaptive \
+    --speculate ngram:4 --draft-oracle 0.6,0.8,0.9 -o "$out/speculate-$name.json" "$@" 2>&1 \
+    | tee -a "$out/speculate.txt"
+}
+
 while [ $# -gt 0 ]; do
   stage=$1
   shift
@@ -59,6 +71,10 @@ while [ $# -gt 0 ]; do
       matrix qwen3-30b-a3b-mxfp4-8GiB $q30 8GiB --routing-trace $trace --uniform --override expert_format=mxfp4
       matrix qwen3.6-35b-a3b-bf16-32GiB $q36 32GiB --uniform
       matrix qwen3.6-35b-a3b-nvfp4-8GiB $q36 8GiB --uniform --override expert_format=nvfp4 ;;
+    speculate)
+      drafted qwen3.6-35b-a3b-bf16-32GiB $q36 32GiB --uniform
+      drafted qwen3.6-35b-a3b-nvfp4-8GiB $q36 8GiB --uniform --override expert_format=nvfp4
+      drafted qwen3-30b-a3b-mxfp4-8GiB $q30 8GiB --routing-trace $trace --override expert_format=mxfp4 ;;
     pdl)
       for pdl in 0 1; do
         FTC_PDL=$pdl ftc bench matrix $q30 --random-weights --target h200 --vram-budget 32GiB --miss-policy adaptive \
@@ -67,7 +83,7 @@ while [ $# -gt 0 ]; do
     anchor)
       bash .anchors/llama_anchor.sh "$out/anchor" mxfp4 "30" 2>&1 | tail -20 ;;
     *)
-      echo "unknown stage: $stage (gpu-tests, matrix, pdl, anchor)" >&2
+      echo "unknown stage: $stage (gpu-tests, matrix, speculate, pdl, anchor)" >&2
       exit 2 ;;
   esac
 done

@@ -70,3 +70,17 @@ def test_bench_matrix_refuses_bad_policies_and_routings_before_it_runs(engine):
         r = CliRunner().invoke(app, list(map(str, ["bench", "matrix", engine, "--device", "cpu", *args])))
         lines = r.stderr.strip().splitlines()
         assert r.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: ") and said in lines[0], r.output
+
+
+def test_bench_matrix_drafts_each_run_as_asked(engine, tmp_path):
+    """With --speculate and --draft-oracle, each (routing, policy) runs without drafts, then with
+    the oracle's at each P: at P = 1 every draft is accepted, at P = 0 none."""
+    k = random.randrange(1, 4)
+    out = tmp_path / "matrix.json"
+    table = ftc("bench", "matrix", engine, *SHORT[:-1], "8", "--miss-policy", "adaptive", "--uniform",
+                "--speculate", f"ngram:{k}", "--draft-oracle", "1,0", "-o", out)
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["speculate"] for r in runs] == ["off", f"oracle (P = 1):{k}", f"oracle (P = 0):{k}"]
+    assert "speculation" not in runs[0]
+    assert runs[1]["speculation"]["acceptance"] == 1.0 and runs[2]["speculation"]["accepted"] == 0
+    assert "tokens/pass" in table and "oracle (P = 1)" in table

@@ -19,6 +19,7 @@ from ftc_runtime.artifact import EngineManifest
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.experts.routing_trace import RoutingTrace
 from ftc_runtime.io import ftw
+from ftc_runtime.speculative.config import Speculation
 
 
 @dataclass(frozen=True)
@@ -31,12 +32,23 @@ class Routing:
     trace: RoutingTrace | None
 
 
+@dataclass(frozen=True)
+class Drafts:
+    """How a run drafts: not at all (`speculation` None), with its drafter, or (`oracle` P) from
+    the greedy answer at acceptance P (`ftc bench decode --draft-oracle`)."""
+
+    speculation: Speculation | None = None
+    oracle: float | None = None
+
+
 def bench_matrix(engine_dir: Path, offloads: list[OffloadConfig], routings: list[Routing], prompt_tokens: int = 128,
                  new_tokens: int = 64, pool: ftw.ExpertPool | None = None,
-                 on_run: Callable[[int, int, Routing, dict], None] | None = None) -> dict:
-    """Every routing under every offload (one per miss policy), routing by routing. `pool`: the
-    experts of an engine compiled with them in memory; else the engine's file, read once here.
-    `on_run(i, n, routing, run)` after each of the n runs."""
+                 on_run: Callable[[int, int, Routing, dict], None] | None = None,
+                 drafts: list[Drafts] | None = None) -> dict:
+    """Every routing under every offload (one per miss policy) and every way of drafting (default:
+    none), routing by routing. `pool`: the experts of an engine compiled with them in memory; else
+    the engine's file, read once here. `on_run(i, n, routing, run)` after each of the n runs."""
+    drafts = drafts or [Drafts()]
     manifest = EngineManifest.read(engine_dir)
     spec = manifest.spec
     for r in routings:  # a trace that does not fit is refused before any run, not after some
@@ -44,16 +56,18 @@ def bench_matrix(engine_dir: Path, offloads: list[OffloadConfig], routings: list
             r.trace.check_fits(len(spec.moe_layers), spec.moe.num_experts, r.label)
     if pool is None and not manifest.experts_in_memory:  # (else Engine.load says why it needs the pool)
         pool = ftw.load(manifest.experts_source())
-    runs, n = [], len(routings) * len(offloads)
+    runs, n = [], len(routings) * len(offloads) * len(drafts)
     for r in routings:
         for offload in offloads:
-            run = bench_decode(engine_dir, offload, r.trace, r.label, prompt_tokens, new_tokens, pool=pool)
-            runs.append(run)
-            gc.collect()  # the engine's slots must be free before the next one allocates its own
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            if on_run is not None:
-                on_run(len(runs), n, r, run)
+            for d in drafts:
+                run = bench_decode(engine_dir, offload, r.trace, r.label, prompt_tokens, new_tokens, pool=pool,
+                                   speculation=d.speculation, draft_oracle=d.oracle)
+                runs.append(run)
+                gc.collect()  # the engine's slots must be free before the next one allocates its own
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                if on_run is not None:
+                    on_run(len(runs), n, r, run)
     return {"engine": spec.name, "miss_policies": [o.miss_policy for o in offloads],
             "routings": [{"name": r.name, "routing": r.label} for r in routings], "runs": runs}
 
@@ -66,14 +80,23 @@ def matrix_table(result: dict) -> Table:
                         f"{first['prompt_tokens']} prompt tokens, {first['decode_tokens']} timed steps",
                   caption="bound: the bandwidth bound in ms/token; m: misses per MoE call; q: of them filled "
                           "into the device cache, the rest computed on the CPU")
-    for column in ("routing", "policy"):
+    drafting = any("speculation" in run for run in result["runs"])
+    for column in ("routing", "policy", *(("drafts",) if drafting else ())):
         table.add_column(column, no_wrap=True)
-    for column in ("tok/s", "ms/token", "bound", "×bound", "miss rate", "m", "q"):
+    for column in ("tok/s", "ms/token", "bound", "×bound", "miss rate", "m", "q",
+                   *(("tokens/pass", "accepted") if drafting else ())):
         table.add_column(column, justify="right", no_wrap=True)
     for run in result["runs"]:
-        e, over = run["experts"], run["measured_over_bound"]
-        table.add_row(names.get(run["routing"], run["routing"]), run["miss_policy"], f"{run['decode_tok_s']:.2f}",
-                      f"{run['ms_per_token']:.2f}", f"{run['bound_ms_per_token']:.2f}",
-                      "-" if over is None else f"{over:.2f}", f"{e['miss_rate']:.3f}", f"{e['mean_m']:.2f}",
-                      f"{e['mean_q']:.2f}")
+        table.add_row(*_row(run, names, drafting))
     return table
+
+
+def _row(run: dict, names: dict[str, str], drafting: bool) -> list[str]:
+    e, over = run["experts"], run["measured_over_bound"]
+    s = run.get("speculation")
+    row = [names.get(run["routing"], run["routing"]), run["miss_policy"], *((run["speculate"],) if drafting else ()),
+           f"{run['decode_tok_s']:.2f}", f"{run['ms_per_token']:.2f}", f"{run['bound_ms_per_token']:.2f}",
+           "-" if over is None else f"{over:.2f}", f"{e['miss_rate']:.3f}", f"{e['mean_m']:.2f}", f"{e['mean_q']:.2f}"]
+    if drafting:
+        row += [f"{s['tokens_per_step']:.2f}", f"{s['acceptance']:.2f}"] if s else ["1.00", "-"]
+    return row

@@ -216,6 +216,11 @@ def matrix(
     cpu_experts: CpuExpertsArg = False,
     stream_min_tokens: StreamMinTokensArg = None,
     prefill_split: PrefillSplitArg = None,
+    speculate: SpeculateArg = None,
+    draft_oracle: Annotated[str | None, typer.Option(metavar="P[,P...]", help="With --speculate ngram:K: each "
+                                                     "routing and policy also with drafts from the known greedy "
+                                                     "answer, each wrong with probability 1 - P (`bench decode "
+                                                     "--draft-oracle`), beside the run without drafts.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON object instead of the table.")] = False,
     output: OutputArg = None,
     random_weights: RandomWeightsArg = False,
@@ -227,8 +232,10 @@ def matrix(
 
     One `bench decode` run per routing and miss policy on one engine, its experts read (or drawn,
     for a spec) once; routings: each --routing-trace, each --synthetic-locality, --uniform and
-    --own-router, in that order. Prints a table (--json: the JSON object, the runs as `bench
-    decode` prints them; -o writes it either way); each run's tok/s on stderr as it ends."""
+    --own-router, in that order. With --speculate, each also without drafts and with them (or,
+    with --draft-oracle, with the oracle's drafts at each P). Prints a table (--json: the JSON
+    object, the runs as `bench decode` prints them; -o writes it either way); each run's tok/s on
+    stderr as it ends."""
     from ftc.bench.matrix import bench_matrix, matrix_table
     from ftc_runtime.artifact import EngineManifest
     from ftc_runtime.experts.routing_trace import RoutingTrace
@@ -243,15 +250,19 @@ def matrix(
             raise ValueError("--zipf shapes the synthetic traces: give --synthetic-locality too (--uniform is "
                              "locality 0, Zipf 0)")
         traces = [(path, RoutingTrace.load(path)) for path in routing_trace or ()]  # before a spec's build
+        drafts = _matrix_drafts(speculate, draft_oracle)
         with _engine(engine, random_weights, seed, target, override) as (path, pool):
-            routings = _matrix_routings(EngineManifest.read(path).spec, traces, localities, zipf, uniform,
-                                        own_router)
+            spec = EngineManifest.read(path).spec
+            if speculate is not None:
+                speculate.check_family(spec)
+            routings = _matrix_routings(spec, traces, localities, zipf, uniform, own_router)
 
             def progress(i: int, n: int, routing, run: dict) -> None:
-                err.print(f"matrix {i}/{n}: {routing.name}, {run['miss_policy']}: {run['decode_tok_s']} tok/s, "
-                          f"{run['ms_per_token']} ms/token", markup=False, highlight=False)
+                err.print(f"matrix {i}/{n}: {routing.name}, {run['miss_policy']}, drafts {run['speculate']}: "
+                          f"{run['decode_tok_s']} tok/s, {run['ms_per_token']} ms/token", markup=False,
+                          highlight=False)
 
-            result = bench_matrix(path, offloads, routings, prompt_tokens, new_tokens, pool, progress)
+            result = bench_matrix(path, offloads, routings, prompt_tokens, new_tokens, pool, progress, drafts)
         text = _report(result, output)
     if as_json:
         print(text)
@@ -262,6 +273,19 @@ def matrix(
         if not console.is_terminal:  # a pipe or a log: no terminal width to fit the rows into
             console.width = 160
         console.print(matrix_table(result))
+
+
+def _matrix_drafts(speculate, draft_oracle: str | None) -> list:
+    """The ways each run drafts: none, then `speculate`'s drafter, or the oracle at each P."""
+    from ftc.bench.matrix import Drafts
+
+    if draft_oracle is not None and speculate is None:
+        raise ValueError(f"--draft-oracle {draft_oracle}: give the drafts per pass with --speculate ngram:K")
+    if speculate is None:
+        return [Drafts()]
+    if draft_oracle is None:
+        return [Drafts(), Drafts(speculate)]
+    return [Drafts(), *(Drafts(speculate, number_in(0, 1)(p)) for p in draft_oracle.split(","))]
 
 
 def _matrix_policies(text: str) -> list[str]:
