@@ -14,8 +14,8 @@
 #                               `ftc bench decode` prints for each) into OUT_DIR/matrix-MODEL-FORMAT-BUDGET.json
 #   pdl                         the qwen3-30b-a3b bf16 32 GiB trace row again with FTC_PDL=0 and 1, into
 #                               OUT_DIR/pdl.txt and OUT_DIR/pdl0.json, pdl1.json
-#   speculate                   decode without drafts and with --draft-oracle 0.6, 0.8 and 0.9 (ngram:4 passes:
-#                               verification's cost at those acceptances), adaptive, on qwen3.6-35b-a3b bf16 at
+#   speculate                   decode without drafts and with --draft-oracle 0.6, 0.8 and 0.9 (--speculate auto:
+#                               the controller picks each pass's drafts), adaptive, on qwen3.6-35b-a3b bf16 at
 #                               32 GiB and NVFP4 at 8 GiB (uniform) and qwen3-30b-a3b MXFP4 at 8 GiB (the trace):
 #                               OUT_DIR/speculate.txt and OUT_DIR/speculate-MODEL-FORMAT-BUDGET.json
 #   anchor                      llama.cpp's MXFP4 decode at -ncmoe 30 on the same machine (needs .anchors/,
@@ -51,7 +51,7 @@ drafted() {  # NAME SPEC BUDGET [ftc bench matrix options...]: adaptive without 
   local name=$1 spec=$2 budget=$3
   shift 3
   ftc bench matrix "$spec" --random-weights --target h200 --vram-budget "$budget" --miss-policy adaptive \
-    --speculate ngram:4 --draft-oracle 0.6,0.8,0.9 -o "$out/speculate-$name.json" "$@" 2>&1 \
+    --speculate auto --draft-oracle 0.6,0.8,0.9 -o "$out/speculate-$name.json" "$@" 2>&1 \
     | tee -a "$out/speculate.txt"
 }
 

@@ -175,7 +175,8 @@ def decode(
         if counts is not None and speculate is not None:
             raise ValueError(f"--speculate {speculate}: sequences decoded together (--sequences) do not speculate")
         if draft_oracle is not None and speculate is None:
-            raise ValueError(f"--draft-oracle {draft_oracle:g}: give the drafts per pass with --speculate ngram:K")
+            raise ValueError(f"--draft-oracle {draft_oracle:g}: give the drafts per pass with --speculate ngram:K "
+                             "or auto")
         with _engine(engine, random_weights, seed, target, override) as (path, pool):
             if counts is not None:
                 print(_report(bench_decode_batches(path, offload, counts, prompt_tokens, new_tokens, pool=pool),
@@ -280,7 +281,7 @@ def _matrix_drafts(speculate, draft_oracle: str | None) -> list:
     from ftc.bench.matrix import Drafts
 
     if draft_oracle is not None and speculate is None:
-        raise ValueError(f"--draft-oracle {draft_oracle}: give the drafts per pass with --speculate ngram:K")
+        raise ValueError(f"--draft-oracle {draft_oracle}: give the drafts per pass with --speculate ngram:K or auto")
     if speculate is None:
         return [Drafts()]
     if draft_oracle is None:

@@ -77,7 +77,7 @@ def number_in(low: float, high: float | None = None, low_open: bool = False) -> 
 
 
 def speculate(text: str) -> Speculation | None:
-    """--speculate: off (None) or ngram:K, as `ftc_runtime.speculative.config.Speculation`."""
+    """--speculate: off (None), auto or ngram:K, as `ftc_runtime.speculative.config.Speculation`."""
     from ftc_runtime.speculative.config import parse_speculation
 
     return parse_speculation(text)
@@ -118,13 +118,14 @@ PrefillSplitArg = Annotated[str | None, typer.Option(metavar="auto|off|SHARE", h
                                                      "all; the default), or a fixed share in [0, 1].")]
 # `ftc run` and `ftc bench decode`: a Speculation, or None (off). Parsed when given (the default
 # is not), so that a command line that leaves it out imports no torch to read it.
-SpeculateArg = Annotated[object | None, typer.Option(parser=speculate, metavar="off|ngram:K", help="Speculative "
+SpeculateArg = Annotated[object | None, typer.Option(parser=speculate, metavar="off|auto|ngram:K", help="Speculative "
                                                      "decoding: draft up to K tokens (1..8) a step from earlier "
                                                      "text that the context's last tokens follow (prompt lookup), "
                                                      "verified in one pass; greedy output is unchanged and sampled "
-                                                     "output keeps its distribution. Not yet for DeepSeek-V4, whose "
-                                                     "compressed state does not roll back yet. "
-                                                     "Default: off.")]
+                                                     "output keeps its distribution. auto: each pass drafts 0 to 4 "
+                                                     "tokens, as the sequence's own passes measured what pays. Not "
+                                                     "yet for DeepSeek-V4, whose compressed state does not roll "
+                                                     "back yet. Default: off.")]
 
 # --serve's options.
 HostArg = Annotated[str, typer.Option(help="--serve: address to bind (loopback unless told).")]

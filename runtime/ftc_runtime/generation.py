@@ -18,6 +18,7 @@ scheduler does not speculate (yet)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ from ftc_runtime.cache.base import RecurrentCheckpoint, SequenceState
 from ftc_runtime.cache.prefix import PrefixCache, Resume
 from ftc_runtime.sampling import Sampler, SamplingParams
 from ftc_runtime.speculative.config import Drafter, Speculation
+from ftc_runtime.speculative.controller import DraftController
 from ftc_runtime.speculative.verify import verify
 
 
@@ -68,6 +70,7 @@ class Sequence:
     # With speculation: its drafter (told the prompt and every token given out), the draft tokens
     # verified and, of those, accepted.
     drafter: Drafter | None = field(default=None, init=False)
+    controller: DraftController | None = field(default=None, init=False)  # `auto`: each pass's drafts
     drafted: int = field(default=0, init=False)
     accepted: int = field(default=0, init=False)
     # The recurrent state after each token of the latest verification pass, by length (hybrid
@@ -91,6 +94,7 @@ class Sequence:
             self.checkpoints = self.prefix.takes_checkpoints
         if self.speculation is not None:
             self.drafter = self.speculation.new_drafter(self.prompt_ids)
+            self.controller = DraftController(self.speculation.k) if self.speculation.auto else None
 
     def kv_need(self) -> tuple[SequenceState, int]:
         """Its cache and the tokens that cache must hold by the next safe point (`Engine.rebalance`):
@@ -134,16 +138,21 @@ class Sequence:
     def step(self, runner: Runner) -> list[int]:
         """One step of this sequence alone: its drafts verified in one pass where the drafter has
         any, else a plain decode step. Returns the tokens to give out, in order (`accept` each)."""
-        drafts = self._drafts()
+        drafts, t0, accepted = self._drafts(), time.perf_counter(), self.accepted
         if drafts:
-            return self.verify_drafts(runner, drafts)
-        return [self.advance(runner, decode_step(runner, [self])[0])]
+            tokens = self.verify_drafts(runner, drafts)
+        else:
+            tokens = [self.advance(runner, decode_step(runner, [self])[0])]
+        if self.controller is not None:  # the step's time ends with its sampled tokens on the host
+            self.controller.record(len(drafts), self.accepted - accepted, time.perf_counter() - t0)
+        return tokens
 
     def _drafts(self) -> list[int]:
         if self.drafter is None:
             return []
+        k = self.controller.choose() if self.controller is not None else self.speculation.k
         # A pass gives out at most one token more than its drafts: none past max_new_tokens.
-        return self.drafter.propose(min(self.speculation.k, self.max_new_tokens - self.produced - 1))
+        return self.drafter.propose(min(k, self.max_new_tokens - self.produced - 1))
 
     def verify_drafts(self, runner: Runner, drafts: list[int]) -> list[int]:
         """Runs `next_token` and `drafts` as one chunk (every position's logits; the experts of
@@ -186,7 +195,7 @@ class Sequence:
                 self.prefix.insert(self.seq[:self.cache.length], self.cache, checkpoints, self.namespace)
             self.prefix.release(self.resume)
             self.resume = None
-        self.cache = self.sampler = self.next_token = self.drafter = None
+        self.cache = self.sampler = self.next_token = self.drafter = self.controller = None
         self.pass_states = {}
 
     def _hold_given_out(self) -> None:

@@ -5,6 +5,7 @@ drafts that the target model would have produced itself.
 - `config`: what `--speculate` asks for (`Speculation`) and which families can take it;
 - `ngram`: prompt-lookup drafts (`NgramDrafter`);
 - `oracle`: drafts of a set acceptance from a known answer, for benchmarks (`DraftOracle`);
+- `controller`: how many drafts each pass of `--speculate auto` verifies (`DraftController`);
 - `verify`: the acceptance rule, exact at temperature 0 and distribution-preserving when sampling.
 
 `generation.Sequence` runs the verification pass and rolls its cache back to the accepted tokens."""

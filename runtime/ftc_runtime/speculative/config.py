@@ -16,6 +16,8 @@ DRAFTERS = ("ngram",)
 # Past a few tokens a pass mostly checks drafts that a rejection earlier in the run has voided
 # already, and each one adds its experts' misses to the pass.
 MAX_DRAFT_TOKENS = 8
+# `auto`'s most drafts a pass: a pass of more tokens reads more experts, and its first try costs that
+AUTO_DRAFT_TOKENS = 4
 
 
 class Drafter(Protocol):
@@ -32,13 +34,17 @@ class Speculation:
     k: int = 4  # draft tokens per verification pass, at most
     # A benchmark's drafts of a set acceptance in place of the drafter's (`--draft-oracle`)
     oracle: DraftOracle | None = None
+    # `auto`: each pass's drafts chosen in 0..k by what the sequence's passes measured
+    # (`DraftController`), none where drafting does not pay
+    auto: bool = False
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS or not 1 <= self.k <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"--speculate {self}: expected off or ngram:K with K in 1..{MAX_DRAFT_TOKENS}")
+            raise ValueError(f"--speculate {self}: expected off, auto or ngram:K with K in 1..{MAX_DRAFT_TOKENS}")
 
     def __str__(self) -> str:
-        return f"{self.drafter}:{self.k}" if self.oracle is None else f"{self.oracle}:{self.k}"
+        drafter = self.drafter if self.oracle is None else str(self.oracle)
+        return f"auto ({drafter}, up to {self.k})" if self.auto else f"{drafter}:{self.k}"
 
     def new_drafter(self, context: list[int]) -> Drafter:
         """The drafter of a sequence whose context (its prompt) is `context`."""
@@ -56,10 +62,13 @@ class Speculation:
 
 
 def parse_speculation(text: str) -> Speculation | None:
-    """`off` (None) or `ngram:K`, K in 1..MAX_DRAFT_TOKENS."""
+    """`off` (None), `auto` (prompt lookup, each pass's drafts 0..AUTO_DRAFT_TOKENS as measured) or
+    `ngram:K`, K in 1..MAX_DRAFT_TOKENS."""
     drafter, colon, k = text.strip().lower().partition(":")
     if drafter == "off" and not colon:
         return None
+    if drafter == "auto" and not colon:
+        return Speculation("ngram", AUTO_DRAFT_TOKENS, auto=True)
     if drafter in DRAFTERS and k.isdigit() and 1 <= int(k) <= MAX_DRAFT_TOKENS:
         return Speculation(drafter, int(k))
-    raise ValueError(f"--speculate {text!r}: expected off or ngram:K with K in 1..{MAX_DRAFT_TOKENS}")
+    raise ValueError(f"--speculate {text!r}: expected off, auto or ngram:K with K in 1..{MAX_DRAFT_TOKENS}")
