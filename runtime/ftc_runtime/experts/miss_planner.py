@@ -66,9 +66,17 @@ class MissPlanner:
         balanced = self._balanced(m)
         if not self.measured_concurrency:
             return balanced
-        times = [self.bound_s(m, q, 1) for q in range(m + 1)]
-        fastest = min(times)
-        return balanced if times[balanced] <= fastest * (1 + 1e-9) else times.index(fastest)
+        fastest = min(self._candidates(m), key=lambda q: self.bound_s(m, q, 1))  # the first: the fewest fills
+        return balanced if self.bound_s(m, balanced, 1) <= self.bound_s(m, fastest, 1) * (1 + 1e-9) else fastest
+
+    def _candidates(self, m: int) -> list[int]:
+        """Where the least `bound_s` over q = 0..m lies, ascending: one side alone (0, m), or a split
+        next to where both sides end together; the split's time falls before that point and rises
+        after it, so no other split is faster. O(1) per call: the general path plans each call."""
+        copy, cpu = self.rates()
+        x = m * copy / (copy + cpu)
+        splits = {min(max(q, 1), m - 1) for q in (math.floor(x), math.ceil(x))} if m > 1 else set()
+        return sorted({0, m} | splits)
 
     def _balanced(self, m: int) -> int:
         """The q at which copies and CPU experts end together while both run, within [1, m]."""
