@@ -14,15 +14,13 @@ every mode sees the same prompts.
 
 from __future__ import annotations
 
-import gc
 import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from ftc.bench.memory import release_device_memory
 from ftc.bench.plot import png_axes
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
@@ -113,9 +111,7 @@ def bench_agent(engine_dir: Path, offload: OffloadConfig | None, modes: list[str
             engine.enable_prefix_cache(kv_budget, checkpoint_budget if use_checkpoints else 0)
         runs[mode] = _replay(engine, agent_session(engine, session_tokens, tool_tokens, seed), new_tokens)
         del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_device_memory()
     first = next(iter(runs.values()))
     result = {"engine": first["engine"], "device": str(offload.device) if offload else "cpu",
               "stream_min_tokens": offload.stream_min_tokens if offload else None, "runs": runs}

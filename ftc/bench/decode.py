@@ -18,7 +18,6 @@ make any drafter's meaningless).
 
 from __future__ import annotations
 
-import gc
 import random
 import time
 from dataclasses import replace
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ftc.bench.memory import release_device_memory
 from ftc_runtime import Engine, GenerationStats, SamplingParams
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.experts.device.timeline import DeviceTimeline
@@ -124,9 +124,7 @@ def _oracle_speculation(engine_dir: Path, offload: OffloadConfig, trace: Routing
                                    stop_at_eos=False))
     oracle = DraftOracle(answer, accuracy, engine.spec.vocab_size, seed)
     del engine
-    gc.collect()  # the engine's slots must be free before the timed one allocates its own
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_device_memory()  # the engine's slots must be free before the timed one allocates its own
     return replace(speculation, oracle=oracle)
 
 

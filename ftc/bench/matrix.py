@@ -6,15 +6,14 @@ a table of them (tok/s, ms/token against the bandwidth bound, the miss split).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from rich.table import Table
 
 from ftc.bench.decode import bench_decode
+from ftc.bench.memory import release_device_memory
 from ftc_runtime.artifact import EngineManifest
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.experts.routing_trace import RoutingTrace
@@ -63,9 +62,7 @@ def bench_matrix(engine_dir: Path, offloads: list[OffloadConfig], routings: list
                 run = bench_decode(engine_dir, offload, r.trace, r.label, prompt_tokens, new_tokens, pool=pool,
                                    speculation=d.speculation, draft_oracle=d.oracle)
                 runs.append(run)
-                gc.collect()  # the engine's slots must be free before the next one allocates its own
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                release_device_memory()  # the engine's slots must be free before the next one allocates its own
                 if on_run is not None:
                     on_run(len(runs), n, r, run)
     return {"engine": spec.name, "miss_policies": [o.miss_policy for o in offloads],

@@ -8,13 +8,13 @@ planner's B_P, as streaming without the CPU would move them.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import random
 import time
 from pathlib import Path
 
 import torch
 
+from ftc.bench.memory import release_device_memory
 from ftc.bench.plot import png_axes
 from ftc_runtime import Engine
 from ftc_runtime.engine import OffloadConfig
@@ -44,9 +44,7 @@ def bench_prefill(engine_dir: Path, offloads: list[OffloadConfig], lengths: list
                 ids = torch.tensor([rng.randrange(vocab) for _ in range(n)])
                 runs.append(_timed(engine, ids, overlap, offload.prefill_split))
             del engine
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_device_memory()
     return {"engine": runs[0]["engine"], "device": str(offloads[0].device), "runs": runs}
 
 
