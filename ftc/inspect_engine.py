@@ -105,6 +105,8 @@ def _model_table(spec: ModelSpec, weights_source: str) -> Table:
         ("experts", f"{moe.num_experts} routed ({spec.expert_format}), top-{moe.top_k}, intermediate "
          f"{moe.expert_intermediate_size}, {moe.router}{shared}"),
         ("vocabulary", str(spec.vocab_size)),
+        ("multi-token prediction", f"{spec.mtp_layers} layer (experts in the pool; drafts for --speculate mtp:K)"
+         if spec.mtp_layers else "none"),
         ("weights", weights_source),
     ))
 
@@ -112,7 +114,7 @@ def _model_table(spec: ModelSpec, weights_source: str) -> Table:
 def _memory_table(spec: ModelSpec) -> Table:
     dense = stored_bytes(stored_dense(spec))
     params = sum(math.prod(s) for s in family(spec.family).dense_tensor_shapes(spec).values())
-    pool = len(spec.moe_layers) * spec.moe.num_experts * spec.expert_bytes
+    pool = len(spec.expert_layers) * spec.moe.num_experts * spec.expert_bytes
     per_token = len(spec.moe_layers) * spec.moe.top_k * spec.expert_bytes
     bf16 = expert_format("bf16").expert_bytes(spec.hidden_size, spec.moe.expert_intermediate_size)
     return _rows("memory", (

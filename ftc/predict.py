@@ -67,7 +67,7 @@ def predict(spec: ModelSpec, target: Target, budget: int, max_context: int) -> P
                               "and its B_P and B_H: use a preset with a GPU (rtx-pro-6000, rtx-5090, h200, ...)")
     stored = stored_dense(spec)
     stride, moe_layers, m = round_up(spec.expert_bytes), len(spec.moe_layers), spec.moe
-    vram = plan_vram(spec, stored_bytes(stored), budget, stride, moe_layers * m.num_experts, max_context)
+    vram = plan_vram(spec, stored_bytes(stored), budget, stride, len(spec.expert_layers) * m.num_experts, max_context)
     planner = MissPlanner("adaptive", target.b_p, target.b_h, target.b_p_concurrent, target.b_h_concurrent)
     p_miss = 1.0 - vram.pool_share
     chance = [math.comb(m.top_k, n) * p_miss ** n * (1 - p_miss) ** (m.top_k - n) for n in range(m.top_k + 1)]

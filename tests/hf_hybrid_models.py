@@ -52,13 +52,72 @@ def build_hybrid(family: str, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def save_hybrid_checkpoint(model: torch.nn.Module, directory: Path, layout: str, nested: bool = False) -> Path:
+class QwenMtpHead(torch.nn.Module):
+    """The published Qwen3-Next / Qwen3.5 multi-token-prediction head (as vLLM's qwen3_next_mtp runs
+    it), the reference the engine's is held to: (1 + w) norms of the next token's embedding and of
+    the model's final hidden state, joined by `fc` (embedding first), one full-attention decoder
+    layer of the model's own kind (transformers'), a (1 + w) norm, then the model's LM head. Its
+    tensors are named as the releases name them, under `mtp.`."""
+
+    def __init__(self, model: torch.nn.Module, seed: int):
+        super().__init__()
+        cfg, norm = model.config, type(model.model.norm)
+        h = cfg.hidden_size
+        torch.manual_seed(seed)
+        self.pre_fc_norm_embedding = norm(h, eps=cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = norm(h, eps=cfg.rms_norm_eps)
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.full = cfg.layer_types.index("full_attention")  # a layer of the model whose inputs it shares
+        self.layers = torch.nn.ModuleList([type(model.model.layers[self.full])(cfg, self.full)])
+        self.norm = norm(h, eps=cfg.rms_norm_eps)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.copy_(torch.randn_like(p) * 0.08 * 12.0)  # decisive routing
+                elif "norm" in name:
+                    p.copy_(0.5 * torch.rand_like(p))
+                else:
+                    p.copy_(torch.randn_like(p) * 0.08)
+                p.copy_(p.to(torch.bfloat16).float())
+        self.eval()
+
+    def forward(self, model: torch.nn.Module, hidden: torch.Tensor, next_ids: torch.Tensor,
+                layer_kwargs: dict) -> torch.Tensor:
+        """Logits [T, vocab] of rows (hidden [T, H]: the model's final hidden states, next_ids [T]:
+        the token after each), the decoder layer run with `layer_kwargs` (the model's own position
+        embeddings and mask for those positions, `layer_inputs`)."""
+        e = self.pre_fc_norm_embedding(model.model.embed_tokens(next_ids))
+        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x = self.layers[0](x[None], **layer_kwargs)
+        return model.lm_head(self.norm(x[0] if isinstance(x, torch.Tensor) else x[0][0])).float()
+
+    def layer_inputs(self, model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, dict]:
+        """The model's final hidden states [T, H] over `ids` and the keyword arguments (position
+        embeddings, attention mask) that its full-attention layer took there."""
+        taken = {}
+
+        def take(_module, _args, kwargs):
+            taken.update({k: kwargs[k] for k in ("position_embeddings", "attention_mask") if k in kwargs})
+
+        hook = model.model.layers[self.full].register_forward_pre_hook(take, with_kwargs=True)
+        try:
+            hidden = model.model(torch.tensor([ids])).last_hidden_state[0]
+        finally:
+            hook.remove()
+        return hidden, taken
+
+
+def save_hybrid_checkpoint(model: torch.nn.Module, directory: Path, layout: str, nested: bool = False,
+                           mtp: QwenMtpHead | None = None) -> Path:
     """layout 'fused' (experts.gate_up_proj [E, 2I, H]) or 'per_expert'; `nested`: Qwen3.5 as the
-    image-text model's language model. With config.json and tokenizer.json (hf_tokenizer.py)."""
+    image-text model's language model; `mtp`: its multi-token-prediction head under `mtp.` (the
+    config's `mtp_num_hidden_layers` 1). With config.json and tokenizer.json (hf_tokenizer.py)."""
     directory.mkdir(parents=True, exist_ok=True)
-    state = expert_layout({k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()},
-                          layout)
-    config = model.config.to_dict()
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if mtp is not None:
+        state |= {f"mtp.{k}": v.detach().to(torch.bfloat16).contiguous() for k, v in mtp.state_dict().items()}
+    state = expert_layout(state, layout)
+    config = model.config.to_dict() | ({"mtp_num_hidden_layers": 1} if mtp is not None else {})
     if nested:
         state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
                  for k, v in state.items()}

@@ -100,11 +100,14 @@ def test_ngram_drafts_follow_the_latest_longest_match():
 
 def test_speculate_values_and_the_families_that_take_them():
     assert parse_speculation("off") is None and parse_speculation(" NGRAM:3 ") == Speculation("ngram", 3)
-    for bad in ("ngram:0", "ngram:9", "ngram", "ngram:", "mtp:2", "on", "off:1", "ngram:-1", "ngram:x"):
+    assert parse_speculation("mtp:2") == Speculation("mtp", 2)
+    for bad in ("ngram:0", "ngram:9", "ngram", "ngram:", "mtp:0", "mtp:9", "mtp", "on", "off:1", "ngram:-1", "ngram:x"):
         with pytest.raises(ValueError, match=f"--speculate '{bad}'"):
             parse_speculation(bad)
     for name in ("qwen3-moe-tiny", "glm-5-tiny", "qwen3.6-moe-tiny", "deepseek-v4-tiny"):
         spec = load_spec(SPECS / f"{name}.yaml")[0]
+        with pytest.raises(ValueError, match="no multi-token-prediction layer"):  # the tiny specs have none
+            Speculation("mtp", 2).check_family(spec)
         if name in ROLLS_BACK:
             Speculation("ngram", 2).check_family(spec)
         else:
@@ -419,7 +422,7 @@ def test_the_draft_oracle_drafts_the_answer_right_with_probability_p(seed):
     rng = random.Random(seed)
     vocab, p = rng.randrange(2, 50), rng.uniform(0.1, 0.9)
     answer = tuple(rng.randrange(vocab) for _ in range(40))
-    drafter = Speculation("ngram", 4, DraftOracle(answer, p, vocab, seed)).new_drafter([1, 2, 3])
+    drafter = Speculation("ngram", 4, DraftOracle(answer, p, vocab, seed)).new_drafter([1, 2, 3], None, 0)
     right = total = 0
     for given in range(1, 40):
         drafter.add(answer[given - 1])

@@ -146,15 +146,19 @@ def _compile(opts: CompileOptions, console: Console | None, experts_in_memory: b
                         f"(--random-weights for a benchmark engine)")
     if checkpoint is not None:
         check_checkpoint_tokenizer(spec, checkpoint)
+    weights = _weights(spec, opts, checkpoint)
+    no_mtp, spec = weights.spec != spec, weights.spec
     target = resolve_target(opts.target)
     plan = make_plan(target, spec)
-    weights = _weights(spec, opts, checkpoint)
     out = opts.output or Path("build") / spec.name
     _check_output(out, opts.force)  # before the work, not only after it
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = _fresh_dir(out, "partial")
     console.print(f"[bold]ftc compile[/] {spec.name} ({spec.family}) from {weights.description} "
                   f"for target {target.name} ({plan.isa}) → {out}")
+    if no_mtp:
+        console.print(f"{checkpoint} has no multi-token-prediction tensors: the engine has no MTP layer "
+                      "(--speculate mtp is not available; ngram is)")
     if weights.extra_layers:
         skipped = ", ".join(f"{p} ({n} tensors)" for p, n in sorted(weights.extra_layers.items()))
         console.print(f"not read: {skipped}, past the spec's {spec.num_layers} layers (multi-token prediction)")
@@ -254,7 +258,7 @@ def _write_dense(weights: WeightSource, staging: Path, progress: Progress, spec:
 
 def _ftw_header(spec: ModelSpec) -> FtwHeader:
     """The FTW header of the spec's routed experts, in its expert format."""
-    return FtwHeader.create(spec.expert_format, len(spec.moe_layers), spec.moe.num_experts, spec.hidden_size,
+    return FtwHeader.create(spec.expert_format, len(spec.expert_layers), spec.moe.num_experts, spec.hidden_size,
                             spec.moe.expert_intermediate_size)
 
 
@@ -262,7 +266,7 @@ def _write_experts(weights: WeightSource, spec: ModelSpec, staging: Path, progre
     header = _ftw_header(spec)
     task = progress.add_task("experts → FTW", total=header.num_rows)
     writer = FtwWriter(staging / EXPERTS_FILE, header)
-    for layer in spec.moe_layers:
+    for layer in spec.expert_layers:
         for expert in range(spec.moe.num_experts):
             writer.append(weights.expert(layer, expert))
             progress.advance(task)
@@ -278,7 +282,7 @@ def _experts_in_memory(weights: WeightSource, spec: ModelSpec, progress: Progres
 
     def fill(row: int) -> None:
         layer, expert = divmod(row, header.num_experts)
-        encoded = header.format.rows_of(weights.expert(spec.moe_layers[layer], expert))
+        encoded = header.format.rows_of(weights.expert(spec.expert_layers[layer], expert))
         for name, dst in header.rows(pool.experts[row]).items():
             dst.copy_(encoded[name])
         progress.advance(task)

@@ -6,6 +6,7 @@ compiler streams experts into FTW and never holds the model in memory twice.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from collections.abc import Iterator
@@ -28,6 +29,9 @@ from ftc_runtime.spec import ModelSpec
 class WeightSource(Protocol):
     description: str
     extra_layers: dict[str, int]  # layers past the spec's that the source holds and the engine skips
+    # The spec the engine is built to: the one asked for, without its multi-token-prediction layers
+    # where a checkpoint has none of their tensors (a release stripped of them)
+    spec: ModelSpec
 
     def dense(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every non-expert tensor by checkpoint name: bf16, or fp32 and int64 where the engine
@@ -43,15 +47,17 @@ class WeightSource(Protocol):
         matrices gate, up and down that a checkpoint stores in the format, which it repacks."""
 
 
-def extra_layers(names: list[str], num_layers: int) -> dict[str, int]:
-    """Decoder layers a checkpoint holds past the spec's `num_layers` (GLM-5's and DeepSeek-V3's
-    multi-token-prediction layers) or under `mtp.` (DeepSeek-V4's), which the engine does not
-    read: tensors by layer prefix."""
+def extra_layers(names: list[str], spec: ModelSpec, mtp_prefixes: set[str]) -> dict[str, int]:
+    """Layers a checkpoint holds that the engine does not read: decoder layers past the spec's but
+    those it reads as its multi-token-prediction layers (`mtp_prefixes`, GLM-5's and DeepSeek-V3's
+    next-n layers), DeepSeek-V4's under `mtp.N.` and, where the spec has no MTP layer, Qwen's under
+    `mtp.`: tensors by prefix."""
     counts: dict[str, int] = {}
     for name in names:
         match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-        if not (match and int(match.group(1)) >= num_layers):
-            match = re.match(r"(?:model\.)?mtp\.\d+\.", name)
+        if not (match and int(match.group(1)) >= spec.num_layers and name[:match.end() - 1] not in mtp_prefixes):
+            match = re.match(r"(?:model\.)?mtp\.\d+\.", name) or (re.match(r"mtp\.", name) if not spec.mtp_layers
+                                                                   else None)
         if match:
             prefix = name[:match.end()].rstrip(".")
             counts[prefix] = counts.get(prefix, 0) + 1
@@ -70,11 +76,13 @@ class CheckpointWeights:
     keeps them (the family's `CheckpointLayout`)."""
 
     def __init__(self, spec: ModelSpec, directory: Path):
-        self.spec, self.ckpt = spec, SafetensorsCheckpoint(directory)
+        self.ckpt = SafetensorsCheckpoint(directory)
         self.reader = DequantizedDense(self.ckpt, checkpoint_fp8_block(directory))
+        self.spec = spec = self._without_absent_mtp(spec)
         self.layout = family(spec.family).checkpoint_layout(self.reader, spec)
         self.description = f"checkpoint {directory}"
-        self.extra_layers = extra_layers(self.ckpt.names(), spec.num_layers)
+        mtp_prefixes = {self.layout.name(f"model.layers.{i}.").rstrip(".") for i in spec.mtp_decoder_layers}
+        self.extra_layers = extra_layers(self.ckpt.names(), spec, mtp_prefixes)
         self.shapes = family(spec.family).dense_tensor_shapes(spec)
         for name, shape in self.shapes.items():
             if name not in self.layout:
@@ -89,6 +97,15 @@ class CheckpointWeights:
         if self.quantized is None and not self.fused and self.per_expert is None:
             raise CheckpointError(f"{directory}: no experts for layer {spec.moe_layers[0]}: expected "
                                   f"{first}gate_up_proj, {first}0.gate_proj.weight or {first}0.w1.weight")
+
+    def _without_absent_mtp(self, spec: ModelSpec) -> ModelSpec:
+        """`spec`, without its multi-token-prediction layers where the checkpoint holds none of
+        their tensors (some releases strip them); one of them present, the rest must be too."""
+        fam = family(spec.family)
+        bare = dataclasses.replace(spec, mtp_layers=0)
+        layout = fam.checkpoint_layout(self.reader, spec)
+        head = set(fam.dense_tensor_shapes(spec)) - set(fam.dense_tensor_shapes(bare))
+        return bare if spec.mtp_layers and not any(name in layout for name in head) else spec
 
     def _quantized_experts(self, prefix: str) -> QuantizedExperts | None:
         """The reader of the checkpoint's 4-bit experts; None where they are 16/32-bit. Either way

@@ -379,7 +379,7 @@ def _check_experts(m: EngineManifest, hash_experts: bool) -> ftw.FtwHeader:
     header, checksums = ftw.read_header(source)
     path = m.path(m.expert_files[0])
     spec = m.spec
-    needed = ftw.FtwHeader.create(spec.expert_format, len(spec.moe_layers), spec.moe.num_experts, spec.hidden_size,
+    needed = ftw.FtwHeader.create(spec.expert_format, len(spec.expert_layers), spec.moe.num_experts, spec.hidden_size,
                                   spec.moe.expert_intermediate_size)
     if header != needed:
         raise ftw.FtwError(f"{path}: holds {header.num_moe_layers} MoE layers × {header.num_experts} experts of "

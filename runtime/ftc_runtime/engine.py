@@ -215,9 +215,7 @@ class Engine:
         """`generate` drafts tokens and verifies them in one pass per step (None: off); the
         family must be one whose state rolls back by its length (`Speculation.check_family`).
         The server's scheduler, which decodes several sequences together, does not speculate."""
-        if speculation is not None:
-            speculation.check_family(self.spec)
-        self.speculation = speculation
+        self.speculation = speculation.for_spec(self.spec) if speculation is not None else None
 
     def rebalance(self, needs: list[tuple[object, int]]) -> None:
         """A safe point: fits the expert slots to the budget left by these sequences' caches
@@ -234,17 +232,20 @@ class Engine:
         return tuple(i for i, t in enumerate(ids) if t in self.boundary_ids)
 
     def prefill(self, ids: torch.Tensor, cache: SequenceState, all_logits: bool = False, checkpoints: bool = False,
-                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+                between_layers: Callable[[], None] | None = None,
+                hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Runs the prompt `ids` after the cache's tokens in chunks of `prefill_chunk` tokens;
         returns the logits of its last token [1, vocab] (every token's with all_logits). With
         `checkpoints` (a hybrid model), the linear layers' state after every boundary token goes
         into `cache.checkpoints`, taken inside the chunks. `between_layers` (called after each
-        layer) may raise to abandon the pass."""
-        outs = []
+        layer) may raise to abandon the pass. `hidden` (a model with an MTP layer): each chunk's
+        final hidden states are appended to it."""
+        outs, more = [], {} if hidden is None else {"hidden": hidden}
         for a in range(0, ids.numel(), self.prefill_chunk):
             chunk = ids[a:a + self.prefill_chunk]
             at = self.boundaries_in(chunk.tolist()) if checkpoints else ()
-            outs.append(self.model.forward(chunk, cache, all_logits, checkpoint_at=at, between_layers=between_layers))
+            outs.append(self.model.forward(chunk, cache, all_logits, checkpoint_at=at, between_layers=between_layers,
+                                           **more))
         return torch.cat(outs) if all_logits else outs[-1]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
@@ -299,9 +300,10 @@ def _expert_pool(manifest: EngineManifest, pool: ftw.ExpertPool | None, show_pro
     if pool is None:
         pool = _load_pool(manifest, show_progress)
     spec, h = manifest.spec, pool.header
-    if (h.num_moe_layers, h.num_experts) != (len(spec.moe_layers), spec.moe.num_experts):
+    if (h.num_moe_layers, h.num_experts) != (len(spec.expert_layers), spec.moe.num_experts):
         raise ftw.FtwError(f"{manifest.path(manifest.expert_files[0])}: holds {h.num_moe_layers} MoE layers × "
-                           f"{h.num_experts} experts, the spec needs {len(spec.moe_layers)} × {spec.moe.num_experts}")
+                           f"{h.num_experts} experts, the spec needs {len(spec.expert_layers)} × "
+                           f"{spec.moe.num_experts}")
     return pool
 
 

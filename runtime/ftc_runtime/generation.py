@@ -42,7 +42,8 @@ class Runner(Protocol):
     boundary_ids: frozenset[int]
 
     def prefill(self, ids: torch.Tensor, cache: SequenceState, all_logits: bool = False, checkpoints: bool = False,
-                between_layers: Callable[[], None] | None = None) -> torch.Tensor: ...
+                between_layers: Callable[[], None] | None = None,
+                hidden: list[torch.Tensor] | None = None) -> torch.Tensor: ...
 
 
 @dataclass(eq=False)
@@ -78,6 +79,11 @@ class Sequence:
     pass_states: dict[int, RecurrentCheckpoint] = field(default_factory=dict, init=False)
 
     @property
+    def reads_hidden(self) -> bool:
+        """Its drafter reads the final hidden states of the positions each pass keeps (MTP)."""
+        return self.drafter is not None and self.drafter.reads_hidden
+
+    @property
     def reading(self) -> bool:
         """The prompt is not yet run through."""
         return self.prompt_done < len(self.prompt_ids)
@@ -93,7 +99,7 @@ class Sequence:
             self.prompt_done = self.reused_tokens = self.resume.length
             self.checkpoints = self.prefix.takes_checkpoints
         if self.speculation is not None:
-            self.drafter = self.speculation.new_drafter(self.prompt_ids)
+            self.drafter = self.speculation.new_drafter(self.prompt_ids, runner.model, self.prompt_done)
             self.controller = DraftController(self.speculation.k) if self.speculation.auto else None
 
     def kv_need(self) -> tuple[SequenceState, int]:
@@ -108,7 +114,11 @@ class Sequence:
         the chunk (the sequence must then end)."""
         end = min(len(self.prompt_ids), self.prompt_done + chunk)
         ids = torch.tensor(self.prompt_ids[self.prompt_done:end], dtype=torch.long)
-        logits = runner.prefill(ids, self.cache, checkpoints=self.checkpoints, between_layers=between_layers)
+        hidden = [] if self.reads_hidden else None
+        logits = runner.prefill(ids, self.cache, checkpoints=self.checkpoints, between_layers=between_layers,
+                                hidden=hidden)
+        if hidden is not None:
+            self.drafter.observe(torch.cat(hidden))
         self.prompt_done = end
         if self.reading:
             return None
@@ -139,7 +149,7 @@ class Sequence:
         """One step of this sequence alone: its drafts verified in one pass where the drafter has
         any, else a plain decode step. Returns the tokens to give out, in order (`accept` each)."""
         drafts, t0, accepted = self._drafts(), time.perf_counter(), self.accepted
-        if drafts:
+        if drafts or self.reads_hidden:  # a drafter that reads hidden states needs every position's
             tokens = self.verify_drafts(runner, drafts)
         else:
             tokens = [self.advance(runner, decode_step(runner, [self])[0])]
@@ -160,9 +170,12 @@ class Sequence:
         (`speculative.verify`) and cuts the cache back to `next_token` and those. Returns the
         tokens to give out: the accepted drafts, then the target's own token."""
         start, ids = self.cache.length, [self.next_token, *drafts]
-        logits = self._verification_pass(runner, ids)
+        hidden = [] if self.reads_hidden else None
+        logits = self._verification_pass(runner, ids, hidden)
         tokens = verify(self.sampler, logits, drafts)
         kept = len(tokens)  # next_token and the accepted drafts, len(tokens) - 1 of them
+        if hidden is not None:
+            self.drafter.observe(hidden[0][:kept])
         if kept < len(ids):
             self.cache.truncate(start + kept, self.pass_states.get(start + kept))
         if self.checkpoints:  # as `advance` keeps them: the state after each boundary token run
@@ -173,13 +186,15 @@ class Sequence:
         self.accepted += kept - 1
         return tokens
 
-    def _verification_pass(self, runner: Runner, ids: list[int]) -> torch.Tensor:
-        """Every position's logits of `ids` run after the cache's tokens. A recurrent state (the
-        hybrid models' linear layers) is taken after each of them, within the one pass, into
-        `pass_states` by length: a rejected draft rewinds to one of those."""
+    def _verification_pass(self, runner: Runner, ids: list[int], hidden: list[torch.Tensor] | None) -> torch.Tensor:
+        """Every position's logits of `ids` run after the cache's tokens (their final hidden states
+        appended to `hidden` where given). A recurrent state (the hybrid models' linear layers) is
+        taken after each of them, within the one pass, into `pass_states` by length: a rejected
+        draft rewinds to one of those."""
         start = self.cache.length
         at = tuple(range(len(ids))) if self.cache.recurrent else ()
-        logits = runner.model.forward(torch.tensor(ids, dtype=torch.long), self.cache, True, checkpoint_at=at)
+        more = {} if hidden is None else {"hidden": hidden}
+        logits = runner.model.forward(torch.tensor(ids, dtype=torch.long), self.cache, True, checkpoint_at=at, **more)
         self.pass_states = {n: self.cache.checkpoints.pop(n) for n in range(start + 1, start + len(ids) + 1)
                             if n in self.cache.checkpoints}
         return logits

@@ -37,6 +37,7 @@ MAX_TOP_K = 256
 MAX_INTERMEDIATE = 1 << 17
 MAX_POSITIONS = 1 << 24
 MAX_CONV_KERNEL = 64
+MAX_MTP_LAYERS = 8  # the releases have one
 MAX_NAME = 255  # the default output directory is build/<name>: one file name
 
 
@@ -220,6 +221,10 @@ class ModelSpec:
     # 128 × 128 block, as FP8 releases store them) in the families that read them so.
     dense_format: str = "bf16"
     checkpoint: str | None = None
+    # Multi-token-prediction layers after the last decoder layer (the checkpoint's MTP or next-n
+    # heads: `--speculate mtp:K` drafts with them): decoder layers num_layers .. num_layers +
+    # mtp_layers - 1, each full attention with routed experts, which the pool holds after the others'.
+    mtp_layers: int = 0
 
     # -- derived ---------------------------------------------------------------------------------
     @property
@@ -227,6 +232,17 @@ class ModelSpec:
         """Decoder layer indices that have routed experts, in order (FTW layer l is the l-th)."""
         dense = set(self.moe.dense_layers)
         return tuple(i for i in range(self.num_layers) if i not in dense)
+
+    @property
+    def mtp_decoder_layers(self) -> tuple[int, ...]:
+        """The multi-token-prediction layers' decoder indices (after the model's own)."""
+        return tuple(range(self.num_layers, self.num_layers + self.mtp_layers))
+
+    @property
+    def expert_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose routed experts the pool holds, in its order: the MoE layers,
+        then the multi-token-prediction layers."""
+        return self.moe_layers + self.mtp_decoder_layers
 
     @property
     def full_attention_layers(self) -> tuple[int, ...]:
@@ -238,7 +254,8 @@ class ModelSpec:
         return tuple(i for i in range(self.num_layers) if self.layer_kind(i) == "linear_attention")
 
     def layer_kind(self, i: int) -> str:
-        return self.layer_kinds[i] if self.layer_kinds else "full_attention"
+        """A decoder layer's token mixer; a multi-token-prediction layer's is full attention."""
+        return self.layer_kinds[i] if self.layer_kinds and i < self.num_layers else "full_attention"
 
     @property
     def resumes_at_checkpoints(self) -> bool:
@@ -544,6 +561,7 @@ def _check_sizes(s: ModelSpec, need: Need) -> None:
         ("moe.shared_expert_intermediate_size", m.shared_expert_intermediate_size, 0, MAX_INTERMEDIATE),
         ("moe.dense_intermediate_size", m.dense_intermediate_size, 0, MAX_INTERMEDIATE),
         ("max_position_embeddings", s.max_position_embeddings, 1, MAX_POSITIONS),
+        ("mtp_layers", s.mtp_layers, 0, MAX_MTP_LAYERS),
     ):
         _bounded(need, path, v, low, top)
 

@@ -51,4 +51,6 @@ def checked_spec(data: Any, source: str = "spec") -> ModelSpec:
     fam.check_spec(spec, need)
     need(spec.dense_format == "bf16" or fam.fp8_linears, "dense_format", spec.dense_format,
          f"bf16 for family {spec.family} (its model reads no FP8 weights)")
+    need(spec.mtp_layers == 0 or fam.mtp, "mtp_layers", spec.mtp_layers,
+         f"0 for family {spec.family} (its model runs no multi-token-prediction layer)")
     return spec

@@ -84,6 +84,8 @@ class Family:
     # expert ids, stored int64 (a hash router's token id → experts); the rest bf16 or FP8.
     fp32_tensors: tuple[str, ...] = ()
     expert_index_tensors: tuple[str, ...] = ()
+    # Its model runs the checkpoint's multi-token-prediction layers (`spec.mtp_layers`, `mtp_logits`)
+    mtp: bool = False
 
     @property
     def chat_template_path(self) -> Path:

@@ -16,6 +16,8 @@ MIN_NGRAM, MAX_NGRAM = 1, 3
 
 
 class NgramDrafter:
+    reads_hidden = False
+
     def __init__(self, tokens: Iterable[int] = (), min_ngram: int = MIN_NGRAM, max_ngram: int = MAX_NGRAM):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"n-gram lengths {min_ngram}..{max_ngram}: expected 1 <= min <= max")

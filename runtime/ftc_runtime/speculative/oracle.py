@@ -32,6 +32,8 @@ class OracleDrafter:
     """Follows the answer by how many of its tokens were given out (`add`); `propose(k)` drafts the
     next k, each wrong with probability 1 - P (a uniformly drawn other token)."""
 
+    reads_hidden = False
+
     def __init__(self, oracle: DraftOracle, context: Iterable[int] = ()):
         del context  # the answer is known: the context only tells where it starts, which `add` counts
         self.oracle, self.given = oracle, 0

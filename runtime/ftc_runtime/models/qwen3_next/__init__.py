@@ -14,6 +14,6 @@ from ftc_runtime.models.qwen3_next.model import Qwen3NextModel
 
 FAMILIES = {
     name: Family(name, Qwen3NextModel, check_spec, dense_tensor_shapes, spec_from_hf, HybridCheckpointLayout,
-                 HybridDecodeGraphs, "chatml_tools.jinja", "qwen", state_bytes)
+                 HybridDecodeGraphs, "chatml_tools.jinja", "qwen", state_bytes, mtp=True)
     for name in ("qwen3_next", "qwen3_5_moe")
 }

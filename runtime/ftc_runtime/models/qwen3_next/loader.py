@@ -24,6 +24,8 @@ from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.models.layers.tensor_shapes import end_tensor_shapes, mlp_tensor_shapes
 from ftc_runtime.spec import ModelSpec, Need, SpecError
 
+# The head's (1 + w) norms: of the next token's embedding, of the model's hidden state, of its output.
+MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
 _SPLIT = {"in_proj_qkv.weight": "qkvz", "in_proj_z.weight": "qkvz", "in_proj_b.weight": "ba",
           "in_proj_a.weight": "ba"}
 
@@ -31,9 +33,9 @@ _SPLIT = {"in_proj_qkv.weight": "qkvz", "in_proj_z.weight": "qkvz", "in_proj_b.w
 def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every non-expert tensor of the model, by canonical checkpoint name, with its shape."""
     a, m, h = spec.attention, spec.moe, spec.hidden_size
-    shapes = end_tensor_shapes(spec)
-    moe_layers = set(spec.moe_layers)
-    for i in range(spec.num_layers):
+    shapes = end_tensor_shapes(spec) | mtp_tensor_shapes(spec)
+    moe_layers = set(spec.expert_layers)
+    for i in range(spec.num_layers + spec.mtp_layers):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
         if spec.layer_kind(i) == "linear_attention":
@@ -59,6 +61,15 @@ def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         else:
             shapes |= mlp_tensor_shapes(p + "mlp.", m.dense_intermediate_size, h)
     return shapes
+
+
+def mtp_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The multi-token-prediction head's own tensors (its decoder layer is `model.layers.N`, N =
+    num_layers): the normed embedding and hidden state, joined by `fc`, and its final norm."""
+    if not spec.mtp_layers:
+        return {}
+    h = spec.hidden_size
+    return {"mtp.fc.weight": (h, 2 * h)} | {f"mtp.{n}.weight": (h,) for n in MTP_NORMS}
 
 
 def state_bytes(spec: ModelSpec, tokens: int, element_size: int) -> int:
@@ -99,6 +110,9 @@ def spec_from_hf(cfg: HfConfig) -> dict[str, Any]:
         "norm": {"kind": "rms_one_plus", "eps": float(cfg.get("rms_norm_eps", 1e-6))},
         "rope": cfg.rope(0.25),
         "moe": _moe(cfg, qwen35),
+        # the released configs name it (Qwen3-Next as DeepSeek does); a checkpoint without its tensors
+        # compiles without it (`ftc compile` says so)
+        "mtp_layers": cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)),
     }
 
 
@@ -131,12 +145,26 @@ def check_spec(s: ModelSpec, need: Need) -> None:
              m.shared_expert_intermediate_size, "a positive integer when moe.num_shared_experts is 1")
 
 
+def mtp_layer(canonical: str, num_layers: int) -> tuple[int, str] | None:
+    """(j, the rest of the name) for a tensor of multi-token-prediction layer j (`model.layers.N+j.`)."""
+    head, _, rest = canonical.partition(".layers.")
+    if head != "model" or not rest:
+        return None
+    index, _, name = rest.partition(".")
+    return (int(index) - num_layers, name) if index.isdigit() and int(index) >= num_layers else None
+
+
 class HybridCheckpointLayout(CheckpointLayout):
     def __init__(self, ckpt: CheckpointReader, spec: ModelSpec):
         super().__init__(ckpt, spec)
         self.prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in ckpt else "model."
 
     def name(self, canonical: str) -> str:
+        """The multi-token-prediction layer (`model.layers.N`, N = num_layers) under `mtp.layers.0.`
+        beside the language model, the rest under its prefix."""
+        layer = mtp_layer(canonical, self.spec.num_layers)
+        if layer is not None:
+            return f"mtp.layers.{layer[0]}.{layer[1]}"
         return self.prefix + canonical[len("model."):] if canonical.startswith("model.") else canonical
 
     def _grouped(self, canonical: str) -> tuple[str, str] | None:

@@ -34,11 +34,12 @@ from ftc_runtime.models.layers.mlp import dense_mlp, shared_expert
 from ftc_runtime.models.layers.norm import rms_norm
 from ftc_runtime.models.layers.rope import rope_cos_sin, rope_inv_freq
 from ftc_runtime.models.layers.router import route
+from ftc_runtime.models.qwen3_next.loader import MTP_NORMS
 from ftc_runtime.spec import ModelSpec
 
 # (1 + w) norms: the stored weight is the offset from 1 (the linear layers' gated norm is plain w).
 _ONE_PLUS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
-             "self_attn.k_norm.weight")
+             "self_attn.k_norm.weight", "model.norm.weight", *(f"mtp.{n}.weight" for n in MTP_NORMS))
 
 
 # The projections that read one input, fused (`Qwen3NextModel._fuse_projections`): a linear layer's
@@ -68,9 +69,9 @@ class Qwen3NextModel(BatchDecode):
                 continue
             keep_fp32 = name.endswith(("A_log", "dt_bias"))  # the decay's parameters, as the reference
             t = t.to(self.device, torch.float32 if keep_fp32 else self.dtype)
-            self.w[name] = 1.0 + t if name.endswith(_ONE_PLUS) or name == "model.norm.weight" else t
+            self.w[name] = 1.0 + t if name.endswith(_ONE_PLUS) else t
         self.lm_head = self.embed.to(self.dtype) if spec.tie_word_embeddings else self.w["lm_head.weight"]
-        self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        self.moe_index = {layer: i for i, layer in enumerate(spec.expert_layers)}  # its pool layer
         self.kv_index = {layer: i for i, layer in enumerate(spec.full_attention_layers)}
         self.linear_index = {layer: i for i, layer in enumerate(spec.linear_attention_layers)}
         self._fuse_projections()
@@ -86,7 +87,7 @@ class Qwen3NextModel(BatchDecode):
     def _fuse_projections(self) -> None:
         """Each group of projections of one input as one weight (`FUSED`), the parts kept as views
         of its rows: a decode step reads the group with one GEMV, the torch path the views."""
-        for i in range(self.spec.num_layers):
+        for i in range(self.spec.num_layers + self.spec.mtp_layers):
             p = f"model.layers.{i}."
             for fused, parts in FUSED:
                 names = [p + n for n in parts]
@@ -113,13 +114,15 @@ class Qwen3NextModel(BatchDecode):
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
-                checkpoint_at: tuple[int, ...] = (), between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+                checkpoint_at: tuple[int, ...] = (), between_layers: Callable[[], None] | None = None,
+                hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32.
         `checkpoint_at`: indices into ids (ascending) after which the linear layers' state goes
         into `cache.checkpoints`, taken within the chunk, which is not cut there. `between_layers`
         is called after each layer and may raise to abandon the pass (the linear layers' state is
-        then part-way through the chunk: the sequence must end)."""
-        if self.decode_graphs is not None and ids.numel() == 1 and not checkpoint_at:
+        then part-way through the chunk: the sequence must end). `hidden`: every position's final
+        hidden state (after the last norm, [T, hidden]) is appended to it (the MTP head's input)."""
+        if self.decode_graphs is not None and ids.numel() == 1 and not checkpoint_at and hidden is None:
             return self.decode_graphs.step(ids, cache)
         start, n = cache.length, ids.numel()
         # Before the pass queues its expert copies: a host→device copy waits for those queued before it.
@@ -144,7 +147,10 @@ class Qwen3NextModel(BatchDecode):
         for c, at in enumerate(checkpoint_at):
             cache.checkpoints[start + at + 1] = RecurrentCheckpoint(start + at + 1, tuple(t[c] for t in taken))
         cache.length = start + n
-        return self.head(x if all_logits else x[-1:])
+        final = self.final_norm(x if all_logits or hidden is not None else x[-1:])
+        if hidden is not None:
+            hidden.append(final)
+        return F.linear(final if all_logits else final[-1:], self.lm_head).float()
 
     @torch.inference_mode()
     def _eager_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
@@ -176,7 +182,7 @@ class Qwen3NextModel(BatchDecode):
                        caches: list[SequenceCache]) -> torch.Tensor:
         q, k, v, gate = gated_attention_in(h, *self.attention_in_weights(i), cos, sin, self.spec.norm.eps,
                                            self.heads, self.spec.attention.output_gate)
-        layer = self.kv_index[i]
+        layer = self.kv_index.get(i, i - self.spec.num_layers)  # a multi-token-prediction layer: its own cache's
         if len(caches) == 1:
             attn = cached_attention(caches[0].kv, layer, q, k, v, self.heads)
         else:
@@ -216,7 +222,36 @@ class Qwen3NextModel(BatchDecode):
         return out
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.w["model.norm.weight"], self.spec.norm.eps), self.lm_head).float()
+        return F.linear(self.final_norm(x), self.lm_head).float()
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.w["model.norm.weight"], self.spec.norm.eps)
+
+    def new_mtp_cache(self) -> SequenceCache:
+        """The multi-token-prediction layer's own keys and values."""
+        a = self.spec.attention
+        return SequenceCache(KVCache(self.spec.mtp_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device))
+
+    @torch.inference_mode()
+    def mtp_forward(self, hidden: torch.Tensor, ids: torch.Tensor, cache: SequenceCache,
+                    start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The multi-token-prediction layer over T positions after `cache`'s, the first at
+        sequence position `start`: row t joins the final hidden state at that position (`hidden`
+        [T, hidden], `forward`'s) with the embedding of the token after it (`ids` [T]), and
+        predicts the token after that. Returns (logits [T, vocab] fp32, its output [T, hidden],
+        which drafts a further token as the hidden state of the position after)."""
+        i, w, eps = self.spec.num_layers, self.w, self.spec.norm.eps
+        embedded = rms_norm(self.embed[ids.to(self.device)].to(self.dtype), w["mtp.pre_fc_norm_embedding.weight"], eps)
+        x = F.linear(torch.cat([embedded, rms_norm(hidden.to(self.dtype), w["mtp.pre_fc_norm_hidden.weight"], eps)],
+                               dim=-1), w["mtp.fc.weight"])
+        self.experts.begin_pass(ids.numel(), prompt=False)
+        cos, sin = self.rope_at(torch.arange(start, start + ids.numel(), device=self.device))
+        x = x + self.full_attention(i, rms_norm(x, w[f"model.layers.{i}.input_layernorm.weight"], eps), cos, sin,
+                                    [cache])
+        x = x + self.mlp(i, rms_norm(x, w[f"model.layers.{i}.post_attention_layernorm.weight"], eps), start)
+        cache.length += ids.numel()
+        out = rms_norm(x, w["mtp.norm.weight"], eps)
+        return F.linear(out, self.lm_head).float(), out
 
     def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(self.inv_freq, positions, self.dtype)

@@ -1,0 +1,60 @@
+"""`MtpDrafter`: drafts from the checkpoint's own multi-token-prediction layer (`--speculate mtp:K`).
+
+The layer joins the final hidden state at position p with the embedding of the token at p + 1 and
+predicts the token at p + 2, attending over its own keys and values of the earlier positions. Each
+pass of the model hands over the hidden states of the positions it ran and kept (`observe`); once
+the token after each is known, the layer runs over them in one call, its last row's prediction the
+first draft (the token after the sequence's next one). Each further draft runs the layer on one
+position more, its own output standing in for the hidden state there; those positions' keys and
+values are cut off again, since a verification pass gives the true hidden states.
+
+The drafts are the layer's greedy tokens (a point mass, which the acceptance rule takes as it is:
+`verify`). A sequence resumed from the prefix cache starts the layer's keys and values at the point
+it resumed from, the hidden states before it being gone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+class MtpDrafter:
+    reads_hidden = True
+
+    def __init__(self, model: Any, context: Iterable[int], start: int):
+        """`model`: the family's model (`new_mtp_cache`, `mtp_forward`); `context`: the prompt;
+        `start`: the position of the first hidden state it will be told (where the sequence resumed)."""
+        self.model, self.tokens, self.start = model, list(context), start
+        self.cache = model.new_mtp_cache()
+        self.pending: list[torch.Tensor] = []  # hidden states the layer has not run yet, in order
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """The final hidden states [T, hidden] of the next T positions that the sequence keeps."""
+        self.pending.append(hidden)
+
+    def propose(self, k: int) -> list[int]:
+        if k < 1 or not self.pending:
+            return []
+        hidden, self.pending = torch.cat(self.pending), []
+        first = self.start + self.cache.length
+        after = self.tokens[first + 1:first + 1 + hidden.shape[0]]  # the token after each position
+        if len(after) != hidden.shape[0]:
+            raise RuntimeError(f"MTP drafter: hidden states up to position {first + hidden.shape[0] - 1}, "
+                               f"tokens up to {len(self.tokens) - 1}")
+        logits, out = self.model.mtp_forward(hidden, self._ids(after), self.cache, first)
+        kept, position = self.cache.length, first + hidden.shape[0]
+        drafts = [int(logits[-1].argmax())]
+        while len(drafts) < k:
+            logits, out = self.model.mtp_forward(out[-1:], self._ids(drafts[-1:]), self.cache, position)
+            drafts.append(int(logits[-1].argmax()))
+            position += 1
+        self.cache.truncate(kept)
+        return drafts
+
+    def _ids(self, tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.long)

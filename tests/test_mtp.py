@@ -1,0 +1,182 @@
+"""Multi-token-prediction heads (`--speculate mtp:K`): tiny checkpoints of each family that has one,
+their MTP tensors under the releases' names, compiled with the head (its experts one more layer of
+the pool); the head's logits against a torch reference of the published architecture
+(hf_hybrid_models.QwenMtpHead); a checkpoint without the tensors, or a spec that drops them,
+compiles without the head and says so; greedy output with MTP drafts equal to plain decoding,
+token for token, for every k, policy and with the prefix cache."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ftc.cli.main import app
+from ftc.compile.pipeline import CompileOptions, compile_engine
+from ftc_runtime import Engine, SamplingParams
+from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.speculative import config
+from ftc_runtime.speculative.config import Speculation
+from ftc_runtime.speculative.mtp import MtpDrafter
+
+from conftest import seed_for
+from families import rel
+from hf_hybrid_models import QwenMtpHead, build_hybrid, save_hybrid_checkpoint
+
+# (family, expert layout, the language model nested as Qwen3.5's image-text checkpoints keep it)
+CHECKPOINTS = [("qwen3_5_moe", "fused", False), ("qwen3_5_moe", "per_expert", True),
+               ("qwen3_next", "per_expert", False)]
+# fp32 on the CPU against transformers' fp32: the bf16 weights are the same numbers on both sides
+HEAD_BOUND = 1e-4
+
+
+def _id(c: tuple[str, str, bool]) -> str:
+    return f"{c[0]}-{c[1]}" + ("-nested" if c[2] else "")
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS, ids=_id)
+def mtp_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module, QwenMtpHead, Path]:
+    """(engine directory, the reference model, its MTP head, the checkpoint)."""
+    fam, layout, nested = request.param
+    seed = seed_for(_id(request.param))
+    model = build_hybrid(fam, seed)
+    head = QwenMtpHead(model, seed + 1)
+    root = tmp_path_factory.mktemp(_id(request.param))
+    ckpt = save_hybrid_checkpoint(model, root / "ckpt", layout, nested, mtp=head)
+    engine = compile_engine(CompileOptions(source=ckpt, target="cpu", output=root / "engine"))
+    return engine, model, head, ckpt
+
+
+def test_the_head_predicts_as_the_published_architecture(mtp_model, seed):
+    """The model's final hidden states (`forward(hidden=...)`) are transformers'; the head's logits
+    over them, run as the drafter runs it (the first rows in one call, then one row a call on its
+    own keys and values), are the reference head's at every position."""
+    engine_dir, model, head, _ = mtp_model
+    engine = Engine.load(engine_dir)
+    assert engine.spec.mtp_layers == 1
+    rng = random.Random(seed)
+    ids = [rng.randrange(model.config.vocab_size) for _ in range(rng.randrange(6, 20))]
+    with torch.no_grad():
+        ref_hidden, layer_kwargs = head.layer_inputs(model, ids[:-1])
+        want = head(model, ref_hidden, torch.tensor(ids[1:]), layer_kwargs)
+    hidden: list[torch.Tensor] = []
+    engine.model.forward(torch.tensor(ids[:-1]), engine.model.new_cache(), hidden=hidden)
+    assert rel(hidden[0], ref_hidden) < HEAD_BOUND, f"seed={seed}"
+    cache, first = engine.model.new_mtp_cache(), rng.randrange(1, len(ids) - 1)
+    rows = [engine.model.mtp_forward(ref_hidden[:first], torch.tensor(ids[1:first + 1]), cache, 0)[0]]
+    for p in range(first, len(ids) - 1):
+        rows.append(engine.model.mtp_forward(ref_hidden[p:p + 1], torch.tensor(ids[p + 1:p + 2]), cache, p)[0])
+    got = torch.cat(rows)
+    assert cache.length == len(ids) - 1
+    assert rel(got, want) < HEAD_BOUND, f"seed={seed}: first call of {first} rows"
+
+
+def test_inspect_and_compile_say_whether_the_engine_has_the_head(mtp_model, tmp_path):
+    engine_dir, _, _, ckpt = mtp_model
+    runner = CliRunner()
+    shown = runner.invoke(app, ["inspect", str(engine_dir)])
+    assert shown.exit_code == 0 and "multi-token prediction" in shown.stdout and "mtp:K" in shown.stdout
+    dropped = runner.invoke(app, ["compile", str(ckpt), "--target", "cpu", "--override", "mtp_layers=0", "-o",
+                                  str(tmp_path / "bare")])
+    assert dropped.exit_code == 0, dropped.output
+    assert "not read: mtp (" in " ".join(dropped.output.split())
+    assert json.loads((tmp_path / "bare" / "engine.json").read_text())["spec"]["mtp_layers"] == 0
+    stripped = tmp_path / "stripped"
+    stripped.mkdir()
+    from safetensors.torch import load_file, save_file
+
+    for f in ckpt.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v for k, v in load_file(f).items() if not k.startswith("mtp.")}, str(stripped / f.name))
+        else:
+            (stripped / f.name).write_bytes(f.read_bytes())
+    r = runner.invoke(app, ["compile", str(stripped), "--target", "cpu", "-o", str(tmp_path / "s")])
+    assert r.exit_code == 0 and "has no multi-token-prediction tensors" in " ".join(r.output.split()), r.output
+    refused = runner.invoke(app, ["run", str(tmp_path / "s"), "--prompt-ids", "1,2", "--speculate", "mtp:2"])
+    assert refused.exit_code != 0 and "no multi-token-prediction layer" in " ".join(refused.output.split())
+
+
+def _load(engine_dir: Path, mode: str, speculation: Speculation | None) -> Engine:
+    offload = OffloadConfig(device="cpu", n_slots=6, b_p=20.0, b_h=40.0) if mode == "offload" else None
+    engine = Engine.load(engine_dir, offload=offload)
+    engine.prefill_chunk = 5
+    if mode == "prefix":
+        engine.enable_prefix_cache(kv_budget=1 << 30, checkpoint_budget=1 << 30)
+    engine.enable_speculation(speculation)
+    return engine
+
+
+def _session(engine: Engine, parts: list[list[int]], new: int) -> tuple[list[list[int]], int, int]:
+    """Each turn's greedy tokens, and the drafts verified and accepted over the turns."""
+    history, outs, drafted, accepted = [], [], 0, 0
+    for part in parts:
+        history += part
+        gen = engine.generate(history, new, SamplingParams(0.0))
+        outs.append(list(gen))
+        history += outs[-1]
+        drafted, accepted = drafted + gen.stats.drafted, accepted + gen.stats.accepted
+    return outs, drafted, accepted
+
+
+class SteeredDrafter(MtpDrafter):
+    """The MTP drafter as it runs (its hidden states, catch-up calls and cut-back keys), each of
+    its proposals recorded, but the drafts given to verification taken from the known greedy
+    conversation (`script`), each right with probability 0.7: the head of a tiny random model is
+    right too seldom to exercise passes that keep some drafts and drop the rest."""
+
+    script: list[int] = []
+    rng = random.Random(0)
+    proposals: list[tuple[int, list[int], list[int]]] = []  # (start, tokens then, the head's drafts)
+
+    def propose(self, k: int) -> list[int]:
+        drafts = super().propose(k)
+        if not drafts:
+            return []
+        n = len(self.tokens)
+        type(self).proposals.append((self.start, list(self.tokens), drafts))
+        right = self.script[n:n + k]
+        return [t if self.rng.random() < 0.7 else (t + 1) % 64 for t in right]
+
+
+def _reference_drafts(engine: Engine, start: int, tokens: list[int], k: int) -> list[tuple[int, float]]:
+    """The head's first k drafts after `tokens` (the last one not run yet), from one plain pass over
+    the sequence and the head over every position from `start`: (token, its top-2 logit margin)."""
+    hidden: list[torch.Tensor] = []
+    engine.model.forward(torch.tensor(tokens[:-1]), engine.model.new_cache(), hidden=hidden)
+    cache = engine.model.new_mtp_cache()
+    logits, out = engine.model.mtp_forward(hidden[0][start:], torch.tensor(tokens[start + 1:]), cache, start)
+    drafts = []
+    for j in range(k):
+        top = logits[-1].topk(2).values
+        drafts.append((int(logits[-1].argmax()), float(top[0] - top[1])))
+        logits, out = engine.model.mtp_forward(out[-1:], torch.tensor([drafts[-1][0]]), cache, len(tokens) - 1 + j)
+    return drafts
+
+
+@pytest.mark.parametrize("mode", ["cpu", "offload", "prefix"])
+def test_greedy_mtp_speculation_gives_the_tokens_of_plain_decoding(mtp_model, mode, seed, monkeypatch):
+    """Turns of one conversation (a prefix cache resumes each after the last, and the head starts
+    there), prompts read in chunks of 5: every k gives plain decoding's tokens, passes keep some
+    drafts and drop others, and every proposal of the head is the one a plain pass over the
+    sequence so far gives it (where its top-2 margin is clear)."""
+    engine_dir, model, _, _ = mtp_model
+    rng = random.Random(seed)
+    parts = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
+    want = _session(_load(engine_dir, mode, None), parts, 16)[0]
+    monkeypatch.setattr(config, "MtpDrafter", SteeredDrafter)
+    SteeredDrafter.script = [t for part, out in zip(parts, want, strict=True) for t in part + out]
+    reference = Engine.load(engine_dir)
+    for k in range(1, 5):
+        SteeredDrafter.rng, SteeredDrafter.proposals = random.Random(seed + k), []
+        engine = _load(engine_dir, mode, Speculation("mtp", k))
+        got, drafted, accepted = _session(engine, parts, 16)
+        assert got == want, f"seed={seed}: mtp:{k}"
+        assert 0 < accepted < drafted, f"seed={seed}: mtp:{k} accepted {accepted} of {drafted} drafts"
+        assert SteeredDrafter.proposals, f"seed={seed}: mtp:{k} never drafted"
+        for start, tokens, drafts in SteeredDrafter.proposals:
+            for j, (token, margin) in enumerate(_reference_drafts(reference, start, tokens, len(drafts))):
+                assert drafts[j] == token or margin < 1e-3, f"seed={seed}: mtp:{k} after {len(tokens)} tokens"
