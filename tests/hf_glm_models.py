@@ -56,14 +56,84 @@ def build_glm(seed: int, intermediate: int = 32, index_top_k: int = INDEX_TOP_K)
     return model.eval()
 
 
-def save_glm_checkpoint(model: torch.nn.Module, directory: Path, layout: str) -> Path:
+class GlmMtpHead(torch.nn.Module):
+    """The published next-n (multi-token-prediction) layer of DeepSeek-V3 and GLM (as vLLM's
+    deepseek_mtp / glm4_moe_mtp run it), the reference the engine's is held to: RMSNorms of the next
+    token's embedding (zeros at position 0) and of the model's final hidden state, `eh_proj` of both
+    (embedding first), one MoE decoder layer with its own indexer (transformers'), then
+    `shared_head.norm` and the model's LM head. Saved as decoder layer `num_hidden_layers`."""
+
+    def __init__(self, model: torch.nn.Module, seed: int):
+        super().__init__()
+        cfg, norm = model.config, type(model.model.norm)
+        h = cfg.hidden_size
+        torch.manual_seed(seed)
+        self.enorm, self.hnorm = norm(h, cfg.rms_norm_eps), norm(h, cfg.rms_norm_eps)
+        self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+        self.shared_head = torch.nn.Module()
+        self.shared_head.norm = norm(h, cfg.rms_norm_eps)
+        # a layer of the model with experts and its own indexer, whose inputs it shares
+        self.like = next(i for i, (mlp, ix) in enumerate(zip(cfg.mlp_layer_types, cfg.indexer_types, strict=True))
+                         if mlp == "sparse" and ix == "full")
+        self.layer = type(model.model.layers[self.like])(cfg, self.like)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.copy_(torch.randn_like(p) * 0.08 * 12.0)
+                elif name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.5 * torch.rand_like(p))
+                elif name.endswith("norm.bias"):
+                    p.copy_(0.1 * torch.randn_like(p))
+                else:
+                    p.copy_(torch.randn_like(p) * 0.08)
+                p.copy_(p.to(torch.bfloat16).float())
+            for name, b in self.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_((0.1 * torch.randn_like(b)).to(torch.bfloat16).float())
+        self.eval()
+
+    def tensors(self, n_layers: int) -> dict[str, torch.Tensor]:
+        """Its tensors by checkpoint name: decoder layer `n_layers` (the model's count)."""
+        return {f"model.layers.{n_layers}.{k.removeprefix('layer.')}": v for k, v in self.state_dict().items()}
+
+    def forward(self, model: torch.nn.Module, hidden: torch.Tensor, next_ids: torch.Tensor,
+                layer_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [T, vocab] of rows at positions 0 .. T - 1 (hidden [T, H]: the model's final hidden
+        states there, next_ids [T]: the token after each), and the state a further draft takes as
+        its hidden state: the layer's output before the head's norm."""
+        e = model.model.embed_tokens(next_ids)
+        e[0] = 0  # position 0
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], dim=-1))
+        x = self.layer(x[None], **layer_kwargs)[0][0]
+        return model.lm_head(self.shared_head.norm(x)).float(), x
+
+    def layer_inputs(self, model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, dict]:
+        """The model's final hidden states [T, H] over `ids` and the keyword arguments (mask,
+        positions, position embeddings) its layer `like` took there (no cache)."""
+        taken = {}
+
+        def take(_module, _args, kwargs):
+            taken.update({k: kwargs[k] for k in ("attention_mask", "position_ids", "position_embeddings")})
+
+        hook = model.model.layers[self.like].register_forward_pre_hook(take, with_kwargs=True)
+        try:
+            hidden = model.model(torch.tensor([ids]), use_cache=False).last_hidden_state[0]
+        finally:
+            hook.remove()
+        return hidden, taken
+
+
+def save_glm_checkpoint(model: torch.nn.Module, directory: Path, layout: str, mtp: GlmMtpHead | None = None) -> Path:
     """layout 'fused' (experts.gate_up_proj [E, 2I, H]) or 'per_expert'; the router's gate and bias
-    in fp32 as GLM's checkpoints keep them, the rest bf16. With config.json and tokenizer.json."""
+    in fp32 as GLM's checkpoints keep them, the rest bf16; `mtp`: its next-n layer after the others
+    (the config's `num_nextn_predict_layers` 1). With config.json and tokenizer.json."""
     directory.mkdir(parents=True, exist_ok=True)
     fp32 = ("mlp.gate.weight", "e_score_correction_bias")
+    state = model.state_dict() | (mtp.tensors(model.config.num_hidden_layers) if mtp is not None else {})
     state = {k: v.detach().to(torch.float32 if k.endswith(fp32) else torch.bfloat16).contiguous()
-             for k, v in model.state_dict().items()}
+             for k, v in state.items()}
     save_file(expert_layout(state, layout), str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(model.config.to_dict()))
+    config = model.config.to_dict() | ({"num_nextn_predict_layers": 1} if mtp is not None else {})
+    (directory / "config.json").write_text(json.dumps(config))
     save_tokenizer(directory)
     return directory

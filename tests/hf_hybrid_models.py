@@ -82,14 +82,15 @@ class QwenMtpHead(torch.nn.Module):
         self.eval()
 
     def forward(self, model: torch.nn.Module, hidden: torch.Tensor, next_ids: torch.Tensor,
-                layer_kwargs: dict) -> torch.Tensor:
+                layer_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [T, vocab] of rows (hidden [T, H]: the model's final hidden states, next_ids [T]:
         the token after each), the decoder layer run with `layer_kwargs` (the model's own position
-        embeddings and mask for those positions, `layer_inputs`)."""
+        embeddings and mask for those positions, `layer_inputs`), and the state a further draft
+        takes as its hidden state: the normed output, as the model's own."""
         e = self.pre_fc_norm_embedding(model.model.embed_tokens(next_ids))
         x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
-        x = self.layers[0](x[None], **layer_kwargs)
-        return model.lm_head(self.norm(x[0] if isinstance(x, torch.Tensor) else x[0][0])).float()
+        out = self.norm(self.layers[0](x[None], **layer_kwargs)[0])
+        return model.lm_head(out).float(), out
 
     def layer_inputs(self, model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, dict]:
         """The model's final hidden states [T, H] over `ids` and the keyword arguments (position

@@ -25,13 +25,18 @@ from ftc_runtime.speculative.mtp import MtpDrafter
 
 from conftest import seed_for
 from families import rel
+from hf_glm_models import GlmMtpHead, build_glm, save_glm_checkpoint
 from hf_hybrid_models import QwenMtpHead, build_hybrid, save_hybrid_checkpoint
 
 # (family, expert layout, the language model nested as Qwen3.5's image-text checkpoints keep it)
 CHECKPOINTS = [("qwen3_5_moe", "fused", False), ("qwen3_5_moe", "per_expert", True),
-               ("qwen3_next", "per_expert", False)]
+               ("qwen3_next", "per_expert", False), ("glm_moe_dsa", "per_expert", False),
+               ("glm_moe_dsa", "fused", False)]
 # fp32 on the CPU against transformers' fp32: the bf16 weights are the same numbers on both sides
 HEAD_BOUND = 1e-4
+# Where the checkpoints keep the head (the tiny GLM has 4 layers, its next-n layer is the fifth)
+MTP_PREFIX = {"qwen3_5_moe": "mtp", "qwen3_next": "mtp", "glm_moe_dsa": "model.layers.4"}
+MTP_PREFIXES = ("mtp.", "model.layers.4.")
 
 
 def _id(c: tuple[str, str, bool]) -> str:
@@ -39,51 +44,62 @@ def _id(c: tuple[str, str, bool]) -> str:
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS, ids=_id)
-def mtp_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module, QwenMtpHead, Path]:
-    """(engine directory, the reference model, its MTP head, the checkpoint)."""
+def mtp_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module, QwenMtpHead | GlmMtpHead, Path, str]:
+    """(engine directory, the reference model, its MTP head, the checkpoint, the family)."""
     fam, layout, nested = request.param
     seed = seed_for(_id(request.param))
-    model = build_hybrid(fam, seed)
-    head = QwenMtpHead(model, seed + 1)
     root = tmp_path_factory.mktemp(_id(request.param))
-    ckpt = save_hybrid_checkpoint(model, root / "ckpt", layout, nested, mtp=head)
+    if fam == "glm_moe_dsa":
+        model = build_glm(seed)
+        head = GlmMtpHead(model, seed + 1)
+        ckpt = save_glm_checkpoint(model, root / "ckpt", layout, mtp=head)
+    else:
+        model = build_hybrid(fam, seed)
+        head = QwenMtpHead(model, seed + 1)
+        ckpt = save_hybrid_checkpoint(model, root / "ckpt", layout, nested, mtp=head)
     engine = compile_engine(CompileOptions(source=ckpt, target="cpu", output=root / "engine"))
-    return engine, model, head, ckpt
+    return engine, model, head, ckpt, fam
 
 
 def test_the_head_predicts_as_the_published_architecture(mtp_model, seed):
     """The model's final hidden states (`forward(hidden=...)`) are transformers'; the head's logits
     over them, run as the drafter runs it (the first rows in one call, then one row a call on its
-    own keys and values), are the reference head's at every position."""
-    engine_dir, model, head, _ = mtp_model
+    own keys and values), are the reference head's at every position; and so are those of a
+    further draft, which takes the head's own output as the hidden state of the position after."""
+    engine_dir, model, head, _, _ = mtp_model
     engine = Engine.load(engine_dir)
     assert engine.spec.mtp_layers == 1
     rng = random.Random(seed)
     ids = [rng.randrange(model.config.vocab_size) for _ in range(rng.randrange(6, 20))]
+    n, draft = len(ids) - 1, rng.randrange(model.config.vocab_size)
     with torch.no_grad():
         ref_hidden, layer_kwargs = head.layer_inputs(model, ids[:-1])
-        want = head(model, ref_hidden, torch.tensor(ids[1:]), layer_kwargs)
+        want, ref_out = head(model, ref_hidden, torch.tensor(ids[1:]), layer_kwargs)
+        # the further draft: one row more, its hidden state the head's output of the row before
+        more = head.layer_inputs(model, ids)[1]
+        want_next = head(model, torch.cat([ref_hidden, ref_out[-1:]]), torch.tensor([*ids[1:], draft]), more)[0][-1]
     hidden: list[torch.Tensor] = []
     engine.model.forward(torch.tensor(ids[:-1]), engine.model.new_cache(), hidden=hidden)
     assert rel(hidden[0], ref_hidden) < HEAD_BOUND, f"seed={seed}"
-    cache, first = engine.model.new_mtp_cache(), rng.randrange(1, len(ids) - 1)
-    rows = [engine.model.mtp_forward(ref_hidden[:first], torch.tensor(ids[1:first + 1]), cache, 0)[0]]
-    for p in range(first, len(ids) - 1):
-        rows.append(engine.model.mtp_forward(ref_hidden[p:p + 1], torch.tensor(ids[p + 1:p + 2]), cache, p)[0])
-    got = torch.cat(rows)
-    assert cache.length == len(ids) - 1
-    assert rel(got, want) < HEAD_BOUND, f"seed={seed}: first call of {first} rows"
+    cache, first = engine.model.new_mtp_cache(), rng.randrange(1, n)
+    rows = [engine.model.mtp_forward(ref_hidden[:first], torch.tensor(ids[1:first + 1]), cache, 0)]
+    for p in range(first, n):
+        rows.append(engine.model.mtp_forward(ref_hidden[p:p + 1], torch.tensor(ids[p + 1:p + 2]), cache, p))
+    assert cache.length == n
+    assert rel(torch.cat([r[0] for r in rows]), want) < HEAD_BOUND, f"seed={seed}: first call of {first} rows"
+    got_next = engine.model.mtp_forward(rows[-1][1][-1:], torch.tensor([draft]), cache, n)[0][-1]
+    assert rel(got_next, want_next) < HEAD_BOUND, f"seed={seed}: a further draft"
 
 
 def test_inspect_and_compile_say_whether_the_engine_has_the_head(mtp_model, tmp_path):
-    engine_dir, _, _, ckpt = mtp_model
+    engine_dir, _, _, ckpt, fam = mtp_model
     runner = CliRunner()
     shown = runner.invoke(app, ["inspect", str(engine_dir)])
     assert shown.exit_code == 0 and "multi-token prediction" in shown.stdout and "mtp:K" in shown.stdout
     dropped = runner.invoke(app, ["compile", str(ckpt), "--target", "cpu", "--override", "mtp_layers=0", "-o",
                                   str(tmp_path / "bare")])
     assert dropped.exit_code == 0, dropped.output
-    assert "not read: mtp (" in " ".join(dropped.output.split())
+    assert f"not read: {MTP_PREFIX[fam]} (" in " ".join(dropped.output.split())
     assert json.loads((tmp_path / "bare" / "engine.json").read_text())["spec"]["mtp_layers"] == 0
     stripped = tmp_path / "stripped"
     stripped.mkdir()
@@ -91,7 +107,7 @@ def test_inspect_and_compile_say_whether_the_engine_has_the_head(mtp_model, tmp_
 
     for f in ckpt.iterdir():
         if f.suffix == ".safetensors":
-            save_file({k: v for k, v in load_file(f).items() if not k.startswith("mtp.")}, str(stripped / f.name))
+            save_file({k: v for k, v in load_file(f).items() if not k.startswith(MTP_PREFIXES)}, str(stripped / f.name))
         else:
             (stripped / f.name).write_bytes(f.read_bytes())
     r = runner.invoke(app, ["compile", str(stripped), "--target", "cpu", "-o", str(tmp_path / "s")])
@@ -163,7 +179,7 @@ def test_greedy_mtp_speculation_gives_the_tokens_of_plain_decoding(mtp_model, mo
     there), prompts read in chunks of 5: every k gives plain decoding's tokens, passes keep some
     drafts and drop others, and every proposal of the head is the one a plain pass over the
     sequence so far gives it (where its top-2 margin is clear)."""
-    engine_dir, model, _, _ = mtp_model
+    engine_dir, model, _, _, _ = mtp_model
     rng = random.Random(seed)
     parts = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
     want = _session(_load(engine_dir, mode, None), parts, 16)[0]

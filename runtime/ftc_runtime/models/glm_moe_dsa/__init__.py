@@ -3,10 +3,11 @@ layers, sigmoid-routed experts beside a shared expert. A checkpoint brings its o
 an engine without one writes GLM's format (`glm_tools.jinja`); tool calls are read in GLM's
 `<arg_key>` / `<arg_value>` blocks either way."""
 
-from ftc_runtime.models.base import CheckpointLayout, Family
+from ftc_runtime.models.base import Family
 from ftc_runtime.models.glm_moe_dsa.decode import LatentDecodeGraphs
 from ftc_runtime.models.glm_moe_dsa.loader import (
     FP8_LINEARS,
+    GlmCheckpointLayout,
     check_spec,
     dense_tensor_shapes,
     spec_from_hf,
@@ -22,6 +23,6 @@ DECODE_FIXED_MS = 0.31
 
 FAMILIES = {
     "glm_moe_dsa": Family("glm_moe_dsa", GlmMoeDsaModel, check_spec, dense_tensor_shapes, spec_from_hf,
-                          CheckpointLayout, LatentDecodeGraphs, "glm_tools.jinja", "glm", state_bytes, FP8_LINEARS,
-                          DECODE_FIXED_MS),
+                          GlmCheckpointLayout, LatentDecodeGraphs, "glm_tools.jinja", "glm", state_bytes, FP8_LINEARS,
+                          DECODE_FIXED_MS, mtp=True),
 }

@@ -3,9 +3,10 @@ its spec from an HF `config.json`, and the spec rules of the family."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from ftc_runtime.models.base import check_plain_swiglu, kv_cache_bytes
+from ftc_runtime.models.base import CheckpointLayout, CheckpointReader, check_plain_swiglu, kv_cache_bytes
 from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.models.layers.tensor_shapes import end_tensor_shapes, mlp_tensor_shapes
 from ftc_runtime.spec import ModelSpec, Need, SpecError
@@ -16,12 +17,22 @@ FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight"
                "indexer.wq_b.weight", "indexer.wk.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
+# The next-n (multi-token-prediction) layer's own tensors beside a decoder layer's: the norms of the
+# next token's embedding and of the model's final hidden state, their projection, the head's norm.
+# Its `embed_tokens` and `shared_head.head`, where a release keeps them, copy the model's own.
+MTP_TENSORS = ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")
+
+
 def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every non-expert tensor of the model, by checkpoint name, with its shape."""
+    """Every non-expert tensor of the model, by checkpoint name, with its shape; the next-n layers
+    are decoder layers N, N + 1, ... (N = num_layers)."""
     m, h = spec.moe, spec.hidden_size
     shapes = end_tensor_shapes(spec)
-    moe_layers = set(spec.moe_layers)
-    for i in range(spec.num_layers):
+    moe_layers = set(spec.expert_layers)
+    for i in spec.mtp_decoder_layers:
+        p = f"model.layers.{i}."
+        shapes |= {p + n: (h,) for n in MTP_TENSORS} | {p + "eh_proj.weight": (h, 2 * h)}
+    for i in range(spec.num_layers + spec.mtp_layers):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
         shapes |= _attention_shapes(spec, i, p + "self_attn.")
@@ -44,12 +55,36 @@ def _attention_shapes(spec: ModelSpec, i: int, p: str) -> dict[str, tuple[int, .
               p + "kv_a_layernorm.weight": (ml.kv_lora_rank,),
               p + "kv_b_proj.weight": (a.num_heads * (ml.nope_dim + ml.v_dim), ml.kv_lora_rank),
               p + "o_proj.weight": (h, a.num_heads * ml.v_dim)}
-    if ix is not None and ix.layer_types[i] == "full":
+    if ix is not None and indexes(spec, i):
         q = p + "indexer."
         shapes |= {q + "wq_b.weight": (ix.num_heads * ix.head_dim, ml.q_lora_rank), q + "wk.weight": (ix.head_dim, h),
                    q + "k_norm.weight": (ix.head_dim,), q + "k_norm.bias": (ix.head_dim,),
                    q + "weights_proj.weight": (ix.num_heads, h)}
     return shapes
+
+
+def indexes(spec: ModelSpec, i: int) -> bool:
+    """Layer i runs its own indexer (a next-n layer always does)."""
+    return i >= spec.num_layers or spec.indexer.layer_types[i] == "full"
+
+
+class GlmCheckpointLayout(CheckpointLayout):
+    """The next-n layers after the checkpoint's own layers (its config's `num_hidden_layers`), which
+    a spec cut to its first layers (`--override num_layers=N`) still reads there."""
+
+    def __init__(self, ckpt: CheckpointReader, spec: ModelSpec):
+        super().__init__(ckpt, spec)
+        self.layers = spec.num_layers
+        config = ckpt.directory / "config.json"
+        if spec.mtp_layers and config.is_file():
+            self.layers = HfConfig(json.loads(config.read_text()), config).get("num_hidden_layers", spec.num_layers)
+
+    def name(self, canonical: str) -> str:
+        head, _, rest = canonical.partition(".layers.")
+        index, _, tail = rest.partition(".")
+        if head == "model" and index.isdigit() and int(index) >= self.spec.num_layers:
+            return f"model.layers.{int(index) - self.spec.num_layers + self.layers}.{tail}"
+        return canonical
 
 
 def indexer_layer_types(cfg: HfConfig, n_layers: int) -> list[str]:
@@ -94,6 +129,7 @@ def spec_from_hf(cfg: HfConfig) -> dict[str, Any]:
                           "qk_norm": False, "bias": cfg.get("attention_bias", False)}
     return data | {
         "family": "glm_moe_dsa",
+        "mtp_layers": cfg.get("num_nextn_predict_layers", 0),
         "norm": {"kind": "rms", "eps": float(cfg.get("rms_norm_eps", 1e-5))},
         "rope": {"theta": cfg.rope(1.0)["theta"], "partial_rotary_factor": rope / (nope + rope)},
         "mla": {"q_lora_rank": cfg.get("q_lora_rank", 2048), "kv_lora_rank": cfg.get("kv_lora_rank", 512),

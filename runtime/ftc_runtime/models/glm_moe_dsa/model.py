@@ -18,6 +18,7 @@ from ftc_runtime.cache.kv import KVCache
 from ftc_runtime.cache.sequence import SequenceCache
 from ftc_runtime.experts.base import ExpertBackend
 from ftc_runtime.models.batch_decode import BatchDecode
+from ftc_runtime.models.glm_moe_dsa.loader import indexes
 from ftc_runtime.models.layers.dsa_indexer import (
     IndexerShape,
     index_scores,
@@ -52,7 +53,7 @@ class GlmMoeDsaModel(BatchDecode):
         self.embed = weights["model.embed_tokens.weight"].to(self.device)
         self.w = {k: self._placed(k, v) for k, v in weights.items() if k != "model.embed_tokens.weight"}
         self.lm_head = self.embed.to(self.dtype) if spec.tie_word_embeddings else self.w["lm_head.weight"]
-        self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        self.moe_index = {layer: i for i, layer in enumerate(spec.expert_layers)}  # its pool layer
         a, ml, ix = spec.attention, spec.mla, spec.indexer
         scale = ml.softmax_scale or a.head_dim ** -0.5
         self.mla = MlaShape(a.num_heads, ml.q_lora_rank, ml.kv_lora_rank, ml.nope_dim, ml.rope_dim, ml.v_dim,
@@ -68,23 +69,29 @@ class GlmMoeDsaModel(BatchDecode):
             return w.to(self.device)
         return w.to(self.device, torch.float32 if name.endswith(FP32_TENSORS) else self.dtype)
 
-    def new_cache(self) -> SequenceCache:
+    def new_cache(self, layers: int | None = None) -> SequenceCache:
         """Per layer and token the latent row and the shared rotary key (as the cache's keys) and
-        the indexer's key (as its values; zeros in layers that reuse another layer's choice)."""
+        the indexer's key (as its values; zeros in layers that reuse another layer's choice).
+        `layers`: that many (the next-n layers' own cache), else the model's."""
         ml = self.spec.mla
         index_dim = self.indexer.head_dim if self.indexer is not None else 1
-        return SequenceCache(KVCache(self.spec.num_layers, 1, ml.kv_lora_rank + ml.rope_dim, self.dtype, self.device,
-                                     value_dim=index_dim))
+        return SequenceCache(KVCache(layers or self.spec.num_layers, 1, ml.kv_lora_rank + ml.rope_dim, self.dtype,
+                                     self.device, value_dim=index_dim))
+
+    def new_mtp_cache(self) -> SequenceCache:
+        return self.new_cache(self.spec.mtp_layers)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: SequenceCache, all_logits: bool = False,
-                checkpoint_at: tuple[int, ...] = (), between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+                checkpoint_at: tuple[int, ...] = (), between_layers: Callable[[], None] | None = None,
+                hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Runs `ids` (1-D) after the cache's tokens; returns logits [T or 1, vocab] in fp32.
         `between_layers` is called after each layer and may raise to abandon the pass (the
-        cache's length then stays where it was)."""
+        cache's length then stays where it was). `hidden`: every position's final hidden state
+        (after the last norm, [T, hidden]) is appended to it (the next-n layer's input)."""
         if checkpoint_at:
             raise ValueError(f"{self.spec.family} has no recurrent state to checkpoint")
-        if self.decode_graphs is not None and ids.numel() == 1:
+        if self.decode_graphs is not None and ids.numel() == 1 and hidden is None:
             return self.decode_graphs.step(ids, cache)
         start, n = cache.length, ids.numel()
         # Before the pass queues its expert copies: a host→device copy waits for those queued before it.
@@ -102,7 +109,35 @@ class GlmMoeDsaModel(BatchDecode):
             if between_layers is not None:
                 between_layers()
         cache.length = start + n
-        return self.head(x if all_logits else x[-1:])
+        final = self.final_norm(x if all_logits or hidden is not None else x[-1:])
+        if hidden is not None:
+            hidden.append(final)
+        return F.linear(final if all_logits else final[-1:], self.lm_head).float()
+
+    @torch.inference_mode()
+    def mtp_forward(self, hidden: torch.Tensor, ids: torch.Tensor, cache: SequenceCache,
+                    start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next-n layer over T positions after `cache`'s, the first at sequence position
+        `start`: row t joins the final hidden state there (`hidden` [T, hidden]) with the embedding
+        of the token after it (`ids` [T]; zeros at position 0, as the layer was trained) and
+        predicts the token after that. Returns (logits [T, vocab] fp32, its output [T, hidden]
+        before the head's norm, the hidden state a further draft starts from). Its keys and values
+        are rows of its own cache, positions counted from its first (RoPE sees only differences)."""
+        i, w, eps, t = self.spec.num_layers, self.w, self.spec.norm.eps, ids.numel()
+        p = f"model.layers.{i}."
+        embedded = self.embed[ids.to(self.device)].to(self.dtype)
+        embedded[torch.arange(start, start + t, device=self.device) == 0] = 0
+        x = F.linear(torch.cat([rms_norm(embedded, w[p + "enorm.weight"], eps),
+                                rms_norm(hidden.to(self.dtype), w[p + "hnorm.weight"], eps)], dim=-1),
+                     w[p + "eh_proj.weight"])
+        self.experts.begin_pass(t, prompt=False)
+        positions = torch.arange(cache.length, cache.length + t, device=self.device)
+        cos, sin = self.rope_at(positions)
+        out, _ = self.attention(i, rms_norm(x, w[p + "input_layernorm.weight"], eps), cos, sin, positions, cache, None)
+        x = x + out
+        x = x + self.mlp(i, rms_norm(x, w[p + "post_attention_layernorm.weight"], eps), start)
+        cache.length += t
+        return F.linear(rms_norm(x, w[p + "shared_head.norm.weight"], eps), self.lm_head).float(), x
 
     @torch.inference_mode()
     def _eager_batch(self, tokens: list[int], caches: list[SequenceCache]) -> torch.Tensor:
@@ -139,11 +174,12 @@ class GlmMoeDsaModel(BatchDecode):
         q_nope, q_rope, latent, k_rope, q_resid = mla_in(
             h, w[p + "q_a_proj.weight"], w[p + "q_a_layernorm.weight"], w[p + "q_b_proj.weight"],
             w[p + "kv_a_proj_with_mqa.weight"], w[p + "kv_a_layernorm.weight"], cos, sin, self.mla)
-        full = self.indexer is not None and self.spec.indexer.layer_types[i] == "full"
+        full = self.indexer is not None and indexes(self.spec, i)
+        layer = i if i < self.spec.num_layers else i - self.spec.num_layers  # a next-n layer: its own cache's
         index_key = (indexer_keys(h, w[p + "indexer.wk.weight"], w[p + "indexer.k_norm.weight"],
                                   w[p + "indexer.k_norm.bias"], cos, sin, self.indexer) if full
-                     else h.new_zeros(h.shape[0], cache.kv.storage(i)[1].shape[-1]))
-        rows, index_keys = cache.kv.append(i, torch.cat([latent, k_rope], dim=-1)[:, None], index_key[:, None])
+                     else h.new_zeros(h.shape[0], cache.kv.storage(layer)[1].shape[-1]))
+        rows, index_keys = cache.kv.append(layer, torch.cat([latent, k_rope], dim=-1)[:, None], index_key[:, None])
         if h.shape[0] == 1 and self.indexer is not None:
             if full:
                 scores = index_scores(h, q_resid, w[p + "indexer.wq_b.weight"], w[p + "indexer.weights_proj.weight"],
@@ -186,7 +222,10 @@ class GlmMoeDsaModel(BatchDecode):
         return tuple(self.w[f"{prefix}{n}_proj.weight"] for n in ("gate", "up", "down"))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.w["model.norm.weight"], self.spec.norm.eps), self.lm_head).float()
+        return F.linear(self.final_norm(x), self.lm_head).float()
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.w["model.norm.weight"], self.spec.norm.eps)
 
     def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(self.inv_freq, positions, self.dtype)
