@@ -19,6 +19,7 @@ from ftc.cli.main import app
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
+from ftc_runtime.experts.routing_trace import synthetic_trace
 from ftc_runtime.speculative import config
 from ftc_runtime.speculative.config import Speculation
 from ftc_runtime.speculative.mtp import MtpDrafter
@@ -196,3 +197,24 @@ def test_greedy_mtp_speculation_gives_the_tokens_of_plain_decoding(mtp_model, mo
         for start, tokens, drafts in SteeredDrafter.proposals:
             for j, (token, margin) in enumerate(_reference_drafts(reference, start, tokens, len(drafts))):
                 assert drafts[j] == token or margin < 1e-3, f"seed={seed}: mtp:{k} after {len(tokens)} tokens"
+
+
+@pytest.mark.parametrize("routing", ["own router", "trace"])
+def test_bench_decode_with_a_draft_oracle_runs_the_mtp_layer(mtp_model, routing, seed, monkeypatch):
+    """A benchmark's drafts from the oracle still run the MTP layer each pass (its cost is the
+    system's), and say so; a replayed trace, which has the model's MoE layers only, routes the MTP
+    layer as one of them. With P = 1 every draft is accepted."""
+    from ftc.bench.decode import bench_decode
+
+    engine_dir, _, _, _, _ = mtp_model
+    spec = Engine.load(engine_dir).spec
+    trace = synthetic_trace(64, len(spec.moe_layers), spec.moe.num_experts, spec.moe.top_k, 0.5, seed=seed) \
+        if routing == "trace" else None
+    proposals = []
+    propose = MtpDrafter.propose
+    monkeypatch.setattr(MtpDrafter, "propose", lambda self, k: proposals.append(k) or propose(self, k))
+    run = bench_decode(engine_dir, OffloadConfig(device="cpu", n_slots=12), trace, routing, 16, 24, seed=seed,
+                       speculation=Speculation("mtp", 3), draft_oracle=1.0)
+    s = run["speculation"]
+    assert "the MTP layer runs each pass" in s["drafts"] and proposals, f"seed={seed}: {s}"
+    assert s["accepted"] == s["drafted"] > 0, f"seed={seed}: {s}"

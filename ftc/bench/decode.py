@@ -58,6 +58,7 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
                                           speculation, draft_oracle)
     engine = _engine_replaying(engine_dir, offload, pool, trace, routing)
     engine.enable_speculation(speculation)
+    speculation = engine.speculation  # `auto`'s drafter chosen for the engine
     experts = engine.model.experts
     prompt = _prompt(engine, prompt_tokens, seed)
     device_gbps = torch_read_gbps(1 << 30, 0.5, experts.device)
@@ -118,7 +119,7 @@ def _oracle_speculation(engine_dir: Path, offload: OffloadConfig, trace: Routing
     """`speculation`'s K with drafts from the greedy answer of the benchmark's prompt, decoded by
     an engine that is then freed (its expert cache holds that answer's experts)."""
     if speculation is None:
-        raise ValueError(f"--draft-oracle {accuracy:g}: give the drafts per pass with --speculate ngram:K or auto")
+        raise ValueError(f"--draft-oracle {accuracy:g}: give the drafts per pass with --speculate mtp:K, ngram:K or auto")
     engine = _engine_replaying(engine_dir, offload, pool, trace, "")
     answer = tuple(engine.generate(_prompt(engine, prompt_tokens, seed), new_tokens, SamplingParams(0.0),
                                    stop_at_eos=False))
@@ -131,9 +132,12 @@ def _oracle_speculation(engine_dir: Path, offload: OffloadConfig, trace: Routing
 def _speculation(gen: GenerationStats, speculation: Speculation) -> dict:
     """The whole answer's passes after the prompt (warm-up steps included): each a plain decode
     step (where the drafter had nothing) or one verification of drafts."""
-    drafts = (f"a draft oracle: the known greedy answer's tokens, each wrong with probability "
-              f"{1 - speculation.oracle.accuracy:g} (what verification costs at that acceptance, not a drafter's "
-              "acceptance)" if speculation.oracle is not None else speculation.drafter)
+    drafts = speculation.drafter
+    if speculation.oracle is not None:
+        drafts = (f"a draft oracle: the known greedy answer's tokens, each wrong with probability "
+                  f"{1 - speculation.oracle.accuracy:g} (what verification costs at that acceptance, not a drafter's "
+                  "acceptance)" + ("; the MTP layer runs each pass as it would, its cost counted, its drafts "
+                                   "replaced" if drafts == "mtp" else ""))
     return {"drafts": drafts, "steps": gen.decode_steps, "tokens_per_step": round(gen.tokens_per_step, 3),
             "drafted": gen.drafted, "accepted": gen.accepted, "acceptance": round(gen.acceptance, 3)}
 

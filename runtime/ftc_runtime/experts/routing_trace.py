@@ -87,7 +87,8 @@ def synthetic_trace(tokens: int, layers: int, experts: int, k: int, locality: fl
 class TraceReplay:
     """Routes token position p of MoE layer l as trace row p mod T. When the trace's k is smaller
     than the model's, the trace's experts take the top ranks and the model's own ranking fills the
-    remaining ones (skipping duplicates); when it is larger, its first k ranks are used. Weights
+    remaining ones (skipping duplicates); when it is larger, its first k ranks are used. A pool layer
+    past the trace's (a multi-token-prediction layer's) replays trace layer l mod L. Weights
     are uniform: a replay measures speed, its output means nothing. `route` runs on the host
     (`ExpertBackend.routing`), where the routed ids already are; `route_on_device` is the same as
     fixed-shape device work, for decode steps that run as one CUDA graph."""
@@ -101,7 +102,7 @@ class TraceReplay:
 
     def route(self, moe_layer: int, positions: np.ndarray, ids: np.ndarray,
               weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        k = ids.shape[1]
+        k, moe_layer = ids.shape[1], moe_layer % self.trace.shape[1]
         chosen = np.empty_like(ids)
         for t, p in enumerate(positions.tolist()):
             picks = self.rows[p % len(self.rows)][moe_layer][:k]
@@ -115,7 +116,7 @@ class TraceReplay:
                         weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`route` on device tensors, with no host work: positions int64 [T], ids int64 [T, k]. On
         a GPU one Triton kernel (`replay_kernel`)."""
-        k = ids.shape[1]
+        k, moe_layer = ids.shape[1], moe_layer % self.trace.shape[1]
         table = self._table(ids.device, k)
         if ids.is_cuda:
             from ftc_runtime.experts.replay_kernel import replay_route_gpu  # Triton: beside a GPU

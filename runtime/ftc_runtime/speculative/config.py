@@ -61,9 +61,10 @@ class Speculation:
     def new_drafter(self, context: list[int], model: Any, start: int) -> Drafter:
         """The drafter of a sequence whose context (its prompt) is `context`, run by `model`, its
         first pass starting at position `start` (where it resumed)."""
-        if self.oracle is not None:
-            return OracleDrafter(self.oracle, context)
-        return MtpDrafter(model, context, start) if self.drafter == "mtp" else NgramDrafter(context)
+        mtp = MtpDrafter(model, context, start) if self.drafter == "mtp" else None
+        if self.oracle is not None:  # the MTP layer still runs (its cost is the system's), its drafts replaced
+            return OracleDrafter(self.oracle, context, mtp)
+        return mtp or NgramDrafter(context)
 
     def for_spec(self, spec: ModelSpec) -> Speculation:
         """Checked against the engine's spec (`check_family`), `auto`'s drafter chosen: the model's
@@ -79,7 +80,7 @@ class Speculation:
         state rewinds to the state its pass kept after each token. DeepSeek-V4's compressed state
         keeps one only by cutting its pass at that token, which would run the drafts one by one;
         its rollback is not built yet."""
-        if self.drafter == "mtp" and not spec.mtp_layers and self.oracle is None:
+        if self.drafter == "mtp" and not spec.mtp_layers:
             raise ValueError(f"--speculate {self}: engine {spec.name} has no multi-token-prediction layer "
                              "(mtp_layers 0: its checkpoint has none, or it was compiled without); use ngram:K")
         if spec.attention.kind == "compressed":

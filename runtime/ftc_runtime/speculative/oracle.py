@@ -9,6 +9,9 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -30,19 +33,27 @@ class DraftOracle:
 
 class OracleDrafter:
     """Follows the answer by how many of its tokens were given out (`add`); `propose(k)` drafts the
-    next k, each wrong with probability 1 - P (a uniformly drawn other token)."""
+    next k, each wrong with probability 1 - P (a uniformly drawn other token). With a `drafter`
+    that costs time to run (the MTP layer's), that one runs as it would and its drafts are
+    replaced: the figures then include drafting's cost, not only verification's."""
 
-    reads_hidden = False
-
-    def __init__(self, oracle: DraftOracle, context: Iterable[int] = ()):
+    def __init__(self, oracle: DraftOracle, context: Iterable[int] = (), drafter: Any = None):
         del context  # the answer is known: the context only tells where it starts, which `add` counts
-        self.oracle, self.given = oracle, 0
+        self.oracle, self.given, self.drafter = oracle, 0, drafter
         self.rng = random.Random(oracle.seed)
+        self.reads_hidden = drafter is not None and drafter.reads_hidden
 
     def add(self, token: int) -> None:
         self.given += 1
+        if self.drafter is not None:
+            self.drafter.add(token)
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        self.drafter.observe(hidden)
 
     def propose(self, k: int) -> list[int]:
+        if self.drafter is not None and k > 0:
+            self.drafter.propose(k)
         o = self.oracle
         return [t if self.rng.random() < o.accuracy else (t + 1 + self.rng.randrange(o.vocab_size - 1)) % o.vocab_size
                 for t in o.answer[self.given:self.given + max(k, 0)]]
