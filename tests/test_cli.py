@@ -712,7 +712,7 @@ def bad_option_cases(engine: Path, tmp: Path) -> list[tuple[str, list, str]]:
         (pre, "--prefill-split", ["off,2", ","]), (dec, "--prefill-split", ["-0.5"]),
         (agent, "--prefill-split", ["sometimes"]),
         (gen, "--speculate", ["ngram:0", "ngram:9", "mtp:2", "on"]), (dec, "--speculate", ["ngram"]),
-        (serve, "--speculate", ["ngram:2"]), ([*dec, "--sequences", "1,2"], "--speculate", ["ngram:2"]),
+        (serve, "--speculate", ["mtp:2"]), ([*dec, "--sequences", "1,2"], "--speculate", ["ngram:2"]),
         (prof, "--seconds", ["0", "nan"]), (prof, "-o", [missing]), (trace, "--max-new-tokens", ["0"]),
         (["trace", engine, "--prompt-ids", "1"], "-o", [missing])) for v in vs]
     if not torch.cuda.is_available():  # without a GPU, the default --device of `bench decode` and cuda itself

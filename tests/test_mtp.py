@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -218,3 +220,44 @@ def test_bench_decode_with_a_draft_oracle_runs_the_mtp_layer(mtp_model, routing,
     s = run["speculation"]
     assert "the MTP layer runs each pass" in s["drafts"] and proposals, f"seed={seed}: {s}"
     assert s["accepted"] == s["drafted"] > 0, f"seed={seed}: {s}"
+
+
+def test_a_served_request_drafts_while_it_decodes_alone(mtp_model, seed):
+    """The server with `--speculate mtp:3`: a request alone verifies drafts (counted in /metrics),
+    then decodes in batched steps beside a second one (its MTP drafter starts again after them);
+    both answers are the engine's plain greedy ones."""
+    from ftc_runtime.serve.scheduler import Request, Scheduler
+
+    engine_dir, model, _, _, _ = mtp_model
+    engine = Engine.load(engine_dir)
+    plain = Engine.load(engine_dir)
+    engine.enable_speculation(Speculation("mtp", 3))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randrange(3, 10))] for _ in range(2)]
+    scheduler = Scheduler(engine, max_batch=4)
+    try:
+        done = {i: threading.Event() for i in range(2)}
+        tokens: dict[int, list[int]] = {0: [], 1: []}
+        overlap: list[int] = []  # the first request's tokens when the second gave its first
+
+        def collect(i: int):
+            def on_token(token, reason):
+                if token is None:
+                    done[i].set()
+                    return
+                if i == 1 and not tokens[1]:
+                    overlap.append(len(tokens[0]))
+                tokens[i].append(token)
+            return on_token
+
+        greedy = SamplingParams(0.0)
+        scheduler.submit(Request(prompts[0], 40, greedy, collect(0)))
+        while len(tokens[0]) < 12:
+            time.sleep(0.005)
+        scheduler.submit(Request(prompts[1], 12, greedy, collect(1)))
+        assert done[0].wait(120) and done[1].wait(120)
+        for i, n in ((0, 40), (1, 12)):
+            assert tokens[i] == list(plain.generate(prompts[i], n, greedy, stop_at_eos=False)), f"seed={seed}: {i}"
+        assert scheduler.drafted > 0 and overlap[0] < 40, f"seed={seed}: {scheduler.drafted} drafts, {overlap}"
+    finally:
+        scheduler.close()

@@ -119,7 +119,8 @@ def _oracle_speculation(engine_dir: Path, offload: OffloadConfig, trace: Routing
     """`speculation`'s K with drafts from the greedy answer of the benchmark's prompt, decoded by
     an engine that is then freed (its expert cache holds that answer's experts)."""
     if speculation is None:
-        raise ValueError(f"--draft-oracle {accuracy:g}: give the drafts per pass with --speculate mtp:K, ngram:K or auto")
+        raise ValueError(f"--draft-oracle {accuracy:g}: give the drafts per pass with --speculate mtp:K, ngram:K "
+                         "or auto")
     engine = _engine_replaying(engine_dir, offload, pool, trace, "")
     answer = tuple(engine.generate(_prompt(engine, prompt_tokens, seed), new_tokens, SamplingParams(0.0),
                                    stop_at_eos=False))

@@ -256,13 +256,13 @@ def run(
             config |= {"metrics_public": metrics_public, "served_model_names": served_names(served_model_name)}
         else:
             text, given_ids = run_prompt(engine, prompt, prompt_file, prompt_ids, raw, system, as_json)
-            check_speculation(speculate, engine)
+        check_speculation(speculate, engine)
     except user_errors() as e:
         fail(e)
     if serve:
         logging.basicConfig(level=log_level.value.upper(), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        _serve(engine, offload, prefill_chunk, host, port, config, prefix_cache)
+        _serve(engine, offload, prefill_chunk, speculate, host, port, config, prefix_cache)
         return
     sampling = {"seed": seed, "temperature": temperature, "top_p": top_p, "top_k": top_k, **penalties}
     if raw or given_ids is not None:
@@ -361,8 +361,8 @@ def _generate(engine: Path, offload, prefill_chunk: int | None, reprofile: bool,
                   f"decode {s.decode_tok_s:.2f} tok/s[/]", soft_wrap=True)
 
 
-def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: int, config: dict,
-           prefix_cache: int | None) -> None:
+def _serve(engine: Path, offload, prefill_chunk: int | None, speculate: Speculation | None, host: str, port: int,
+           config: dict, prefix_cache: int | None) -> None:
     """Serves `engine` until SIGTERM or Ctrl-C; `prefix_cache` None: the server's default size."""
     from ftc_runtime import Engine
     from ftc_runtime.experts.vram_plan import gib
@@ -374,6 +374,7 @@ def _serve(engine: Path, offload, prefill_chunk: int | None, host: str, port: in
         kv_bytes = eng.default_prefix_cache_bytes() if prefix_cache is None else prefix_cache
         if kv_bytes:
             eng.enable_prefix_cache(kv_bytes, kv_bytes)
+        eng.enable_speculation(speculate)
         app = create_app(eng, ServerConfig(model_name=eng.spec.name, **config))
     except user_errors() as e:
         fail(e)

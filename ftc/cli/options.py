@@ -77,7 +77,7 @@ def number_in(low: float, high: float | None = None, low_open: bool = False) -> 
 
 
 def speculate(text: str) -> Speculation | None:
-    """--speculate: off (None), auto or ngram:K, as `ftc_runtime.speculative.config.Speculation`."""
+    """--speculate: off (None), auto, mtp:K or ngram:K, as `ftc_runtime.speculative.config.Speculation`."""
     from ftc_runtime.speculative.config import parse_speculation
 
     return parse_speculation(text)
@@ -118,13 +118,16 @@ PrefillSplitArg = Annotated[str | None, typer.Option(metavar="auto|off|SHARE", h
                                                      "all; the default), or a fixed share in [0, 1].")]
 # `ftc run` and `ftc bench decode`: a Speculation, or None (off). Parsed when given (the default
 # is not), so that a command line that leaves it out imports no torch to read it.
-SpeculateArg = Annotated[object | None, typer.Option(parser=speculate, metavar="off|auto|ngram:K", help="Speculative "
-                                                     "decoding: draft up to K tokens (1..8) a step from earlier "
-                                                     "text that the context's last tokens follow (prompt lookup), "
-                                                     "verified in one pass; greedy output is unchanged and sampled "
-                                                     "output keeps its distribution. auto: each pass drafts 0 to 4 "
-                                                     "tokens, as the sequence's own passes measured what pays. Not "
-                                                     "yet for DeepSeek-V4, whose compressed state does not roll "
+SpeculateArg = Annotated[object | None, typer.Option(parser=speculate, metavar="off|auto|mtp:K|ngram:K",
+                                                     help="Speculative decoding: draft up to K tokens (1..8) a step, "
+                                                     "with the model's own multi-token-prediction layer (mtp) or "
+                                                     "from earlier text that the context's last tokens follow "
+                                                     "(ngram, prompt lookup), verified in one pass; greedy output "
+                                                     "is unchanged and sampled output keeps its distribution. auto: "
+                                                     "mtp where the engine has the layer, else ngram, each pass "
+                                                     "drafting 0 to 4 tokens as the sequence's own passes measured "
+                                                     "what pays. Served, a request drafts while it decodes alone. "
+                                                     "Not yet for DeepSeek-V4, whose compressed state does not roll "
                                                      "back yet. Default: off.")]
 
 # --serve's options.
@@ -209,9 +212,9 @@ SERVE_ONLY = ("host", "port", "api_key", "api_keys_file", "allowed_hosts", "max_
               "max_tokens", "max_body_bytes", "prefix_cache", "metrics_public", "log_level", "served_model_name")
 GENERATE_ONLY = ("prompt", "prompt_file", "prompt_ids", "system", "raw", "max_new_tokens", "temperature", "top_p",
                  "top_k", "seed", "repeat_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "stop",
-                 "as_json", "reprofile", "speculate")
+                 "as_json", "reprofile")
 RUN_SHARED = ("engine", "device", "vram_budget", "slots", "miss_policy", "cache_policy", "cpu_experts",
-              "prefill_chunk", "prefill_split", "serve")
+              "prefill_chunk", "prefill_split", "speculate", "serve")
 
 
 def check_speculation(speculation: Speculation | None, engine_dir: Path) -> None:

@@ -72,6 +72,7 @@ class Sequence:
     # verified and, of those, accepted.
     drafter: Drafter | None = field(default=None, init=False)
     controller: DraftController | None = field(default=None, init=False)  # `auto`: each pass's drafts
+    drafter_behind: bool = field(default=False, init=False)  # it missed a position (`advance`)
     drafted: int = field(default=0, init=False)
     accepted: int = field(default=0, init=False)
     # The recurrent state after each token of the latest verification pass, by length (hybrid
@@ -139,7 +140,9 @@ class Sequence:
     def advance(self, runner: Runner, logits: torch.Tensor) -> int:
         """After a decode step ran `next_token` (`logits` [vocab]: its row): the token joins the
         sequence, the recurrent state after it is kept where it is a boundary, and the next token
-        is sampled."""
+        is sampled. A drafter that reads hidden states missed this position's (a batched step
+        hands none): it starts again after it (`_drafts`)."""
+        self.drafter_behind = self.drafter_behind or self.reads_hidden
         self.seq.append(self.next_token)
         if self.checkpoints and self.next_token in runner.boundary_ids:
             self.cache.checkpoints[self.cache.length] = self.cache.take()
@@ -148,7 +151,7 @@ class Sequence:
     def step(self, runner: Runner) -> list[int]:
         """One step of this sequence alone: its drafts verified in one pass where the drafter has
         any, else a plain decode step. Returns the tokens to give out, in order (`accept` each)."""
-        drafts, t0, accepted = self._drafts(), time.perf_counter(), self.accepted
+        drafts, t0, accepted = self._drafts(runner), time.perf_counter(), self.accepted
         if drafts or self.reads_hidden:  # a drafter that reads hidden states needs every position's
             tokens = self.verify_drafts(runner, drafts)
         else:
@@ -157,9 +160,12 @@ class Sequence:
             self.controller.record(len(drafts), self.accepted - accepted, time.perf_counter() - t0)
         return tokens
 
-    def _drafts(self) -> list[int]:
+    def _drafts(self, runner: Runner) -> list[int]:
         if self.drafter is None:
             return []
+        if self.drafter_behind:  # its first pass from here hands it the hidden states it drafts from
+            self.drafter = self.speculation.new_drafter([*self.seq, self.next_token], runner.model, self.cache.length)
+            self.drafter_behind = False
         k = self.controller.choose() if self.controller is not None else self.speculation.k
         # A pass gives out at most one token more than its drafts: none past max_new_tokens.
         return self.drafter.propose(min(k, self.max_new_tokens - self.produced - 1))

@@ -76,7 +76,10 @@ class _Counts(Collector):
                 ("ftc_decode_steps", "counter", "decode steps run", s.decode_steps),
                 ("ftc_decode_tokens", "counter", "tokens those steps made (several per step when batched)",
                  s.decode_tokens),
-                ("ftc_decode_seconds", "counter", "time in decode steps (decode tok/s: tokens over it)", s.decode_s)]
+                ("ftc_decode_seconds", "counter", "time in decode steps (decode tok/s: tokens over it)", s.decode_s),
+                ("ftc_draft_tokens", "counter", "speculative draft tokens verified", s.drafted),
+                ("ftc_draft_tokens_accepted", "counter", "of those, the ones accepted (acceptance: their ratio; "
+                 "tokens per step: ftc_decode_tokens over ftc_decode_steps)", s.accepted)]
         stats = getattr(engine.model.experts, "stats", None)
         if stats is not None:
             d = stats.to_dict()

@@ -1,12 +1,14 @@
 """`Scheduler`: one engine thread serving many requests. Each loop admits waiting requests, runs
 one chunk of the oldest prompt still being read (the engine's prefill chunk when nothing else is
 decoding, else at most `prompt_chunk` tokens, so that a long prompt does not stall the others'
-decoding for its whole length), then one decode step for every
-running request together (`decode_batch`), and hands each request its new token through its
-callback. A cancelled request (its client gone) leaves before the next step, or within one layer
-of the prompt chunk it is in, and its KV cache is freed with it. A request that fails ends alone,
-with the reason "error" and a message; the others go on, and no request can end the engine
-thread. `stop` ends every request within a layer, then the thread.
+decoding for its whole length), then one decode step for every running request together
+(`decode_batch`), and hands each request its new token through its callback. With the engine's
+speculation, a request that decodes alone drafts and verifies its drafts a pass at a time
+(`Sequence.step`), each token it gives out handed over in turn. A cancelled request (its client
+gone) leaves before the next step, or within one layer of the prompt chunk it is in, and its KV
+cache is freed with it. A request that fails ends alone, with the reason "error" and a message;
+the others go on, and no request can end the engine thread. `stop` ends every request within a
+layer, then the thread.
 Each request is a `generation.Sequence`, the steps `Engine.generate` drives one sequence through
 (with the engine's prefix cache: resumed after its longest cached prefix, the hybrid models' state
 kept after each boundary token, its tokens inserted when it ends, unless it failed)."""
@@ -83,6 +85,8 @@ class Scheduler:
         self.decode_steps = 0
         self.decode_tokens = 0
         self.decode_s = 0.0
+        self.drafted = 0  # draft tokens verified, and accepted of those (speculation)
+        self.accepted = 0
         self._stopped = threading.Event()
         self._admission = threading.Lock()  # a request submitted as the thread ends is failed, not lost
         self._thread = threading.Thread(target=self._loop, name="ftc-engine", daemon=True)
@@ -178,6 +182,7 @@ class Scheduler:
                 self._fail(r, f"the request could not start: {e}")
 
     def _start(self, r: Request) -> None:
+        r.speculation = self.engine.speculation
         r.start(self.engine)
         self.reading.append(r)
 
@@ -213,6 +218,9 @@ class Scheduler:
 
     def _step(self) -> None:
         batch = list(self.running)
+        if len(batch) == 1 and not self.reading and batch[0].speculation is not None:
+            self._speculative_step(batch[0])
+            return
         t0 = time.perf_counter()
         try:
             logits = decode_step(self.engine, batch)
@@ -232,6 +240,25 @@ class Scheduler:
                 self._fail(r, f"sampling failed: {e}")
                 continue
             self._accept(r, token)
+
+    def _speculative_step(self, r: Request) -> None:
+        """r alone: its next token and its drafts in one pass, each token it gives out handed over
+        until one ends it."""
+        t0, drafted, accepted = time.perf_counter(), r.drafted, r.accepted
+        try:
+            tokens = r.step(self.engine)
+        except Exception as e:  # noqa: BLE001 (a failed step ends its request, not the server)
+            traceback.print_exc()
+            self._fail(r, f"the decode step failed: {e}")
+            return
+        self.decode_steps += 1
+        self.decode_tokens += len(tokens)
+        self.decode_s += time.perf_counter() - t0
+        self.drafted, self.accepted = self.drafted + r.drafted - drafted, self.accepted + r.accepted - accepted
+        for token in tokens:
+            self._accept(r, token)
+            if r not in self.running:  # ended
+                return
 
     def _accept(self, r: Request, token: int) -> None:
         end = r.accept(token)
