@@ -261,3 +261,21 @@ def test_a_served_request_drafts_while_it_decodes_alone(mtp_model, seed):
         assert scheduler.drafted > 0 and overlap[0] < 40, f"seed={seed}: {scheduler.drafted} drafts, {overlap}"
     finally:
         scheduler.close()
+
+
+def test_ftc_run_drafts_with_the_head_and_reports_it(mtp_model, seed):
+    """`ftc run --speculate mtp:2 --json`: plain decoding's tokens, the drafts verified and accepted
+    in its timings."""
+    engine_dir, model, _, _, _ = mtp_model
+    ids = ",".join(str(random.Random(seed).randrange(model.config.vocab_size)) for _ in range(6))
+    runner = CliRunner()
+
+    def run(*more: str) -> dict:
+        r = runner.invoke(app, ["run", str(engine_dir), "--prompt-ids", ids, "--max-new-tokens", "12", "--json", *more])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    drafted, plain = run("--speculate", "mtp:2"), run()
+    assert drafted["tokens"] == plain["tokens"], f"seed={seed}"
+    t = drafted["timings"]
+    assert t["drafted"] > 0 and 0 <= t["accepted"] <= t["drafted"] and "drafted" not in plain["timings"]

@@ -47,9 +47,12 @@ def turn_json(session: ChatSession, text: str, max_new_tokens: int, sampling: Sa
 
 
 def timings(load_s: float, s: GenerationStats) -> dict[str, float]:
-    """`--json`'s timings of one answer, chat or raw."""
+    """`--json`'s timings of one answer, chat or raw; with drafts verified (`--speculate`), how
+    many, how many were accepted and the tokens each decode pass gave out."""
+    drafts = {"drafted": s.drafted, "accepted": s.accepted, "tokens_per_step": round(s.tokens_per_step, 3)}
     return {"load_s": round(load_s, 4), "prefill_s": round(s.prefill_s, 4), "decode_s": round(s.decode_s, 4),
-            "prefill_tok_s": round(s.prefill_tok_s, 2), "decode_tok_s": round(s.decode_tok_s, 2)}
+            "prefill_tok_s": round(s.prefill_tok_s, 2), "decode_tok_s": round(s.decode_tok_s, 2)} \
+        | (drafts if s.drafted else {})
 
 
 def repl(eng: Engine, session: ChatSession, max_new_tokens: int, sampling: SamplingParams) -> None:
