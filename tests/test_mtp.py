@@ -279,3 +279,31 @@ def test_ftc_run_drafts_with_the_head_and_reports_it(mtp_model, seed):
     assert drafted["tokens"] == plain["tokens"], f"seed={seed}"
     t = drafted["timings"]
     assert t["drafted"] > 0 and 0 <= t["accepted"] <= t["drafted"] and "drafted" not in plain["timings"]
+
+
+# The share of a logit row's range under which two tokens' logits count as tied under bf16 rounding
+NEAR_TIE = 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["mtp", "ngram"])
+def test_gpu_speculation_decodes_the_models_greedy_tokens(mtp_model, drafter, seed):
+    """On the GPU (bf16, the device plan's graphs for plain steps, eager verification passes) a
+    drafted answer is a greedy one: each of its tokens is the argmax of a plain teacher-forced pass
+    over the prompt and the answer before it, or within NEAR_TIE of the row's range of it (bf16
+    rounding differs between a pass of several tokens and a one-token step). A cache left wrong by
+    a rollback would give tokens that the clean pass does not rank first."""
+    engine_dir, model, _, _, _ = mtp_model
+    engine = Engine.load(engine_dir, offload=OffloadConfig(device="cuda", n_slots=12))
+    engine.enable_speculation(Speculation(drafter, 3))
+    rng = random.Random(seed)
+    span = [rng.randrange(model.config.vocab_size) for _ in range(6)]
+    prompt = span + [rng.randrange(model.config.vocab_size) for _ in range(4)] + span[:3]
+    gen = engine.generate(prompt, 32, SamplingParams(0.0), stop_at_eos=False)
+    answer = list(gen)
+    assert len(answer) == 32 and gen.stats.drafted > 0, f"seed={seed}: {gen.stats}"
+    logits = engine.prefill(torch.tensor(prompt + answer[:-1]), engine.model.new_cache(), all_logits=True)
+    rows = logits[len(prompt) - 1:].float().cpu()
+    for i, (row, token) in enumerate(zip(rows, answer, strict=True)):
+        gap = float(row.max() - row[token])
+        assert gap <= NEAR_TIE * float(row.max() - row.min()), f"seed={seed}: {drafter}, token {i}: {gap}"
