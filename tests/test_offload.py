@@ -14,6 +14,8 @@ from ftc_runtime import Engine, SamplingParams
 from ftc_runtime.engine import OffloadConfig
 from ftc_runtime.experts.miss_planner import MISS_POLICIES, MissPlanner
 from ftc_runtime.experts.offload import OffloadedExperts
+from ftc_runtime.experts.recurrence import recurring_pairs
+from ftc_runtime.experts.routing_trace import TraceReplay, synthetic_trace
 from ftc_runtime.experts.vram_plan import VramError, plan_vram
 
 from slot_checks import check_slots_hold_their_rows
@@ -128,6 +130,38 @@ def test_misses_the_cpu_computed_lately_are_filled(cpu_engine, native, seed):
         else:  # one more fill a token: hits 0, 1, 2
             assert (s.hits, s.fills, s.cpu) == (3, 3, 3 * k - 6)
         check_slots_hold_their_rows(off)
+
+
+def test_recurring_pairs_are_what_a_brute_force_count_finds(seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(30):
+        e, t, w = rng.randrange(2, 40), rng.randrange(1, 60), rng.randrange(1, 9)
+        k = rng.randrange(1, e + 1)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        rows = ids.tolist()
+        want = sum(1 for i in range(w, t) for x in rows[i] if any(x in rows[i - d] for d in range(1, w + 1)))
+        assert int(recurring_pairs(ids, e, w)) == want, f"seed={seed}: E {e}, k {k}, T {t}, W {w}"
+
+
+@pytest.mark.parametrize("slots", [24, 40])  # 40: the prompt streams whole layers (2 × 16 slots lent)
+def test_the_recency_rule_runs_where_the_prompts_routing_recurs(engine_dir, slots, seed):
+    """Prompts replaying synthetic routing: a local one (each token keeps each of its experts with
+    probability 0.95) keeps the adaptive split's recency window, a uniform one turns it off, a local
+    one turns it on again; each answer decodes on with the slots holding their rows."""
+    engine = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=slots, miss_policy="adaptive"))
+    experts, spec = engine.model.experts, engine.spec
+    rng = random.Random(seed)
+    window = experts.planner.recent_tokens
+    assert window > 0
+    for locality, zipf, want in ((0.95, 1.0, window), (0.0, 0.0, 0), (0.95, 1.0, window)):
+        trace = synthetic_trace(512, len(spec.moe_layers), spec.moe.num_experts, spec.moe.top_k, locality, zipf,
+                                rng.randrange(1 << 30))
+        experts.routing = TraceReplay(trace)
+        prompt = [rng.randrange(256) for _ in range(200)]
+        out = list(engine.generate(prompt, 8, SamplingParams(0.0), stop_at_eos=False))
+        assert len(out) == 8 and experts.planner.recent_tokens == want, f"seed={seed}: locality {locality}"
+        check_slots_hold_their_rows(experts)
 
 
 @pytest.mark.parametrize("miss_policy,cache_policy,slots", [("adaptive", "lru", 5), ("gpu", "lru", 20),

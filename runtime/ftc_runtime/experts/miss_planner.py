@@ -29,7 +29,9 @@ class MissPlanner:
     adaptive split decoded 22% slower than `gpu` with the model's own routing
     (docs/history/performance-log.md, issue 3).
     So adaptive also fills every miss that the CPU computed within the last `recent_tokens` tokens
-    (q = max(q, those), filled first). Without locality few misses recur that soon, and q stays."""
+    (q = max(q, those), filled first). Without locality few misses recur that soon, and each such
+    fill evicts an expert as likely to come back as the one it brings: `OffloadedExperts` sets the
+    window to 0 where a prompt's routing recurs no more than random routing does (`RecurrenceMeter`)."""
 
     policy: MissPolicy = "adaptive"
     b_p: float = 1.0  # pinned host→GPU GB/s for one expert

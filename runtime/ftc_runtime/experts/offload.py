@@ -8,6 +8,7 @@ path (cache, split, fills as plain copies, merge) runs and is tested; only speed
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from ftc_runtime.experts.launch import Launched
 from ftc_runtime.experts.layer_stream import LayerStream, stream_slots
 from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.prompt_split import PromptSplit
+from ftc_runtime.experts.recurrence import RecurrenceMeter
 from ftc_runtime.experts.slots import GpuExpertKernels, SlotStore
 from ftc_runtime.experts.stats import OffloadStats
 from ftc_runtime.experts.stream_cpu import StreamCpuPart
@@ -74,6 +76,12 @@ class OffloadedExperts(ExpertBackend):
         self.prompt_split = prompt_split
         self._stream: LayerStream | None = None
         self._said_no_stream = False
+        # The adaptive split's recency rule (`MissPlanner.recent_tokens`) runs where the prompts'
+        # routing recurs (`RecurrenceMeter`); the meter counts the routes of prompt passes.
+        self.recency_window = planner.recent_tokens
+        self.recurrence = RecurrenceMeter(h.num_experts, planner.recent_tokens) \
+            if planner.policy == "adaptive" and planner.recent_tokens > 0 else None
+        self._prompt_pass = False
         self.generation = 0  # bumped when the slots or the device step's buffers change: graphs holding them are stale
 
     @property
@@ -136,6 +144,7 @@ class OffloadedExperts(ExpertBackend):
         if self._stream is not None:
             self._stream.abandon()
         self._stream = None
+        self._prompt_pass = prompt
         if not prompt or self.stream_min_tokens is None or n_tokens < self.stream_min_tokens \
                 or self.cache.policy != "lru":
             return
@@ -161,12 +170,25 @@ class OffloadedExperts(ExpertBackend):
                 host_ids, host_w = self.routed(moe_layer, first_position, ids.cpu().numpy().astype(np.int64),
                                                weights.float().cpu().numpy())
                 ids, weights = torch.from_numpy(host_ids).to(x.device), torch.from_numpy(host_w).to(x.device)
+                self._observe_prompt(host_ids)
+            else:
+                self._observe_prompt(ids)
             out = self._stream.forward(moe_layer, x, ids, weights)
             if moe_layer == self.pool.header.num_moe_layers - 1:
                 self._stream = None  # the chunk's last MoE layer
             return out
+        if self.routing is None:
+            self._observe_prompt(ids)
+        elif self.recurrence is not None and self._prompt_pass:  # the hook's choice, which the launch makes again
+            self._observe_prompt(self.routed(moe_layer, first_position, ids.cpu().numpy().astype(np.int64),
+                                             weights.float().cpu().numpy())[0])
         self.stage(x, ids, weights)
         return self.forward_staged(moe_layer, ids.shape[0], ids.shape[1], first_position)
+
+    def _observe_prompt(self, ids: torch.Tensor | np.ndarray) -> None:
+        """A prompt pass's routes of one layer, for the recurrence meter."""
+        if self.recurrence is not None and self._prompt_pass:
+            self.recurrence.observe(ids)
 
     def stage(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Queues x (fp32), ids and weights into one device buffer [T, hidden + 2k] and its copy to
@@ -262,5 +284,15 @@ class OffloadedExperts(ExpertBackend):
         return launched.device_out, launched.cpu_out
 
     def end_of_prompt(self) -> None:
-        """Static policy: pins the experts the prompt routed to most, once (`HostSplit.end_of_prompt`)."""
+        """Static policy: pins the experts the prompt routed to most, once (`HostSplit.end_of_prompt`).
+        Adaptive: the recency rule on or off by how the prompt's routing recurred."""
         self.host_split.end_of_prompt(self.cache, self.stats)
+        recurs = self.recurrence.decide() if self.recurrence is not None else None
+        window = self.recency_window if recurs else 0
+        if recurs is None or self.planner.recent_tokens == window:
+            return
+        _ = self.cache  # a safe point: the device's tables written back before they are remade
+        self.planner = dataclasses.replace(self.planner, recent_tokens=window)
+        self.host_split.forget_slots()  # the native token planner holds the window
+        self.device_path.tables.forget()  # and the device plan's rule
+        self.generation += 1
