@@ -28,6 +28,7 @@ from ftc_runtime.speculative.mtp import MtpDrafter
 
 from conftest import seed_for
 from families import rel
+from fp4_checkpoints import FP4_INTERMEDIATE, widen_experts
 from hf_glm_models import GlmMtpHead, build_glm, save_glm_checkpoint
 from hf_hybrid_models import QwenMtpHead, build_hybrid, save_hybrid_checkpoint
 
@@ -183,13 +184,46 @@ def test_greedy_mtp_speculation_gives_the_tokens_of_plain_decoding(mtp_model, mo
     drafts and drop others, and every proposal of the head is the one a plain pass over the
     sequence so far gives it (where its top-2 margin is clear)."""
     engine_dir, model, _, _, _ = mtp_model
+    _check_greedy_speculation(engine_dir, model.config.vocab_size, mode, seed, monkeypatch)
+
+
+QUANTIZED = [("qwen3_5_moe", "mxfp4"), ("qwen3_next", "nvfp4"), ("glm_moe_dsa", "nvfp4")]
+
+
+@pytest.fixture(scope="module", params=QUANTIZED, ids=lambda q: f"{q[0]}-{q[1]}")
+def quantized_mtp_engine(request, tmp_path_factory) -> tuple[Path, int]:
+    """An engine of 4-bit experts (the head's too), compiled from a checkpoint with an MTP head
+    (experts of intermediate size 64, as the formats need); and its vocabulary."""
+    fam, quant = request.param
+    seed = seed_for(f"{fam}-{quant}")
+    root = tmp_path_factory.mktemp(f"{fam}-{quant}")
+    if fam == "glm_moe_dsa":
+        model = build_glm(seed, intermediate=FP4_INTERMEDIATE)
+        ckpt = save_glm_checkpoint(model, root / "ckpt", "per_expert", mtp=GlmMtpHead(model, seed + 1))
+    else:
+        model = widen_experts(build_hybrid(fam, seed), seed)
+        ckpt = save_hybrid_checkpoint(model, root / "ckpt", "fused", mtp=QwenMtpHead(model, seed + 1))
+    engine = compile_engine(CompileOptions(source=ckpt, target="cpu", quant=quant, output=root / "engine"))
+    return engine, model.config.vocab_size
+
+
+def test_greedy_mtp_speculation_with_4_bit_experts(quantized_mtp_engine, seed, monkeypatch):
+    """As above, offloaded, the experts (the head's among them) in MXFP4 or NVFP4, for 2 and 4
+    drafts a pass."""
+    engine_dir, vocab = quantized_mtp_engine
+    assert Engine.load(engine_dir).spec.expert_format in ("mxfp4", "nvfp4")
+    _check_greedy_speculation(engine_dir, vocab, "offload", seed, monkeypatch, ks=(2, 4))
+
+
+def _check_greedy_speculation(engine_dir: Path, vocab: int, mode: str, seed: int, monkeypatch,
+                              ks: tuple[int, ...] = (1, 2, 3, 4)) -> None:
     rng = random.Random(seed)
-    parts = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
+    parts = [[rng.randrange(vocab) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
     want = _session(_load(engine_dir, mode, None), parts, 16)[0]
     monkeypatch.setattr(config, "MtpDrafter", SteeredDrafter)
     SteeredDrafter.script = [t for part, out in zip(parts, want, strict=True) for t in part + out]
     reference = Engine.load(engine_dir)
-    for k in range(1, 5):
+    for k in ks:
         SteeredDrafter.rng, SteeredDrafter.proposals = random.Random(seed + k), []
         engine = _load(engine_dir, mode, Speculation("mtp", k))
         got, drafted, accepted = _session(engine, parts, 16)
