@@ -170,25 +170,21 @@ class OffloadedExperts(ExpertBackend):
                 host_ids, host_w = self.routed(moe_layer, first_position, ids.cpu().numpy().astype(np.int64),
                                                weights.float().cpu().numpy())
                 ids, weights = torch.from_numpy(host_ids).to(x.device), torch.from_numpy(host_w).to(x.device)
-                self._observe_prompt(host_ids)
-            else:
-                self._observe_prompt(ids)
+            if self._observes(ids.shape[0]):
+                self.recurrence.observe(ids)
             out = self._stream.forward(moe_layer, x, ids, weights)
             if moe_layer == self.pool.header.num_moe_layers - 1:
                 self._stream = None  # the chunk's last MoE layer
             return out
-        if self.routing is None:
-            self._observe_prompt(ids)
-        elif self.recurrence is not None and self._prompt_pass:  # the hook's choice, which the launch makes again
-            self._observe_prompt(self.routed(moe_layer, first_position, ids.cpu().numpy().astype(np.int64),
-                                             weights.float().cpu().numpy())[0])
+        if self._observes(ids.shape[0]):  # with a hook, its choice (which the launch makes again)
+            self.recurrence.observe(ids if self.routing is None else self.routed(
+                moe_layer, first_position, ids.cpu().numpy().astype(np.int64), weights.float().cpu().numpy())[0])
         self.stage(x, ids, weights)
         return self.forward_staged(moe_layer, ids.shape[0], ids.shape[1], first_position)
 
-    def _observe_prompt(self, ids: torch.Tensor | np.ndarray) -> None:
-        """A prompt pass's routes of one layer, for the recurrence meter."""
-        if self.recurrence is not None and self._prompt_pass:
-            self.recurrence.observe(ids)
+    def _observes(self, n_tokens: int) -> bool:
+        """Whether the recurrence meter counts this call's routes: a prompt pass's, long enough."""
+        return self.recurrence is not None and self._prompt_pass and n_tokens > self.recurrence.window
 
     def stage(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Queues x (fp32), ids and weights into one device buffer [T, hidden + 2k] and its copy to
