@@ -106,7 +106,8 @@ def test_speculate_values_and_the_families_that_take_them():
             parse_speculation(bad)
     for name in ("qwen3-moe-tiny", "glm-5-tiny", "qwen3.6-moe-tiny", "deepseek-v4-tiny"):
         spec = load_spec(SPECS / f"{name}.yaml")[0]
-        with pytest.raises(ValueError, match="no multi-token-prediction layer"):  # the tiny specs have none
+        # the tiny specs have no MTP layer; DeepSeek-V4's state is refused first, whatever the drafter
+        with pytest.raises(ValueError, match="no multi-token-prediction layer" if name in ROLLS_BACK else "compressed"):
             Speculation("mtp", 2).check_family(spec)
         if name in ROLLS_BACK:
             Speculation("ngram", 2).check_family(spec)

@@ -80,12 +80,12 @@ class Speculation:
         state rewinds to the state its pass kept after each token. DeepSeek-V4's compressed state
         keeps one only by cutting its pass at that token, which would run the drafts one by one;
         its rollback is not built yet."""
-        if self.drafter == "mtp" and not spec.mtp_layers:
-            raise ValueError(f"--speculate {self}: engine {spec.name} has no multi-token-prediction layer "
-                             "(mtp_layers 0: its checkpoint has none, or it was compiled without); use ngram:K")
         if spec.attention.kind == "compressed":
             raise ValueError(f"--speculate {self}: family {spec.family} keeps compressed attention state, "
                              "which cannot roll back a rejected draft yet; use --speculate off")
+        if self.drafter == "mtp" and not spec.mtp_layers:
+            raise ValueError(f"--speculate {self}: engine {spec.name} has no multi-token-prediction layer "
+                             "(mtp_layers 0: its checkpoint has none, or it was compiled without); use ngram:K")
 
 
 def parse_speculation(text: str) -> Speculation | None:
