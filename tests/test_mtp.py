@@ -341,3 +341,18 @@ def test_gpu_speculation_decodes_the_models_greedy_tokens(mtp_model, drafter, se
     for i, (row, token) in enumerate(zip(rows, answer, strict=True)):
         gap = float(row.max() - row[token])
         assert gap <= NEAR_TIE * float(row.max() - row.min()), f"seed={seed}: {drafter}, token {i}: {gap}"
+
+
+def test_an_offloaded_prompt_streams_the_models_layers_and_not_the_heads(tmp_path, seed):
+    """The head's experts are the pool's last layer, which a prompt chunk does not run: a streamed
+    chunk loads the model's MoE layers alone and ends at its last one (nothing left to abandon)."""
+    spec = Path(__file__).resolve().parents[1] / "model_specs" / "qwen3.6-moe-tiny.yaml"
+    engine_dir = compile_engine(CompileOptions(source=spec, target="cpu", random_weights=True, seed=3,
+                                               overrides=("mtp_layers=1",), output=tmp_path / "e"))
+    engine = Engine.load(engine_dir, offload=OffloadConfig(device="cpu", n_slots=64, stream_min_tokens=8))
+    experts = engine.model.experts
+    prompt = [random.Random(seed).randrange(256) for _ in range(40)]
+    engine.prefill(torch.tensor(prompt), engine.model.new_cache())
+    moe_layers = len(engine.spec.moe_layers)
+    assert experts.pool.header.num_moe_layers == moe_layers + 1
+    assert experts.stats.stream_layers == moe_layers and experts._stream is None, f"seed={seed}"

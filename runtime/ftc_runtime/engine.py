@@ -172,7 +172,7 @@ class Engine:
         experts = OffloadedExperts(pool, kernel, torch.device(offload.device), vram.n_slots, planner,
                                    offload.cache_policy, gpu_kernels, stream_min, offload.prefill_overlap,
                                    _device_plan(offload),
-                                   spec.moe.swiglu_limit, prompt_split)
+                                   spec.moe.swiglu_limit, prompt_split, spec.mtp_layers)
         model = fam.model(spec, dense, experts, device=offload.device)
         model.decode_graphs = decode_graphs_for(model, fam.decode_graphs, settings().decode_graphs,
                                                 settings().torch_compile, settings().fused_body)

@@ -47,9 +47,10 @@ class LayerStream:
     """`known`: MoE layer → the experts (ids within the layer) its tokens route to, for the layers
     whose routing is known before the chunk runs; the chunk's routing there must be within it.
     `cpu`: the CPU's part of each layer (None: every uncached expert is copied), for a chunk of
-    `n_tokens` tokens."""
+    `n_tokens` tokens. `num_layers`: the MoE layers a chunk runs, the pool's first (a
+    multi-token-prediction layer after them is never streamed)."""
 
-    def __init__(self, store: SlotStore, stats: OffloadStats, overlap: bool,
+    def __init__(self, store: SlotStore, stats: OffloadStats, overlap: bool, num_layers: int,
                  known: Mapping[int, np.ndarray] | None = None, cpu: StreamCpuPart | None = None,
                  n_tokens: int = 0):
         self.store, self.stats, self.overlap, self.cpu, self.n_tokens = store, stats, overlap, cpu, n_tokens
@@ -67,7 +68,7 @@ class LayerStream:
         self.last_done: torch.cuda.Event | None = None  # the device is done with the last layer computed
         self.loaded: dict[int, int] = {}  # MoE layer → experts it copied (0: all were cached)
         self.loaded_during: dict[int, int] = {}  # MoE layer → the layer computing when its copies were queued
-        self.num_layers = store.header.num_moe_layers
+        self.num_layers = num_layers  # the chunk's MoE layers: the pool's first
         self.load(0, np.empty(0, dtype=np.int64), 0)
         if overlap and 0 in self.known:
             self.load_ahead(0)  # the known layers after the first need no router: queue them now

@@ -55,13 +55,16 @@ class OffloadedExperts(ExpertBackend):
     def __init__(self, pool: ExpertPool, kernel: CpuExpertKernel, device: torch.device, n_slots: int,
                  planner: MissPlanner, cache_policy: CachePolicy = "lru", kernels: GpuExpertKernels | None = None,
                  stream_min_tokens: int | None = None, stream_overlap: bool = True, device_plan: bool = False,
-                 swiglu_limit: float = 0.0, prompt_split: PromptSplit | None = None):
+                 swiglu_limit: float = 0.0, prompt_split: PromptSplit | None = None, mtp_layers: int = 0):
         h = pool.header
         self.pool, self.kernel, self.planner = pool, kernel, planner
         # The slots, their cache and the engine's generated device kernels (None: torch).
         self.store = SlotStore(pool, device, n_slots, cache_policy, kernels, swiglu_limit)
         self.device, self.on_gpu, self.num_experts = self.store.device, self.store.on_gpu, h.num_experts
         self.hidden = h.hidden
+        # The MoE layers a model pass runs, in order: the pool's but the multi-token-prediction
+        # layers' after them, which the head runs on its own.
+        self.pass_layers = h.num_moe_layers - mtp_layers
         self._stats = OffloadStats(self.device)
         self.buffers = CallBuffers(self.device, h.hidden)
         self.host_split = HostSplit(self.store, kernel, self.buffers)
@@ -160,7 +163,7 @@ class OffloadedExperts(ExpertBackend):
             self.device_path.close_doorbell(self._stats)  # the CPU part starts the kernel itself
             cpu = StreamCpuPart(self.kernel, self.pool.experts, self.prompt_split, self.buffers.host, self.stats,
                                 n_tokens, self.device)
-        self._stream = LayerStream(self.store, self.stats, self.stream_overlap,
+        self._stream = LayerStream(self.store, self.stats, self.stream_overlap, self.pass_layers,
                                    known_routes if self.routing is None else None, cpu, n_tokens)
 
     def forward(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -173,7 +176,7 @@ class OffloadedExperts(ExpertBackend):
             if self._observes(ids.shape[0]):
                 self.recurrence.observe(ids)
             out = self._stream.forward(moe_layer, x, ids, weights)
-            if moe_layer == self.pool.header.num_moe_layers - 1:
+            if moe_layer == self.pass_layers - 1:
                 self._stream = None  # the chunk's last MoE layer
             return out
         if self._observes(ids.shape[0]):  # with a hook, its choice (which the launch makes again)
@@ -238,7 +241,7 @@ class OffloadedExperts(ExpertBackend):
             ids, weights = self.routing.route_on_device(moe_layer, position, ids, weights)
         out = self.token_outputs(x.shape[0])[0]
         self.device_path.step.run(moe_layer * self.num_experts, x, ids, weights, out, timeline,
-                                  first=moe_layer == 0, last=moe_layer == self.pool.header.num_moe_layers - 1)
+                                  first=moe_layer == 0, last=moe_layer == self.pass_layers - 1)
 
     def launch_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> None:
         """Plans the staged call and starts both parts; `finish_staged` returns them."""
