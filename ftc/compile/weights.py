@@ -101,11 +101,13 @@ class CheckpointWeights:
     def _without_absent_mtp(self, spec: ModelSpec) -> ModelSpec:
         """`spec`, without its multi-token-prediction layers where the checkpoint holds none of
         their tensors (some releases strip them); one of them present, the rest must be too."""
+        if not spec.mtp_layers:
+            return spec
         fam = family(spec.family)
         bare = dataclasses.replace(spec, mtp_layers=0)
         layout = fam.checkpoint_layout(self.reader, spec)
         head = set(fam.dense_tensor_shapes(spec)) - set(fam.dense_tensor_shapes(bare))
-        return bare if spec.mtp_layers and not any(name in layout for name in head) else spec
+        return spec if any(name in layout for name in head) else bare
 
     def _quantized_experts(self, prefix: str) -> QuantizedExperts | None:
         """The reader of the checkpoint's 4-bit experts; None where they are 16/32-bit. Either way

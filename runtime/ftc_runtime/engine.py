@@ -212,9 +212,9 @@ class Engine:
         return self.prefix_cache
 
     def enable_speculation(self, speculation: Speculation | None) -> None:
-        """`generate` drafts tokens and verifies them in one pass per step (None: off); the
-        family must be one whose state rolls back by its length (`Speculation.check_family`).
-        The server's scheduler, which decodes several sequences together, does not speculate."""
+        """`generate` drafts tokens and verifies them in one pass per step (None: off), and so does
+        the server's scheduler for a request that decodes alone; the family must be one whose
+        state rolls back (`Speculation.check_family`), and `auto` takes the engine's drafter."""
         self.speculation = speculation.for_spec(self.spec) if speculation is not None else None
 
     def rebalance(self, needs: list[tuple[object, int]]) -> None:

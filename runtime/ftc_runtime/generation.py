@@ -14,7 +14,7 @@ token after the last; `decode_step` runs one token of several sequences together
 the token a step ran (its state captured where it is a boundary) and samples the next; `accept`
 counts a token given out and says whether the sequence ends there; `finish` inserts what the cache
 holds into the prefix cache and releases the nodes the sequence resumed from. The server's
-scheduler does not speculate (yet)."""
+scheduler takes `step` for a sequence that decodes alone, decode_step and advance for several."""
 
 from __future__ import annotations
 

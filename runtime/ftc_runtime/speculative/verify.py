@@ -3,7 +3,8 @@ token that follows them. The target's distribution at each position is the plain
 (`Sampler.distribution`: penalties, top-k, temperature, top-p), so the tokens given out are
 distributed as without speculation; at temperature 0 they are the same tokens.
 
-A prompt-lookup draft is deterministic: its distribution q is a point mass on the drafted token d.
+Every draft is deterministic (prompt lookup, or the MTP layer's greedy token): its distribution q
+is a point mass on the drafted token d.
 The standard rule (Leviathan et al. 2023; Chen et al. 2023) accepts d with probability
 min(1, p(d) / q(d)) = p(d), and on rejection draws from max(p - q, 0) normalized, which is p with d
 removed. A token x ≠ d then comes out with probability (1 - p(d)) · p(x) / (1 - p(d)) = p(x), and d
