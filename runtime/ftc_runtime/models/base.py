@@ -36,6 +36,16 @@ class CheckpointReader(Protocol):
     def names(self) -> list[str]: ...
 
 
+def mtp_layer(canonical: str, num_layers: int) -> tuple[int, str] | None:
+    """(j, the rest of the name) for a canonical tensor of multi-token-prediction layer j
+    (`model.layers.N+j.`, N = num_layers), None for any other tensor."""
+    head, _, rest = canonical.partition(".layers.")
+    if head != "model" or not rest:
+        return None
+    index, _, name = rest.partition(".")
+    return (int(index) - num_layers, name) if index.isdigit() and int(index) >= num_layers else None
+
+
 class CheckpointLayout:
     """The canonical tensor names of a model (`Family.dense_tensor_shapes`) in one checkpoint: here
     as they are, under `model.`; a family whose checkpoints store some tensors otherwise subclasses."""
@@ -84,7 +94,8 @@ class Family:
     # expert ids, stored int64 (a hash router's token id → experts); the rest bf16 or FP8.
     fp32_tensors: tuple[str, ...] = ()
     expert_index_tensors: tuple[str, ...] = ()
-    # Its model runs the checkpoint's multi-token-prediction layers (`spec.mtp_layers`, `mtp_logits`)
+    # Its model runs the checkpoint's multi-token-prediction layers (`spec.mtp_layers`: `new_mtp_cache`,
+    # `mtp_forward`, and `forward(hidden=...)` for their input)
     mtp: bool = False
 
     @property

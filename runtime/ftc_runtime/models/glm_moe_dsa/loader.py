@@ -6,7 +6,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ftc_runtime.models.base import CheckpointLayout, CheckpointReader, check_plain_swiglu, kv_cache_bytes
+from ftc_runtime.models.base import (
+    CheckpointLayout,
+    CheckpointReader,
+    check_plain_swiglu,
+    kv_cache_bytes,
+    mtp_layer,
+)
 from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.models.layers.tensor_shapes import end_tensor_shapes, mlp_tensor_shapes
 from ftc_runtime.spec import ModelSpec, Need, SpecError
@@ -80,11 +86,8 @@ class GlmCheckpointLayout(CheckpointLayout):
             self.layers = HfConfig(json.loads(config.read_text()), config).get("num_hidden_layers", spec.num_layers)
 
     def name(self, canonical: str) -> str:
-        head, _, rest = canonical.partition(".layers.")
-        index, _, tail = rest.partition(".")
-        if head == "model" and index.isdigit() and int(index) >= self.spec.num_layers:
-            return f"model.layers.{int(index) - self.spec.num_layers + self.layers}.{tail}"
-        return canonical
+        layer = mtp_layer(canonical, self.spec.num_layers)
+        return canonical if layer is None else f"model.layers.{self.layers + layer[0]}.{layer[1]}"
 
 
 def indexer_layer_types(cfg: HfConfig, n_layers: int) -> list[str]:

@@ -19,6 +19,7 @@ from ftc_runtime.models.base import (
     CheckpointReader,
     check_gqa_softmax_topk,
     gqa_state_bytes,
+    mtp_layer,
 )
 from ftc_runtime.models.hf_config import HfConfig
 from ftc_runtime.models.layers.tensor_shapes import end_tensor_shapes, mlp_tensor_shapes
@@ -143,15 +144,6 @@ def check_spec(s: ModelSpec, need: Need) -> None:
     if m.num_shared_experts:
         need(m.shared_expert_intermediate_size > 0, "moe.shared_expert_intermediate_size",
              m.shared_expert_intermediate_size, "a positive integer when moe.num_shared_experts is 1")
-
-
-def mtp_layer(canonical: str, num_layers: int) -> tuple[int, str] | None:
-    """(j, the rest of the name) for a tensor of multi-token-prediction layer j (`model.layers.N+j.`)."""
-    head, _, rest = canonical.partition(".layers.")
-    if head != "model" or not rest:
-        return None
-    index, _, name = rest.partition(".")
-    return (int(index) - num_layers, name) if index.isdigit() and int(index) >= num_layers else None
 
 
 class HybridCheckpointLayout(CheckpointLayout):
