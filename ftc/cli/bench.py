@@ -25,6 +25,7 @@ from ftc.cli.options import (
     SlotsArg,
     SpeculateArg,
     VramBudgetArg,
+    check_draft_oracle,
     check_plot,
     engine_in_memory,
     err,
@@ -145,8 +146,9 @@ def decode(
     prefill_split: PrefillSplitArg = None,
     speculate: SpeculateArg = None,
     draft_oracle: Annotated[float | None, typer.Option(parser=number_in(0, 1), metavar="P", help="With --speculate "
-                                                       "ngram:K: draft from the known greedy answer instead, each "
-                                                       "draft wrong with probability 1 - P: what verification "
+                                                       "mtp:K, ngram:K or auto: draft from the known greedy answer "
+                                                       "instead, each draft wrong with probability 1 - P: what "
+                                                       "verification "
                                                        "costs at acceptance P (with random weights no drafter's "
                                                        "acceptance means anything).")] = None,
     output: OutputArg = None,
@@ -174,9 +176,7 @@ def decode(
                              "--synthetic-locality and --zipf")
         if counts is not None and speculate is not None:
             raise ValueError(f"--speculate {speculate}: sequences decoded together (--sequences) do not speculate")
-        if draft_oracle is not None and speculate is None:
-            raise ValueError(f"--draft-oracle {draft_oracle:g}: give the drafts per pass with --speculate ngram:K "
-                             "or auto")
+        check_draft_oracle(draft_oracle, speculate)
         with _engine(engine, random_weights, seed, target, override) as (path, pool):
             if counts is not None:
                 print(_report(bench_decode_batches(path, offload, counts, prompt_tokens, new_tokens, pool=pool),
@@ -218,7 +218,7 @@ def matrix(
     stream_min_tokens: StreamMinTokensArg = None,
     prefill_split: PrefillSplitArg = None,
     speculate: SpeculateArg = None,
-    draft_oracle: Annotated[str | None, typer.Option(metavar="P[,P...]", help="With --speculate ngram:K: each "
+    draft_oracle: Annotated[str | None, typer.Option(metavar="P[,P...]", help="With --speculate: each "
                                                      "routing and policy also with drafts from the known greedy "
                                                      "answer, each wrong with probability 1 - P (`bench decode "
                                                      "--draft-oracle`), beside the run without drafts.")] = None,
@@ -280,8 +280,7 @@ def _matrix_drafts(speculate, draft_oracle: str | None) -> list:
     """The ways each run drafts: none, then `speculate`'s drafter, or the oracle at each P."""
     from ftc.bench.matrix import Drafts
 
-    if draft_oracle is not None and speculate is None:
-        raise ValueError(f"--draft-oracle {draft_oracle}: give the drafts per pass with --speculate ngram:K or auto")
+    check_draft_oracle(draft_oracle, speculate)
     if speculate is None:
         return [Drafts()]
     if draft_oracle is None:

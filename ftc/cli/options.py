@@ -225,6 +225,13 @@ def check_speculation(speculation: Speculation | None, engine_dir: Path) -> None
         speculation.check_family(EngineManifest.read(engine_dir).spec)
 
 
+def check_draft_oracle(draft_oracle: object, speculation: Speculation | None) -> None:
+    """--draft-oracle replaces the drafts of a --speculate drafter, so it needs one."""
+    if draft_oracle is not None and speculation is None:
+        raise ValueError(f"--draft-oracle {draft_oracle}: give the drafts per pass with --speculate mtp:K, ngram:K "
+                         "or auto")
+
+
 def sampling_penalties(repeat: float | None, presence: float | None, frequency: float | None) -> dict:
     """--repeat-penalty, --presence-penalty and --frequency-penalty as SamplingParams' fields (None:
     the engine's default), checked before the engine loads: a bad one is one error line naming it."""
