@@ -48,6 +48,7 @@ from ftc_runtime.kernel_sets import kernel_library
 from ftc_runtime.models import family
 from ftc_runtime.models.dense_layout import FP8_BLOCK, StoredTensors, fp8_names, scale_name, stored_bytes
 from ftc_runtime.models.layers.fp8_linear import BlockFp8, has_fp8_conversion
+from ftc_runtime.profile import RateProbe
 from ftc_runtime.sampling import SamplingParams
 from ftc_runtime.settings import settings
 from ftc_runtime.spec import ModelSpec
@@ -64,8 +65,10 @@ class OffloadConfig:
     n_slots: int | None = None  # overrides the slot count that the budget gives
     miss_policy: str = "adaptive"
     cache_policy: str = "lru"
-    b_p: float | None = None  # GB/s; None: the engine's target (preset or `ftc profile`); where the
-    b_h: float | None = None  # target has neither, B_P = B_H, so every miss is filled
+    # GB/s; None: the engine's target's (preset or `ftc profile`) where they were measured for this
+    # GPU, else measured where the engine loads (`RateProbe`); without a GPU none, and every miss is filled
+    b_p: float | None = None
+    b_h: float | None = None
     max_context: int = 4096  # tokens of KV cache the budget reserves
     prefill_overlap: bool = True  # False: stream prompt layers through one buffer, load then compute
     cpu_experts: bool = False  # every routed expert on the CPU (no slots): only activations cross PCIe
@@ -78,7 +81,7 @@ class OffloadConfig:
     device_plan: bool | None = None
     # Streamed prompt chunks: "auto" lets the CPU compute part of each layer's uncached experts in
     # place, as many as the measured rates say it finishes beside the copies (`PromptSplit`; none
-    # where the target has no rates); "off" copies them all; a number in [0, 1] is a fixed share.
+    # where there are no rates); "off" copies them all; a number in [0, 1] is a fixed share.
     prefill_split: str = "off"
 
 
@@ -165,7 +168,8 @@ class Engine:
             print("ftc: --cpu-experts: every routed expert runs on the CPU; only activations cross PCIe",
                   file=sys.stderr)
             vram = dataclasses.replace(vram, n_slots=0)
-        planner = _miss_planner(manifest, offload)
+        probe = RateProbe(spec, pool, kernel, torch.device(offload.device))
+        planner = _miss_planner(manifest, offload, probe, vram.n_slots)
         prompt_split = _prompt_split(manifest, offload, planner, pool.header.expert_stride)
         gpu_kernels = _gpu_expert_kernels(manifest, offload.device)
         stream_min = offload.stream_min_tokens or plan.prefill_stream_min_tokens
@@ -313,21 +317,53 @@ def _rates(manifest: EngineManifest, offload: OffloadConfig) -> tuple[float, flo
     return None if b_p is None or b_h is None else (b_p, b_h)
 
 
-def _miss_planner(manifest: EngineManifest, offload: OffloadConfig) -> MissPlanner:
-    """The miss split at the measured rates (explicit rates replace the whole profile); a CPU-only
-    target has none, and every miss is filled."""
+def _miss_planner(manifest: EngineManifest, offload: OffloadConfig, probe: RateProbe, slots: int) -> MissPlanner:
+    """The miss split at the machine's rates: the options' (explicit rates replace the whole
+    profile), the engine's where they were measured for this GPU, else measured here (`probe`,
+    where the engine has expert slots on a GPU); a CPU-only target has none, and every miss is filled."""
+    if offload.b_p is not None or offload.b_h is not None:
+        b_p, b_h = _rates(manifest, offload) or (1.0, 1.0)
+        return MissPlanner(offload.miss_policy, b_p, b_h)
+    target = manifest.target
+    device = torch.device(offload.device)
+    elsewhere = _rates_elsewhere(target, device) if slots and device.type == "cuda" else None
+    rates = _measured_rates(elsewhere, probe) if elsewhere else None
+    if rates is not None:
+        return MissPlanner(offload.miss_policy, rates["b_p"], rates["b_h"], rates["b_p_during_cpu"],
+                           rates["b_h_during_copy"])
     b_p, b_h = _rates(manifest, offload) or (1.0, 1.0)
-    measured = offload.b_p is None and offload.b_h is None
-    return MissPlanner(offload.miss_policy, b_p, b_h, manifest.target.get("b_p_concurrent") if measured else None,
-                       manifest.target.get("b_h_concurrent") if measured else None)
+    return MissPlanner(offload.miss_policy, b_p, b_h, target.get("b_p_concurrent"), target.get("b_h_concurrent"))
+
+
+def _rates_elsewhere(target: dict, device: torch.device) -> str | None:
+    """Why the engine's recorded rates are not this machine's GPU's, in words; None where they are."""
+    here = torch.cuda.get_device_name(device)
+    if target.get("b_p") is None or target.get("b_h") is None:
+        return f"the engine records no bandwidths (target {target.get('name')}) for this {here}"
+    if target.get("gpu") != here:
+        return f"the engine's bandwidths are target {target.get('name')}'s ({target.get('gpu')}), not this {here}'s"
+    return None
+
+
+def _measured_rates(elsewhere: str, probe: RateProbe) -> dict[str, float] | None:
+    """This machine's rates (`probe`); None, said, where they could not be measured."""
+    try:
+        rates = probe.measure()
+    except (ValueError, RuntimeError) as e:
+        print(f"ftc: {elsewhere}, and measuring them here failed ({e}); the engine's are used", file=sys.stderr)
+        return None
+    print(f"ftc: {elsewhere}: measured here, B_P {rates['b_p']} and B_H "
+          f"{rates['b_h']} GB/s, beside each other {rates['b_p_during_cpu']} and {rates['b_h_during_copy']} "
+          "(`ftc profile ENGINE --store` records them in the engine)", file=sys.stderr)
+    return rates
 
 
 def _prompt_split(manifest: EngineManifest, offload: OffloadConfig, planner: MissPlanner,
                   expert_bytes: int) -> PromptSplit | None:
     """The CPU's share of streamed prompt layers (`OffloadConfig.prefill_split`) at the planner's
-    rates while both run; `auto` on a target without rates (a CPU target) copies every expert."""
+    rates while both run; `auto` without rates (a CPU target where none were measured) copies every expert."""
     mode = parse_prefill_split(offload.prefill_split)
-    if mode is None or (mode == "auto" and _rates(manifest, offload) is None):
+    if mode is None or (mode == "auto" and _rates(manifest, offload) is None and not planner.measured_concurrency):
         return None
     copy, cpu = planner.rates()
     spec = manifest.spec

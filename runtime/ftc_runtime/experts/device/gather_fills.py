@@ -38,10 +38,16 @@ def gather_fills(src: MappedHost | torch.Tensor, slots: torch.Tensor, plan: Laye
     """Copies the plan's fills from `src` (the pool's rows as int32 words: its device mapping, or a
     tensor the kernel can read) into `slots` ([n_slots, stride] bytes, stride a multiple of 4).
     `parts`, `chunk` and `num_warps`: the kernel's shape (`bench/dev/gather_fill_rate.py` sweeps them)."""
+    gather_rows(src, slots, plan.fill_rows, plan.fill_slots, plan.counts, parts, chunk, num_warps)
+
+
+def gather_rows(src: MappedHost | torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, slot_ids: torch.Tensor,
+                counts: torch.Tensor, parts: int = PARTS, chunk: int = CHUNK, num_warps: int = 4) -> None:
+    """`gather_fills` of a list: rows[j] of `src` into slots[slot_ids[j]] for j < counts[1]
+    (device int64 tensors; `counts` as a plan's: [hits, fills, ...])."""
     stride = slots.shape[1]
     if stride % 4:
         raise ValueError(f"gather_fills: slot stride {stride} is not a multiple of 4 bytes")
-    n = plan.fill_rows.numel()
     words = stride // 4
-    _gather_rows[(n, parts)](src, slots.view(torch.int32), plan.fill_rows, plan.fill_slots, plan.counts, words,
-                             STEPS=triton.cdiv(words, parts * chunk), CHUNK=chunk, num_warps=num_warps)
+    _gather_rows[(rows.numel(), parts)](src, slots.view(torch.int32), rows, slot_ids, counts, words,
+                                        STEPS=triton.cdiv(words, parts * chunk), CHUNK=chunk, num_warps=num_warps)
