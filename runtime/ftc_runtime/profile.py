@@ -99,11 +99,14 @@ def fill_gbps(pool: ExpertPool, device: torch.device, seconds: float = 0.5, stop
 def _timed_gbps(device: torch.device, nbytes: int, move: Callable[[int], object], seconds: float,
                 stop: threading.Event | None) -> float:
     """GB/s of `move(i)` (`nbytes` each) on a stream of its own, one after another, each timed by
-    events (the median, the first left out); for `seconds`, or until `stop` is set."""
-    stream, times, i = torch.cuda.Stream(device), [], 0
-    deadline = time.perf_counter() + seconds
+    events (the median), after one untimed (a kernel's first call compiles it); for `seconds`, or
+    until `stop` is set."""
+    stream, times, i = torch.cuda.Stream(device), [], 1
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        while (stop is None and time.perf_counter() < deadline) or (stop is not None and not stop.is_set()):
+        move(0)
+        stream.synchronize()
+        deadline = time.perf_counter() + seconds
+        while not times or (time.perf_counter() < deadline if stop is None else not stop.is_set()):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             move(i)
@@ -111,7 +114,7 @@ def _timed_gbps(device: torch.device, nbytes: int, move: Callable[[int], object]
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
             i += 1
-    return nbytes / statistics.median(times[1:] or times) / 1e9
+    return nbytes / statistics.median(times) / 1e9
 
 
 def measure_profile(spec: ModelSpec, pool: ExpertPool, kernel: CpuExpertKernel, device: str | None,
