@@ -1,9 +1,9 @@
 """Speculative decoding (`ftc_runtime.speculative`, `--speculate ngram:K`): the prompt-lookup drafter
 against a brute-force search; greedy output token for token the same as without speculation, for
-every family whose state rolls back by its length, on the CPU engine, the offload path and with the
-prefix cache; the sampling rule's tokens distributed as the plain sampler's (first token, and whole
-answers of a fake target with penalties); a rolled-back cache decoding as if the rejected drafts
-had never run."""
+every family, on the CPU engine, the offload path and with the prefix cache; the sampling rule's
+tokens distributed as the plain sampler's (first token, and whole answers of a fake target with
+penalties); a rolled-back cache (cut back, or DeepSeek-V4's rewound and run again) decoding as if
+the rejected drafts had never run."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ from ftc_runtime.speculative.oracle import DraftOracle
 from ftc_runtime.speculative.verify import judge, verify
 
 SPECS = Path(__file__).resolve().parents[1] / "model_specs"
-# The families whose state rolls back: a KV cache alone, and the hybrid's linear layers beside it
-ROLLS_BACK = ("qwen3-moe-tiny", "glm-5-tiny", "qwen3.6-moe-tiny")
+# Every family's state rolls back: a KV cache alone (cut back), the hybrid's linear layers beside it
+# (to the state its pass kept), DeepSeek-V4's compressed state (rewound, the kept tokens run again)
+ROLLS_BACK = ("qwen3-moe-tiny", "glm-5-tiny", "qwen3.6-moe-tiny", "deepseek-v4-tiny")
 TEXT_IDS = 400  # prompt tokens below every tiny spec's special tokens
 SE_BOUND = 5  # frequencies within 5 standard errors of the exact probability (each: 6e-7 false alarm)
 
@@ -104,16 +105,11 @@ def test_speculate_values_and_the_families_that_take_them():
     for bad in ("ngram:0", "ngram:9", "ngram", "ngram:", "mtp:0", "mtp:9", "mtp", "on", "off:1", "ngram:-1", "ngram:x"):
         with pytest.raises(ValueError, match=f"--speculate '{bad}'"):
             parse_speculation(bad)
-    for name in ("qwen3-moe-tiny", "glm-5-tiny", "qwen3.6-moe-tiny", "deepseek-v4-tiny"):
+    for name in ROLLS_BACK:
         spec = load_spec(SPECS / f"{name}.yaml")[0]
-        # the tiny specs have no MTP layer; DeepSeek-V4's state is refused first, whatever the drafter
-        with pytest.raises(ValueError, match="no multi-token-prediction layer" if name in ROLLS_BACK else "compressed"):
+        with pytest.raises(ValueError, match="no multi-token-prediction layer"):  # the tiny specs have none
             Speculation("mtp", 2).check_family(spec)
-        if name in ROLLS_BACK:
-            Speculation("ngram", 2).check_family(spec)
-        else:
-            with pytest.raises(ValueError, match=f"family {spec.family} "):
-                Speculation("ngram", 2).check_family(spec)
+        Speculation("ngram", 2).check_family(spec)
 
 
 class _Recurrent:
@@ -249,6 +245,34 @@ def test_a_truncated_cache_decodes_as_if_the_drafts_never_ran(family_dir, seed):
         got, want = engine.prefill(torch.tensor([after]), cut), engine.prefill(torch.tensor([after]), fresh)
         assert cut.length == fresh.length == len(prompt) + 2 + j
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"cut after {j} drafts")
+
+
+def test_a_rewound_compressed_state_decodes_as_if_the_drafts_never_ran(tmp_path, seed):
+    """DeepSeek-V4's pass cannot keep its compressed state after each token: after a pass of a
+    token and 4 drafts over the prompt, the state rewound to its mark from before the pass and the
+    token with j drafts run again holds, at every j, what a cache that ran those alone holds (every
+    layer's rows, windows and entries), and gives the next token the same logits. Prompts of random
+    length put the drafts across the ends of the ring and of the compressors' windows (4 and 16)."""
+    engine = Engine.load(compile_engine(CompileOptions(source=SPECS / "deepseek-v4-tiny.yaml", target="cpu",
+                                                       random_weights=True, seed=seed % 1000, output=tmp_path / "e")))
+    rng = random.Random(seed)
+    for j in range(5):
+        prompt = [rng.randrange(TEXT_IDS) for _ in range(rng.randrange(12, 48))]
+        run, after = [rng.randrange(TEXT_IDS) for _ in range(5)], rng.randrange(TEXT_IDS)
+        rewound, fresh = engine.model.new_cache(), engine.model.new_cache()
+        for cache in (rewound, fresh):
+            engine.prefill(torch.tensor(prompt), cache)
+        mark = rewound.mark()
+        engine.model.forward(torch.tensor(run), rewound, True)
+        rewound.rewind(mark)
+        for cache in (rewound, fresh):
+            engine.prefill(torch.tensor(run[:1 + j]), cache, all_logits=True)
+        assert rewound.length == fresh.length == len(prompt) + 1 + j
+        for i, (a, b) in enumerate(zip(rewound.layers, fresh.layers, strict=True)):
+            assert all(torch.equal(x, y) for x, y in zip(a.parts(), b.parts(), strict=True)), \
+                f"seed={seed}: layer {i}, {j} drafts kept of a prompt of {len(prompt)}"
+        got, want = engine.prefill(torch.tensor([after]), rewound), engine.prefill(torch.tensor([after]), fresh)
+        assert torch.equal(got, want), f"seed={seed}: {j} drafts kept of a prompt of {len(prompt)}"
 
 
 # -- the acceptance rule ---------------------------------------------------------------------------

@@ -283,7 +283,7 @@ def _load(engine: Path, offload, prefill_chunk: int | None, reprofile: bool, spe
     t0 = time.perf_counter()
     eng = Engine.load(engine, show_progress=not quiet, offload=offload, prefill_chunk=prefill_chunk)
     load_s = time.perf_counter() - t0
-    eng.enable_speculation(speculate)  # a family that cannot roll back its state refuses
+    eng.enable_speculation(speculate)  # mtp:K on an engine without an MTP layer refuses
     if reprofile:
         reprofile_engine(engine, eng, offload)
     return eng, load_s, with_defaults(eng.manifest.sampling, **asked)

@@ -217,8 +217,8 @@ class Engine:
 
     def enable_speculation(self, speculation: Speculation | None) -> None:
         """`generate` drafts tokens and verifies them in one pass per step (None: off), and so does
-        the server's scheduler for a request that decodes alone; the family must be one whose
-        state rolls back (`Speculation.check_family`), and `auto` takes the engine's drafter."""
+        the server's scheduler for a request that decodes alone (`Speculation.check_family`:
+        `mtp` needs the engine's MTP layer), and `auto` takes the engine's drafter."""
         self.speculation = speculation.for_spec(self.spec) if speculation is not None else None
 
     def rebalance(self, needs: list[tuple[object, int]]) -> None:

@@ -177,12 +177,16 @@ class Sequence:
         tokens to give out: the accepted drafts, then the target's own token."""
         start, ids = self.cache.length, [self.next_token, *drafts]
         hidden = [] if self.reads_hidden else None
+        before = self.cache.mark() if self.cache.rewinds_by_replay else None
         logits = self._verification_pass(runner, ids, hidden)
         tokens = verify(self.sampler, logits, drafts)
         kept = len(tokens)  # next_token and the accepted drafts, len(tokens) - 1 of them
         if hidden is not None:
             self.drafter.observe(hidden[0][:kept])
-        if kept < len(ids):
+        if kept < len(ids) and before is not None:  # the state before the pass, and the kept tokens again
+            self.cache.rewind(before)
+            self._verification_pass(runner, ids[:kept], None)
+        elif kept < len(ids):
             self.cache.truncate(start + kept, self.pass_states.get(start + kept))
         if self.checkpoints:  # as `advance` keeps them: the state after each boundary token run
             self.cache.checkpoints.update({start + i + 1: self.pass_states[start + i + 1] for i in range(kept)
@@ -196,9 +200,15 @@ class Sequence:
         """Every position's logits of `ids` run after the cache's tokens (their final hidden states
         appended to `hidden` where given). A recurrent state (the hybrid models' linear layers) is
         taken after each of them, within the one pass, into `pass_states` by length: a rejected
-        draft rewinds to one of those."""
+        draft rewinds to one of those. A state rewound by replay (`rewinds_by_replay`) is taken
+        only after boundary tokens, where the prefix cache keeps it (the pass is cut there)."""
         start = self.cache.length
-        at = tuple(range(len(ids))) if self.cache.recurrent else ()
+        if not self.cache.recurrent:
+            at = ()
+        elif self.cache.rewinds_by_replay:
+            at = tuple(i for i, t in enumerate(ids) if t in runner.boundary_ids) if self.checkpoints else ()
+        else:
+            at = tuple(range(len(ids)))
         more = {} if hidden is None else {"hidden": hidden}
         logits = runner.model.forward(torch.tensor(ids, dtype=torch.long), self.cache, True, checkpoint_at=at, **more)
         self.pass_states = {n: self.cache.checkpoints.pop(n) for n in range(start + 1, start + len(ids) + 1)

@@ -47,6 +47,9 @@ class SequenceState(Protocol):
 
     kv: KVCache
     checkpoints: dict[int, RecurrentCheckpoint]  # taken inside prompt chunks, by length
+    # False: a speculative pass's rejected drafts are cut off by `truncate`; True: the state offers
+    # `mark()` and `rewind(mark)` instead, and the kept tokens run again after the rewind.
+    rewinds_by_replay: bool
 
     @property
     def length(self) -> int: ...

@@ -16,6 +16,10 @@ from ftc_runtime.cache.kv import KVCache
 
 
 class SequenceCache:
+    # A rejected draft is cut off by `truncate` (a cache whose pass cannot keep each token's state
+    # instead rewinds to a `mark` taken before the pass and runs the kept tokens again).
+    rewinds_by_replay = False
+
     def __init__(self, kv: KVCache, linear: list[RecurrentState] | None = None):
         self.kv = kv  # indexed by attention layer (the i-th such layer is KV layer i)
         self.linear = linear or []  # indexed by recurrent layer

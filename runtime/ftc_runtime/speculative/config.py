@@ -76,13 +76,10 @@ class Speculation:
 
     def check_family(self, spec: ModelSpec) -> None:
         """A rejected draft is dropped by cutting the sequence's state back to the accepted tokens
-        (`SequenceState.truncate`): a KV cache is cut by its length, and a Gated DeltaNet layer's
-        state rewinds to the state its pass kept after each token. DeepSeek-V4's compressed state
-        keeps one only by cutting its pass at that token, which would run the drafts one by one;
-        its rollback is not built yet."""
-        if spec.attention.kind == "compressed":
-            raise ValueError(f"--speculate {self}: family {spec.family} keeps compressed attention state, "
-                             "which cannot roll back a rejected draft yet; use --speculate off")
+        (`SequenceState.truncate`: a KV cache by its length, a Gated DeltaNet layer to the state
+        its pass kept after each token), or where a pass keeps no such states (DeepSeek-V4's
+        compressed attention) by rewinding to the state before the pass and running the accepted
+        tokens again. Every family takes `ngram`; `mtp` needs the engine's MTP layer."""
         if self.drafter == "mtp" and not spec.mtp_layers:
             raise ValueError(f"--speculate {self}: engine {spec.name} has no multi-token-prediction layer "
                              "(mtp_layers 0: its checkpoint has none, or it was compiled without); use ngram:K")

@@ -13,7 +13,7 @@ import torch
 
 from ftc_runtime.cache.kv import KVCache, new_generation
 from ftc_runtime.cache.sequence import SequenceCache
-from ftc_runtime.models.deepseek_v4.state import LayerState
+from ftc_runtime.models.deepseek_v4.state import LayerMark, LayerState
 from ftc_runtime.spec import ModelSpec
 
 
@@ -40,6 +40,11 @@ def state_bytes(spec: ModelSpec, tokens: int, element_size: int) -> int:
 
 
 class CompressedCache(SequenceCache):
+    # A pass cannot keep the state after each of its tokens (it would have to stop at each): a
+    # rejected draft is undone by rewinding to the state before the pass and running the kept
+    # tokens again (`Sequence.verify_drafts`).
+    rewinds_by_replay = True
+
     def __init__(self, spec: ModelSpec, layers: list[LayerState], dtype: torch.dtype, device: torch.device):
         # No layer keeps per-token keys: the empty KV cache carries the length the prefix cache sets.
         super().__init__(KVCache(0, 1, 1, dtype, device), layers)
@@ -52,6 +57,17 @@ class CompressedCache(SequenceCache):
         if moves != self._moves:
             self._moves, self._generation = moves, new_generation()
         return self._generation
+
+    def mark(self) -> tuple[int, tuple[LayerMark, ...]]:
+        """The state now, to `rewind` to: each layer's fixed-size parts (`LayerState.mark`)."""
+        return self.length, tuple(layer.mark() for layer in self.layers)
+
+    def rewind(self, mark: tuple[int, tuple[LayerMark, ...]]) -> None:
+        """Back to the state at `mark` (taken by this cache before the passes since)."""
+        length, layers = mark
+        for layer, saved in zip(self.layers, layers, strict=True):
+            layer.rewind(saved)
+        self.length = length
 
     def reserve(self, n: int) -> None:
         """Room in every layer for a decode step at token n - 1 (`LayerState.reserve`)."""

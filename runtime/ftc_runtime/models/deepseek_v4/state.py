@@ -110,6 +110,18 @@ class CompressorState:
             mine.copy_(theirs)
 
 
+@dataclass(frozen=True)
+class LayerMark:
+    """What a pass may change in a layer's state, copied before it (`LayerState.mark`): the ring of
+    raw rows, the compressors' fixed parts, the entry counts and the length. The entries before
+    the mark stay as they are (a pass appends after them), so that they are not copied."""
+
+    ring: torch.Tensor
+    fixed: tuple[tuple[torch.Tensor, ...], ...]
+    counts: tuple[int, ...]
+    length: int
+
+
 @dataclass
 class LayerState:
     """One layer's state for one sequence: a `cache.base.RecurrentState`, which a prefix
@@ -176,6 +188,25 @@ class LayerState:
         for mine, theirs in zip(self.compressors, other.compressors, strict=True):
             mine.assign(theirs)
         self.length = other.length
+
+    def mark(self) -> LayerMark:
+        """The state now, to `rewind` to after a pass: its fixed-size parts alone."""
+        return LayerMark(self.rows.data[:self.rows.fixed].clone(),
+                         tuple(tuple(t.clone() for t in c.fixed_parts()) for c in self.compressors),
+                         tuple(store.count for store in self._stores()), self.length)
+
+    def rewind(self, mark: LayerMark) -> None:
+        """Back to the state at `mark`, taken by this state before the passes since."""
+        self.rows.data[:self.rows.fixed].copy_(mark.ring)
+        for c, saved in zip(self.compressors, mark.fixed, strict=True):
+            for mine, theirs in zip(c.fixed_parts(), saved, strict=True):
+                mine.copy_(theirs)
+        for store, count in zip(self._stores(), mark.counts, strict=True):
+            store.count = count
+        self.length = mark.length
+
+    def _stores(self) -> list[RowStore]:
+        return [self.rows] + ([self.indexer.store] if self.indexer is not None else [])
 
     def parts(self) -> list[torch.Tensor]:
         """Every tensor of the state in use: the rows (ring and entries), the compressors' fixed
