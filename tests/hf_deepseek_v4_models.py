@@ -20,6 +20,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4DecoderLayer,
+    DeepseekV4HyperHead,
+    DeepseekV4RMSNorm,
+)
 
 from ftc_runtime.models.deepseek_v4.loader import canonical_name
 
@@ -78,7 +83,7 @@ def deepseek_v4_fields(intermediate: int = 32, index_top_k: int = INDEX_TOP_K,
             "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 24, "n_routed_experts": 8,
             "num_experts_per_tok": 2, "n_shared_experts": 1, "o_groups": 2, "o_lora_rank": 16,
             "index_n_heads": INDEX_HEADS, "index_head_dim": 16, "index_topk": index_top_k,
-            "sliding_window": sliding_window, "hc_mult": 4,
+            "sliding_window": sliding_window, "hc_mult": 4, "num_nextn_predict_layers": 0,  # DsV4MtpHead adds one
             "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                             "compressed_sparse_attention"],
             "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
@@ -187,22 +192,95 @@ def _fp8_tensors(released: str, weight: torch.nn.Parameter) -> dict[str, torch.T
     return {released: _bytes(codes, torch.float8_e4m3fn), released.removesuffix("weight") + "scale": _e8m0(scales)}
 
 
-def _released_tensors(model: DeepseekV4ForCausalLM) -> dict[str, torch.Tensor]:
+def _released_tensors(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
     """The model's tensors as DeepSeek released them: the routed experts MXFP4 per expert
     (`ffn.experts.J.w1|w3|w2.weight` int8, `.scale` e8m0), FP8_LINEARS block-scaled FP8, the rest
-    as `_storage_dtype` says. The quantized parameters are overwritten with their dequantized values."""
-    params, tensors = dict(model.named_parameters()), {}
-    for name, value in model.state_dict().items():
+    as `_storage_dtype` says. The quantized parameters are overwritten with their dequantized values.
+    `prefix`: what the module's names lack of transformers' (a decoder layer's "model.layers.L.")."""
+    params = {prefix + k: v for k, v in model.named_parameters()}
+    tensors = {}
+    for name, value in ((prefix + k, v) for k, v in model.state_dict().items()):
         released = released_name(name)
         if name.endswith("mlp.experts.gate_up_proj"):
-            prefix = name.removesuffix("gate_up_proj")
-            experts = _quantize_experts(params[name], params[prefix + "down_proj"], "mxfp4_dsv4")
+            base = name.removesuffix("gate_up_proj")
+            experts = _quantize_experts(params[name], params[base + "down_proj"], "mxfp4_dsv4")
             tensors |= _expert_tensors(released.removesuffix("gate_up_proj"), experts, "mxfp4_dsv4")
         elif FP8_LINEARS.search(name):
             tensors |= _fp8_tensors(released, params[name])
         elif not name.endswith("mlp.experts.down_proj"):  # quantized with gate_up_proj
             tensors[released] = _storage_dtype(name, value)
     return tensors
+
+
+class DsV4MtpHead(torch.nn.Module):
+    """DeepSeek-V4's multi-token-prediction layer as released (`mtp.0.*`) and as vLLM's
+    deepseek_v4_mtp runs it, the reference the engine's is held to: the model's streams before its
+    head's collapse, each RMS-normed (hnorm) and projected (h_proj), plus the next token's
+    embedding (zeros at position 0), normed (enorm) and projected (e_proj) into every stream; one
+    decoder layer with a sliding-window attention and a learned router (transformers'); its own
+    stream collapse (hc_head), norm and the model's LM head. Drawn as `random_model` draws."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM, seed: int):
+        super().__init__()
+        cfg = DeepseekV4Config(**(model.config.to_dict() | {
+            "num_hidden_layers": 1, "layer_types": ["sliding_attention"], "mlp_layer_types": ["moe"]}))
+        cfg._attn_implementation = "eager"
+        h = cfg.hidden_size
+        self.layer = DeepseekV4DecoderLayer(cfg, 0)
+        self.enorm, self.hnorm, self.norm = (DeepseekV4RMSNorm(h, cfg.rms_norm_eps) for _ in range(3))
+        self.e_proj, self.h_proj = torch.nn.Linear(h, h, bias=False), torch.nn.Linear(h, h, bias=False)
+        self.hc_head = DeepseekV4HyperHead(cfg)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                value = _draw(name, p.shape, g)
+                p.copy_(value if FP32_TENSORS.search(name) else value.to(torch.bfloat16).float())
+            for name, b in self.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(0.1 * torch.randn(b.shape, generator=g))
+        self.float().eval()
+
+    def released_tensors(self) -> dict[str, torch.Tensor]:
+        """Its tensors as the release names and stores them (`mtp.0.*`: the decoder layer's as a
+        layer's are, e_proj and h_proj FP8); the quantized parameters become their dequantized values."""
+        tensors = {"mtp.0." + k.removeprefix("layers.0."): v
+                   for k, v in _released_tensors(self.layer, "model.layers.0.").items()}
+        for name in ("e_proj", "h_proj"):
+            tensors |= _fp8_tensors(f"mtp.0.{name}.weight", getattr(self, name).weight)
+        tensors |= {f"mtp.0.{n}.weight": getattr(self, n).weight.detach().to(torch.bfloat16).contiguous()
+                    for n in ("enorm", "hnorm", "norm")}
+        return tensors | {f"mtp.0.hc_head_{n}": getattr(self.hc_head, f"hc_{n}").detach().contiguous()
+                          for n in ("fn", "base", "scale")}
+
+    def forward(self, model: DeepseekV4ForCausalLM, hidden: torch.Tensor, next_ids: torch.Tensor,
+                layer_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [T, vocab] of rows at positions 0 .. T - 1 (hidden [T, streams · H]: the model's
+        streams there before its head's collapse, next_ids [T]: the token after each), and the
+        streams a further draft takes as its hidden state."""
+        e = model.model.embed_tokens(next_ids)
+        e[0] = 0  # position 0
+        streams = hidden.view(hidden.shape[0], model.config.hc_mult, -1)
+        x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(e))[:, None]
+        x = self.layer(x[None], **layer_kwargs)[0]
+        return model.lm_head(self.norm(self.hc_head(x[None])[0])).float(), x.flatten(1)
+
+    @staticmethod
+    def layer_inputs(model: DeepseekV4ForCausalLM, ids: list[int]) -> tuple[torch.Tensor, dict]:
+        """The model's streams before its head's collapse [T, streams · H] over `ids`, and the
+        keyword arguments (mask, positions, position embeddings) its sliding-window layer 0 took."""
+        taken, streams = {}, []
+
+        def take(_module, _args, kwargs):
+            taken.update({k: kwargs[k] for k in ("attention_mask", "position_ids", "position_embeddings")})
+
+        hooks = [model.model.layers[0].register_forward_pre_hook(take, with_kwargs=True),
+                 model.model.hc_head.register_forward_pre_hook(lambda _m, args: streams.append(args[0]))]
+        try:
+            model.model(torch.tensor([ids]), use_cache=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return streams[0][0].flatten(1), taken
 
 
 def _save_pretrained(model: DeepseekV4ForCausalLM, directory: Path) -> None:
@@ -214,10 +292,14 @@ def _save_pretrained(model: DeepseekV4ForCausalLM, directory: Path) -> None:
         save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def save_deepseek_v4_checkpoint(model: DeepseekV4ForCausalLM, directory: Path, layout: str) -> Path:
+def save_deepseek_v4_checkpoint(model: DeepseekV4ForCausalLM, directory: Path, layout: str,
+                                mtp: DsV4MtpHead | None = None) -> Path:
     """Writes the model in `layout` (one of LAYOUTS) with config.json and tokenizer.json; returns
     `directory`. 'released' needs experts of a multiple of 64 (`build_deepseek_v4(seed, 64)`), and
-    its config.json says the release's quantization."""
+    its config.json says the release's quantization; `mtp` ('released' only): its `mtp.0.*` tensors
+    too, and `num_nextn_predict_layers` 1 (the model's config says 0)."""
+    if mtp is not None and layout != "released":
+        raise ValueError(f"an MTP layer is saved as released, not in layout {layout!r}")
     if layout not in LAYOUTS:
         raise ValueError(layout)
     if layout == "released" and model.config.moe_intermediate_size % 64:
@@ -229,8 +311,9 @@ def save_deepseek_v4_checkpoint(model: DeepseekV4ForCausalLM, directory: Path, l
     else:
         tensors = (_released_tensors(model) if layout == "released"
                    else {k: _storage_dtype(k, v) for k, v in model.state_dict().items()})
+        tensors |= mtp.released_tensors() if mtp is not None else {}
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
+    config = model.config.to_dict() | ({"num_nextn_predict_layers": 1} if mtp is not None else {})
     if layout == "released":
         config |= {"quantization_config": dict(RELEASED_QUANTIZATION), "expert_dtype": "fp4"}
     (directory / "config.json").write_text(json.dumps(config, indent=1))

@@ -268,7 +268,8 @@ def test_the_released_spec_has_the_released_shapes():
     assert all(t == ("csa" if i % 2 == 0 else "hca") for i, t in enumerate(c.layer_types) if i >= 2)
     assert (m.num_experts, m.top_k, m.expert_intermediate_size, list(m.hash_layers)) == (256, 6, 2048, [0, 1, 2])
     assert spec.expert_format == "mxfp4"
-    # every pool of 141 GiB holds 43 layers × 256 experts of 13369344 bytes (MXFP4 with its scales)
+    # the pool holds 43 layers × 256 experts of 13369344 bytes (MXFP4 with its scales), and the MTP layer's
+    assert spec.mtp_layers == 1 and spec.expert_layers == tuple(range(44))
     assert spec.expert_bytes == 3 * 2048 * 4096 // 2 + 3 * 2048 * 4096 // 32
 
 

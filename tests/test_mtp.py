@@ -1,7 +1,7 @@
 """Multi-token-prediction heads (`--speculate mtp:K`): tiny checkpoints of each family that has one,
 their MTP tensors under the releases' names, compiled with the head (its experts one more layer of
 the pool); the head's logits against a torch reference of the published architecture
-(hf_hybrid_models.QwenMtpHead); a checkpoint without the tensors, or a spec that drops them,
+(QwenMtpHead, GlmMtpHead, DsV4MtpHead); a checkpoint without the tensors, or a spec that drops them,
 compiles without the head and says so; greedy output with MTP drafts equal to plain decoding,
 token for token, for every k, policy and with the prefix cache."""
 
@@ -29,17 +29,18 @@ from ftc_runtime.speculative.mtp import MtpDrafter
 from conftest import seed_for
 from families import rel
 from fp4_checkpoints import FP4_INTERMEDIATE, widen_experts
+from hf_deepseek_v4_models import DsV4MtpHead, build_deepseek_v4, save_deepseek_v4_checkpoint
 from hf_glm_models import GlmMtpHead, build_glm, save_glm_checkpoint
 from hf_hybrid_models import QwenMtpHead, build_hybrid, save_hybrid_checkpoint
 
 # (family, expert layout, the language model nested as Qwen3.5's image-text checkpoints keep it)
 CHECKPOINTS = [("qwen3_5_moe", "fused", False), ("qwen3_5_moe", "per_expert", True),
                ("qwen3_next", "per_expert", False), ("glm_moe_dsa", "per_expert", False),
-               ("glm_moe_dsa", "fused", False)]
+               ("glm_moe_dsa", "fused", False), ("deepseek_v4", "released", False)]
 # fp32 on the CPU against transformers' fp32: the bf16 weights are the same numbers on both sides
 HEAD_BOUND = 1e-4
 # Where the checkpoints keep the head (the tiny GLM has 4 layers, its next-n layer is the fifth)
-MTP_PREFIX = {"qwen3_5_moe": "mtp", "qwen3_next": "mtp", "glm_moe_dsa": "model.layers.4"}
+MTP_PREFIX = {"qwen3_5_moe": "mtp", "qwen3_next": "mtp", "glm_moe_dsa": "model.layers.4", "deepseek_v4": "mtp.0"}
 MTP_PREFIXES = ("mtp.", "model.layers.4.")
 
 
@@ -48,7 +49,8 @@ def _id(c: tuple[str, str, bool]) -> str:
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS, ids=_id)
-def mtp_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module, QwenMtpHead | GlmMtpHead, Path, str]:
+def mtp_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module, QwenMtpHead | GlmMtpHead | DsV4MtpHead,
+                                                  Path, str]:
     """(engine directory, the reference model, its MTP head, the checkpoint, the family)."""
     fam, layout, nested = request.param
     seed = seed_for(_id(request.param))
@@ -57,6 +59,10 @@ def mtp_model(request, tmp_path_factory) -> tuple[Path, torch.nn.Module, QwenMtp
         model = build_glm(seed)
         head = GlmMtpHead(model, seed + 1)
         ckpt = save_glm_checkpoint(model, root / "ckpt", layout, mtp=head)
+    elif fam == "deepseek_v4":  # as released: MXFP4 experts (of 64, as the format needs), FP8 projections
+        model = build_deepseek_v4(seed, intermediate=64)
+        head = DsV4MtpHead(model, seed + 1)
+        ckpt = save_deepseek_v4_checkpoint(model, root / "ckpt", layout, mtp=head)
     else:
         model = build_hybrid(fam, seed)
         head = QwenMtpHead(model, seed + 1)

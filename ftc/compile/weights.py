@@ -49,15 +49,17 @@ class WeightSource(Protocol):
 
 def extra_layers(names: list[str], spec: ModelSpec, mtp_prefixes: set[str]) -> dict[str, int]:
     """Layers a checkpoint holds that the engine does not read: decoder layers past the spec's but
-    those it reads as its multi-token-prediction layers (`mtp_prefixes`, GLM-5's and DeepSeek-V3's
-    next-n layers), DeepSeek-V4's under `mtp.N.` and, where the spec has no MTP layer, Qwen's under
-    `mtp.`: tensors by prefix."""
+    those it reads as its multi-token-prediction layers (`mtp_prefixes`: GLM-5's and DeepSeek-V3's
+    next-n layers, DeepSeek-V4's `mtp.N.`), DeepSeek-V4's other `mtp.N.` and, where the spec has no
+    MTP layer, Qwen's under `mtp.`: tensors by prefix."""
     counts: dict[str, int] = {}
     for name in names:
         match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
         if not (match and int(match.group(1)) >= spec.num_layers and name[:match.end() - 1] not in mtp_prefixes):
             match = re.match(r"(?:model\.)?mtp\.\d+\.", name) or (re.match(r"mtp\.", name) if not spec.mtp_layers
                                                                    else None)
+            if match and name[:match.end() - 1] in mtp_prefixes:  # DeepSeek-V4's, read as its MTP layer
+                match = None
         if match:
             prefix = name[:match.end()].rstrip(".")
             counts[prefix] = counts.get(prefix, 0) + 1

@@ -6,7 +6,8 @@ pass of the model hands over the hidden states of the positions it ran and kept 
 the token after each is known, the layer runs over them in one call, its last row's prediction the
 first draft (the token after the sequence's next one). Each further draft runs the layer on one
 position more, its own output standing in for the hidden state there; those positions' keys and
-values are cut off again, since a verification pass gives the true hidden states.
+values are cut off again (a compressed state, DeepSeek-V4's, rewound), since a verification pass
+gives the true hidden states.
 
 The drafts are the layer's greedy tokens (a point mass, which the acceptance rule takes as it is:
 `verify`). A sequence resumed from the prefix cache starts the layer's keys and values at the point
@@ -48,12 +49,16 @@ class MtpDrafter:
                                f"tokens up to {len(self.tokens) - 1}")
         logits, out = self.model.mtp_forward(hidden, self._ids(after), self.cache, first)
         kept, position = self.cache.length, first + hidden.shape[0]
+        mark = self.cache.mark() if self.cache.rewinds_by_replay else None  # a state cut back by rewinding
         drafts = [int(logits[-1].argmax())]
         while len(drafts) < k:
             logits, out = self.model.mtp_forward(out[-1:], self._ids(drafts[-1:]), self.cache, position)
             drafts.append(int(logits[-1].argmax()))
             position += 1
-        self.cache.truncate(kept)
+        if mark is not None:
+            self.cache.rewind(mark)
+        else:
+            self.cache.truncate(kept)
         return drafts
 
     def _ids(self, tokens: list[int]) -> torch.Tensor:

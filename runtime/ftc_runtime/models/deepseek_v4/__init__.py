@@ -33,5 +33,5 @@ FAMILIES = {
     "deepseek_v4": Family("deepseek_v4", DeepseekV4Model, check_spec, dense_tensor_shapes, spec_from_hf,
                           DeepseekV4Layout, HyperDecodeGraphs, "deepseek_v4_tools.jinja", "deepseek", state_bytes,
                           fp8_linears=FP8_LINEARS, decode_fixed_ms=DECODE_FIXED_MS, fp32_tensors=FP32_TENSORS,
-                          expert_index_tensors=("tid2eid",)),
+                          expert_index_tensors=("tid2eid",), mtp=True),
 }

@@ -8,7 +8,7 @@ are in `models/layers/` (`sink_attention`, `window_compressor`, `compressed_inde
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +42,12 @@ class AttentionShape:
         return self.top_k > 0
 
 
-def layer_shapes(spec: ModelSpec) -> list[AttentionShape]:
-    """Each layer's attention shape, by its kind in `spec.compressed.layer_types`."""
+def layer_shapes(spec: ModelSpec, kinds: Sequence[str] | None = None) -> list[AttentionShape]:
+    """Each layer's attention shape, by its kind in `spec.compressed.layer_types` (or in `kinds`)."""
     c, a = spec.compressed, spec.attention
     rates = {"sliding": 0, "csa": c.csa_rate, "hca": c.hca_rate}
     return [AttentionShape(a.num_heads, a.head_dim, c.sliding_window, c.o_groups, spec.norm.eps, rates[kind],
-                           c.index_top_k if kind == "csa" else 0) for kind in c.layer_types]
+                           c.index_top_k if kind == "csa" else 0) for kind in (kinds or c.layer_types)]
 
 
 def new_state(shape: AttentionShape, index_head_dim: int, dtype: torch.dtype, device: torch.device | str) -> LayerState:

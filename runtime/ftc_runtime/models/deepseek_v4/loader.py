@@ -39,28 +39,53 @@ FP8_LINEARS = tuple(f"self_attn.{n}_proj.weight" for n in ("q_a", "q_b", "kv", "
     f"shared_experts.{n}_proj.weight" for n in ("gate", "up", "down"))
 DEFAULT_HASH_LAYERS = 3
 DEFAULT_ROTARY = 64 / 512
+# The release's multi-token-prediction layer J: `mtp.J.` holds a decoder layer (a sliding-window one,
+# named as `layers.L.`'s are) and its own tensors, which the engine names under its decoder layer
+# num_layers + J: the norms of the next token's embedding and of the model's streams, their
+# projections, the head's stream collapse and norm.
+MTP_NAME = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.*)$")
+MTP_OWN = {"e_proj.weight": "e_proj.weight", "h_proj.weight": "h_proj.weight", "enorm.weight": "enorm.weight",
+           "hnorm.weight": "hnorm.weight", "norm.weight": "mtp_norm.weight", "hc_head_fn": "hc_head.hc_fn",
+           "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
 
 
 def dense_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every non-expert tensor of the model, by checkpoint name, with its shape."""
-    m, h, hc = spec.moe, spec.hidden_size, spec.hyper_connections.streams
-    shapes = end_tensor_shapes(spec) | {"model.hc_head.hc_fn": (hc, hc * h), "model.hc_head.hc_base": (hc,),
-                                        "model.hc_head.hc_scale": (1,)}
-    hash_layers = set(m.hash_layers)
+    """Every non-expert tensor of the model, by checkpoint name, with its shape; the
+    multi-token-prediction layers are decoder layers N, N + 1, ... (N = num_layers), each a
+    sliding-window layer with a learned router, and their own tensors (`MTP_OWN`)."""
+    h, hc = spec.hidden_size, spec.hyper_connections.streams
+    shapes = end_tensor_shapes(spec) | _hyper_head_shapes("model.hc_head.", hc, h)
+    hash_layers = set(spec.moe.hash_layers)
     for i in range(spec.num_layers):
+        shapes |= _decoder_shapes(spec, f"model.layers.{i}.", spec.compressed.layer_types[i], i in hash_layers)
+    for i in spec.mtp_decoder_layers:
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        for block in ("attn_hc.", "ffn_hc."):
-            shapes |= {p + block + "fn": ((2 + hc) * hc, hc * h), p + block + "base": ((2 + hc) * hc,),
-                       p + block + "scale": (3,)}
-        shapes |= _attention_shapes(spec, spec.compressed.layer_types[i], p + "self_attn.")
-        shapes[p + "mlp.gate.weight"] = (m.num_experts, h)
-        if i in hash_layers:
-            shapes[p + "mlp.gate.tid2eid"] = (spec.vocab_size, m.top_k)
-        else:
-            shapes[p + "mlp.gate.e_score_correction_bias"] = (m.num_experts,)
-        shapes |= mlp_tensor_shapes(p + "mlp.shared_experts.", m.shared_expert_intermediate_size, h)
+        shapes |= _decoder_shapes(spec, p, "sliding", False) | _hyper_head_shapes(p + "hc_head.", hc, h)
+        shapes |= {p + "e_proj.weight": (h, h), p + "h_proj.weight": (h, h)}
+        shapes |= {p + n: (h,) for n in ("enorm.weight", "hnorm.weight", "mtp_norm.weight")}
     return shapes
+
+
+def _decoder_shapes(spec: ModelSpec, p: str, kind: str, hashed: bool) -> dict[str, tuple[int, ...]]:
+    """A decoder layer's: its norms, its blocks' hyper-connections, its attention of `kind`, its
+    router (by token id where `hashed`) and shared expert."""
+    m, h, hc = spec.moe, spec.hidden_size, spec.hyper_connections.streams
+    shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+    for block in ("attn_hc.", "ffn_hc."):
+        shapes |= {p + block + "fn": ((2 + hc) * hc, hc * h), p + block + "base": ((2 + hc) * hc,),
+                   p + block + "scale": (3,)}
+    shapes |= _attention_shapes(spec, kind, p + "self_attn.")
+    shapes[p + "mlp.gate.weight"] = (m.num_experts, h)
+    if hashed:
+        shapes[p + "mlp.gate.tid2eid"] = (spec.vocab_size, m.top_k)
+    else:
+        shapes[p + "mlp.gate.e_score_correction_bias"] = (m.num_experts,)
+    return shapes | mlp_tensor_shapes(p + "mlp.shared_experts.", m.shared_expert_intermediate_size, h)
+
+
+def _hyper_head_shapes(p: str, streams: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The final collapse of the streams into one (`hyper_head`)."""
+    return {p + "hc_fn": (streams, streams * hidden), p + "hc_base": (streams,), p + "hc_scale": (1,)}
 
 
 def _attention_shapes(spec: ModelSpec, kind: str, p: str) -> dict[str, tuple[int, ...]]:
@@ -97,16 +122,35 @@ def canonical_name(released: str) -> str:
     return name if name == "lm_head.weight" else "model." + name
 
 
+def mtp_canonical(released: str, num_layers: int) -> str | None:
+    """A tensor of the release's multi-token-prediction layer J (`mtp.J.`) as the engine names it,
+    under decoder layer num_layers + J; None for any other tensor."""
+    match = MTP_NAME.match(released)
+    if match is None:
+        return None
+    layer, rest = num_layers + int(match.group(1)), match.group(2)
+    return f"model.layers.{layer}.{MTP_OWN[rest]}" if rest in MTP_OWN else canonical_name(f"layers.{layer}.{rest}")
+
+
 class DeepseekV4Layout(CheckpointLayout):
     """A checkpoint whose tensors are named as DeepSeek released them, as transformers names them, or
     both (transformers' `save_pretrained` writes the released names under "model." but the head's
     and the embedding's): every stored name is mapped through `canonical_name`, which leaves
-    transformers' own names as they are."""
+    transformers' own names as they are. The release's `mtp.J.` tensors are decoder layer
+    num_layers + J (`mtp_canonical`), in place of any real layer there (a spec cut to its first
+    layers still reads its MTP layer)."""
 
     def __init__(self, ckpt: CheckpointReader, spec: ModelSpec):
         super().__init__(ckpt, spec)
-        self.stored = {canonical_name(n): n for n in ckpt.names()}
+        names = ckpt.names()
+        self.stored = {canonical_name(n): n for n in names if MTP_NAME.match(n) is None}
         self.prefixes: dict[str, str] = {}
+        for n in names:
+            canonical = mtp_canonical(n, spec.num_layers)
+            if canonical is not None:
+                self.stored[canonical] = n
+                match = MTP_NAME.match(n)
+                self.prefixes[f"model.layers.{spec.num_layers + int(match.group(1))}."] = n[:match.start(2)]
 
     def name(self, canonical: str) -> str:
         """Where the canonical tensor sits; for a prefix (ending in "."), the stored prefix of the
@@ -202,6 +246,7 @@ def spec_from_hf(cfg: HfConfig) -> dict[str, Any]:
                           "bias": cfg.get("attention_bias", False)}
     return data | {
         "family": "deepseek_v4",
+        "mtp_layers": cfg.get("num_nextn_predict_layers", 0),
         "norm": {"kind": "rms", "eps": float(cfg.get("rms_norm_eps", 1e-6))},
         "rope": rope,
         "compressed": {"q_lora_rank": cfg.get("q_lora_rank", 1024),
