@@ -115,17 +115,22 @@ def random_model(fields: dict, g: torch.Generator) -> DeepseekV4ForCausalLM:
     cfg = DeepseekV4Config(**fields)
     cfg._attn_implementation = "eager"
     model = DeepseekV4ForCausalLM(cfg).float().eval()
+    _draw_all(model, cfg, g)
+    return model
+
+
+def _draw_all(module: torch.nn.Module, cfg: DeepseekV4Config, g: torch.Generator) -> None:
+    """Every parameter and buffer of `module` drawn as `random_model` says."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in module.named_parameters():
             value = _draw(name, p.shape, g)
             p.copy_(value if FP32_TENSORS.search(name) else value.to(torch.bfloat16).float())
-        for name, b in model.named_buffers():
+        for name, b in module.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))  # the bias steers the choice too
             elif name.endswith("tid2eid"):
                 b.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
                                      for _ in range(cfg.vocab_size)]))
-    return model
 
 
 def build_deepseek_v4(seed: int, intermediate: int = 32) -> DeepseekV4ForCausalLM:
@@ -230,14 +235,7 @@ class DsV4MtpHead(torch.nn.Module):
         self.enorm, self.hnorm, self.norm = (DeepseekV4RMSNorm(h, cfg.rms_norm_eps) for _ in range(3))
         self.e_proj, self.h_proj = torch.nn.Linear(h, h, bias=False), torch.nn.Linear(h, h, bias=False)
         self.hc_head = DeepseekV4HyperHead(cfg)
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                value = _draw(name, p.shape, g)
-                p.copy_(value if FP32_TENSORS.search(name) else value.to(torch.bfloat16).float())
-            for name, b in self.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    b.copy_(0.1 * torch.randn(b.shape, generator=g))
+        _draw_all(self, cfg, torch.Generator().manual_seed(seed))
         self.float().eval()
 
     def released_tensors(self) -> dict[str, torch.Tensor]:
