@@ -349,6 +349,7 @@ class MarkovModel:
 
 class FakeCache:
     recurrent = False
+    rewinds_by_replay = False  # cut back by `truncate`
 
     def __init__(self):
         self.tokens: list[int] = []
