@@ -12,6 +12,8 @@
 #                               trace and uniform routing, qwen3.6-35b-a3b bf16 at 32 GiB and NVFP4 at 8 GiB
 #                               uniform): the tables into OUT_DIR/matrix.txt, each engine's runs (what
 #                               `ftc bench decode` prints for each) into OUT_DIR/matrix-MODEL-FORMAT-BUDGET.json
+#   matrix:ROW                  one engine of that table (ROW: one of $rows below), where a call's time
+#                               holds no more
 #   pdl                         the qwen3-30b-a3b bf16 32 GiB trace row again with FTC_PDL=0 and 1, into
 #                               OUT_DIR/pdl.txt and OUT_DIR/pdl0.json, pdl1.json
 #   speculate                   decode without drafts and with --draft-oracle 0.6, 0.8 and 0.9 (--speculate auto:
@@ -47,6 +49,17 @@ matrix() {  # NAME SPEC BUDGET [ftc bench matrix options...]
     -o "$out/matrix-$name.json" "$@" 2>&1 | tee -a "$out/matrix.txt"
 }
 
+rows="qwen3-30b-a3b-bf16-32GiB qwen3-30b-a3b-mxfp4-8GiB qwen3.6-35b-a3b-bf16-32GiB qwen3.6-35b-a3b-nvfp4-8GiB"
+row() {  # NAME: one engine of the README's table under the three policies
+  case $1 in
+    qwen3-30b-a3b-bf16-32GiB) matrix "$1" $q30 32GiB --routing-trace $trace --uniform ;;
+    qwen3-30b-a3b-mxfp4-8GiB) matrix "$1" $q30 8GiB --routing-trace $trace --uniform --override expert_format=mxfp4 ;;
+    qwen3.6-35b-a3b-bf16-32GiB) matrix "$1" $q36 32GiB --uniform ;;
+    qwen3.6-35b-a3b-nvfp4-8GiB) matrix "$1" $q36 8GiB --uniform --override expert_format=nvfp4 ;;
+    *) echo "unknown matrix row: $1 (one of: $rows)" >&2; return 2 ;;
+  esac
+}
+
 drafted() {  # NAME SPEC BUDGET [ftc bench matrix options...]: adaptive without drafts and at each oracle P
   local name=$1 spec=$2 budget=$3
   shift 3
@@ -67,10 +80,9 @@ while [ $# -gt 0 ]; do
       python3 -m pytest -v -p no:cacheprovider --continue-on-collection-errors -m gpu tests "${args[@]}" 2>&1 \
         | tee "$out/pytest_gpu.txt" | grep -v " PASSED\| SKIPPED" | tail -40 ;;
     matrix)
-      matrix qwen3-30b-a3b-bf16-32GiB $q30 32GiB --routing-trace $trace --uniform
-      matrix qwen3-30b-a3b-mxfp4-8GiB $q30 8GiB --routing-trace $trace --uniform --override expert_format=mxfp4
-      matrix qwen3.6-35b-a3b-bf16-32GiB $q36 32GiB --uniform
-      matrix qwen3.6-35b-a3b-nvfp4-8GiB $q36 8GiB --uniform --override expert_format=nvfp4 ;;
+      for name in $rows; do row "$name"; done ;;
+    matrix:*)
+      row "${stage#matrix:}" ;;
     speculate)
       drafted qwen3.6-35b-a3b-bf16-32GiB $q36 32GiB --uniform
       drafted qwen3.6-35b-a3b-nvfp4-8GiB $q36 8GiB --uniform --override expert_format=nvfp4
@@ -83,7 +95,7 @@ while [ $# -gt 0 ]; do
     anchor)
       bash .anchors/llama_anchor.sh "$out/anchor" mxfp4 "30" 2>&1 | tail -20 ;;
     *)
-      echo "unknown stage: $stage (gpu-tests, matrix, speculate, pdl, anchor)" >&2
+      echo "unknown stage: $stage (gpu-tests, matrix, matrix:ROW, speculate, pdl, anchor)" >&2
       exit 2 ;;
   esac
 done
