@@ -177,7 +177,7 @@ class Sequence:
         tokens to give out: the accepted drafts, then the target's own token."""
         start, ids = self.cache.length, [self.next_token, *drafts]
         hidden = [] if self.reads_hidden else None
-        before = self.cache.mark() if self.cache.rewinds_by_replay else None
+        before = self.cache.mark() if drafts and self.cache.rewinds_by_replay else None  # none to reject without
         logits = self._verification_pass(runner, ids, hidden)
         tokens = verify(self.sampler, logits, drafts)
         kept = len(tokens)  # next_token and the accepted drafts, len(tokens) - 1 of them

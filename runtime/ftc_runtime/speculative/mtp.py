@@ -49,7 +49,8 @@ class MtpDrafter:
                                f"tokens up to {len(self.tokens) - 1}")
         logits, out = self.model.mtp_forward(hidden, self._ids(after), self.cache, first)
         kept, position = self.cache.length, first + hidden.shape[0]
-        mark = self.cache.mark() if self.cache.rewinds_by_replay else None  # a state cut back by rewinding
+        further = k > 1  # further drafts run positions that are cut off again
+        mark = self.cache.mark() if further and self.cache.rewinds_by_replay else None  # cut back by rewinding
         drafts = [int(logits[-1].argmax())]
         while len(drafts) < k:
             logits, out = self.model.mtp_forward(out[-1:], self._ids(drafts[-1:]), self.cache, position)
@@ -57,7 +58,7 @@ class MtpDrafter:
             position += 1
         if mark is not None:
             self.cache.rewind(mark)
-        else:
+        elif further:
             self.cache.truncate(kept)
         return drafts
 
