@@ -16,8 +16,9 @@
 #                               holds no more
 #   pdl                         the qwen3-30b-a3b bf16 32 GiB trace row again with FTC_PDL=0 and 1, into
 #                               OUT_DIR/pdl.txt and OUT_DIR/pdl0.json, pdl1.json
-#   speculate                   decode without drafts and with --draft-oracle 0.6, 0.8 and 0.9 (--speculate auto:
-#                               the controller picks each pass's drafts), adaptive, on qwen3.6-35b-a3b bf16 at
+#   speculate                   decode of 256 tokens (a sequence's first passes of each size run eagerly and
+#                               capture their graphs) without drafts and with --draft-oracle 0.6, 0.8 and 0.9
+#                               (--speculate auto: the controller picks each pass's drafts), adaptive, on qwen3.6-35b-a3b bf16 at
 #                               32 GiB and NVFP4 at 8 GiB (uniform) and qwen3-30b-a3b MXFP4 at 8 GiB (the trace):
 #                               OUT_DIR/speculate.txt and OUT_DIR/speculate-MODEL-FORMAT-BUDGET.json
 #   anchor                      llama.cpp's MXFP4 decode at -ncmoe 30 on the same machine (needs .anchors/,
@@ -64,7 +65,7 @@ drafted() {  # NAME SPEC BUDGET [ftc bench matrix options...]: adaptive without 
   local name=$1 spec=$2 budget=$3
   shift 3
   ftc bench matrix "$spec" --random-weights --target h200 --vram-budget "$budget" --miss-policy adaptive \
-    --speculate auto --draft-oracle 0.6,0.8,0.9 -o "$out/speculate-$name.json" "$@" 2>&1 \
+    --speculate auto --draft-oracle 0.6,0.8,0.9 --new-tokens 256 -o "$out/speculate-$name.json" "$@" 2>&1 \
     | tee -a "$out/speculate.txt"
 }
 

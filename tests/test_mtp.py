@@ -328,11 +328,11 @@ NEAR_TIE = 0.02
 @pytest.mark.gpu
 @pytest.mark.parametrize("drafter", ["mtp", "ngram"])
 def test_gpu_speculation_decodes_the_models_greedy_tokens(mtp_model, drafter, seed):
-    """On the GPU (bf16, the device plan's graphs for plain steps, eager verification passes) a
-    drafted answer is a greedy one: each of its tokens is the argmax of a plain teacher-forced pass
-    over the prompt and the answer before it, or within NEAR_TIE of the row's range of it (bf16
-    rounding differs between a pass of several tokens and a one-token step). A cache left wrong by
-    a rollback would give tokens that the clean pass does not rank first."""
+    """On the GPU (bf16, the device plan's graphs for plain steps and for verification passes, one
+    per number of tokens) a drafted answer is a greedy one: each of its tokens is the argmax of a
+    plain teacher-forced pass over the prompt and the answer before it, or within NEAR_TIE of the
+    row's range of it (bf16 rounding differs between a pass of several tokens and a one-token step).
+    A cache left wrong by a rollback would give tokens that the clean pass does not rank first."""
     engine_dir, model, _, _, _ = mtp_model
     engine = Engine.load(engine_dir, offload=OffloadConfig(device="cuda", n_slots=12))
     engine.enable_speculation(Speculation(drafter, 3))
@@ -342,6 +342,8 @@ def test_gpu_speculation_decodes_the_models_greedy_tokens(mtp_model, drafter, se
     gen = engine.generate(prompt, 32, SamplingParams(0.0), stop_at_eos=False)
     answer = list(gen)
     assert len(answer) == 32 and gen.stats.drafted > 0, f"seed={seed}: {gen.stats}"
+    widths = sorted(engine.model.decode_graphs.captures)
+    assert widths[-1] > 1, f"seed={seed}: no verification pass ran as a graph ({widths})"
     logits = engine.prefill(torch.tensor(prompt + answer[:-1]), engine.model.new_cache(), all_logits=True)
     rows = logits[len(prompt) - 1:].float().cpu()
     for i, (row, token) in enumerate(zip(rows, answer, strict=True)):

@@ -340,11 +340,14 @@ class MarkovModel:
     def decode_batch(self, tokens: list[int], caches: list[FakeCache]) -> torch.Tensor:
         return torch.cat([self.run([t], c) for t, c in zip(tokens, caches, strict=True)])
 
-    def forward(self, ids: torch.Tensor, cache: FakeCache, all_logits: bool = False,
-                checkpoint_at: tuple[int, ...] = ()) -> torch.Tensor:
-        assert not checkpoint_at, "a cache without recurrent state needs no states inside a pass"
+    def forward(self, ids: torch.Tensor, cache: FakeCache, all_logits: bool = False) -> torch.Tensor:
         logits = self.run(ids.tolist(), cache)
         return logits if all_logits else logits[-1:]
+
+    def verify_pass(self, tokens: list[int], cache: FakeCache, checkpoint_at: tuple[int, ...] = (),
+                    hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
+        assert not checkpoint_at and hidden is None, "a cache without recurrent state needs no states inside a pass"
+        return self.run(tokens, cache)
 
 
 class FakeCache:
@@ -462,6 +465,27 @@ def test_the_draft_oracle_drafts_the_answer_right_with_probability_p(seed):
         DraftOracle(answer, 1.5, vocab)
 
 
+def test_an_oracle_run_gives_its_answer_whatever_the_logits(seed):
+    """An oracle run's sampler picks the answer's tokens (random weights' near ties, which a pass's
+    rounding breaks its own way, do not move it off the answer): a draft equal to the answer's
+    token is kept, another is replaced by it; past the answer's end, the argmax."""
+    rng = random.Random(seed)
+    vocab = rng.randrange(3, 40)
+    answer = tuple(rng.randrange(vocab) for _ in range(12))
+    sampler = DraftOracle(answer, 0.5, vocab, seed).sampler([1, 2])
+    given = [sampler(torch.randn(vocab))]
+    while len(given) < len(answer):
+        ahead = answer[len(given):min(len(given) + 3, len(answer) - 1)]
+        drafts = [t if rng.random() < 0.5 else (t + 1) % vocab for t in ahead]
+        tokens = verify(sampler, torch.randn(len(drafts) + 1, vocab), drafts)
+        kept = next((i for i, (d, t) in enumerate(zip(drafts, answer[len(given):], strict=False)) if d != t),
+                    len(drafts))
+        assert tokens == list(answer[len(given):len(given) + kept + 1]), f"seed={seed}: {drafts}"
+        given += tokens
+    logits = torch.randn(vocab)
+    assert given[:len(answer)] == list(answer) and sampler(logits) == int(logits.argmax()), f"seed={seed}"
+
+
 @pytest.mark.parametrize("p", [1.0, 0.0])
 def test_bench_decode_with_a_draft_oracle_verifies_the_answer_it_drafts(engine_dir, p, seed):
     """`--draft-oracle 1` drafts the answer the timed run then gives: every draft is accepted, and
@@ -491,8 +515,9 @@ def _simulate(controller: DraftController, p: float, cost, steps: int, rng: rand
         kept = 0
         while kept < k and rng.random() < p:
             kept += 1
-        controller.record(k, kept, cost(k + 1))
-        tokens, seconds = tokens + kept + 1, seconds + cost(k + 1)
+        took = cost(k + 1)
+        controller.record(k, kept, took)
+        tokens, seconds = tokens + kept + 1, seconds + took
         ks.append(k)
     return tokens / seconds, ks
 
@@ -527,6 +552,20 @@ def test_the_controller_drafts_most_where_passes_are_cheap_and_none_where_they_a
     plain = sum(k == 0 for k in dear[40:]) / len(dear[40:])
     assert plain > 0.9, f"seed={seed}: drafted in {1 - plain:.2%} of the passes where no draft pays"
     assert any(k == 1 for k in dear[40:]), "no probe: a sequence that stopped drafting never measures again"
+
+
+def test_the_controller_drafts_past_the_dear_first_passes_of_each_size(seed):
+    """The first two passes of each size cost far more (a GPU's eager run, then its graph's
+    capture): within a short answer the controller still drafts the most where replayed passes
+    are cheap."""
+    rng, runs = random.Random(seed), Counter()
+
+    def cost(n: int) -> float:
+        runs[n] += 1
+        return 0.01 * (1 + 0.05 * (n - 1)) * (50 if runs[n] <= 2 and n > 1 else 1)  # plain steps' graph: warm
+
+    _, ks = _simulate(DraftController(4), 0.8, cost, 60, rng)  # a short answer's passes
+    assert Counter(ks[12:]).most_common(1)[0][0] == 4, f"seed={seed}: {Counter(ks[12:])}"
 
 
 def test_auto_speculation_gives_the_tokens_of_plain_decoding(engine_dir, seed):

@@ -91,8 +91,11 @@ class Sequence:
 
     def start(self, runner: Runner) -> None:
         """A new cache and sampler (which penalizes repeats of the whole prompt, restored from the
-        prefix cache or not), resumed after the prompt's longest cached prefix."""
-        self.cache, self.sampler = runner.model.new_cache(), Sampler(self.sampling, self.prompt_ids)
+        prefix cache or not; a draft oracle's follows its answer), resumed after the prompt's
+        longest cached prefix."""
+        oracle = self.speculation.oracle if self.speculation is not None else None
+        self.cache = runner.model.new_cache()
+        self.sampler = Sampler(self.sampling, self.prompt_ids) if oracle is None else oracle.sampler(self.prompt_ids)
         self.seq = list(self.prompt_ids)
         self.prefix = runner.prefix_cache
         if self.prefix is not None:
@@ -209,8 +212,7 @@ class Sequence:
             at = tuple(i for i, t in enumerate(ids) if t in runner.boundary_ids) if self.checkpoints else ()
         else:
             at = tuple(range(len(ids)))
-        more = {} if hidden is None else {"hidden": hidden}
-        logits = runner.model.forward(torch.tensor(ids, dtype=torch.long), self.cache, True, checkpoint_at=at, **more)
+        logits = runner.model.verify_pass(ids, self.cache, at, hidden)
         self.pass_states = {n: self.cache.checkpoints.pop(n) for n in range(start + 1, start + len(ids) + 1)
                             if n in self.cache.checkpoints}
         return logits

@@ -20,10 +20,16 @@ gathered fills, joined on the device) and the head, with no host round trip.
 Several sequences decode together (`step_batch`, the server's batches) in the whole-step mode
 only: one graph per width n (2 to the backend's largest planned call), the projections, router,
 experts and head over the n rows, each sequence's attention (and recurrence) on its own state.
+A speculative verification pass (`step_pass`: one sequence's next token and its drafts) is the
+same whole-step graph of width n over n rows of the one sequence, at consecutive positions: each
+row's attention writes its key and value and attends up to its own position, each row's recurrence
+steps the state the row before it left (a hybrid family snapshots that state after each row into
+the capture's `row_states`, which a rejected draft rewinds to), so the rows run as a causal chunk.
 Graphs are captured in the second step on a set of storages (the first runs the same code
 eagerly, which warms up every kernel), and again whenever a storage moves (a new sequence, growth
 by doubling, another set of sequences in a batch) or the expert backend's slots or mailbox do (its
-`generation`). Widths above 1 run the functions uncompiled: each width would compile them again.
+`generation`); a pass's widths on one sequence keep their graphs beside each other. Widths above
+1 run the functions uncompiled: each width would compile them again.
 The family's functions are fused by torch.compile first, at load (FTC_TORCH_COMPILE=0 turns it
 off; a compiler failure falls back to the same functions uncompiled); docs/performance.md has
 what it gains. A family may run a one-sequence layer as its own fused kernels instead
@@ -40,7 +46,7 @@ from typing import Protocol
 
 import torch
 
-from ftc_runtime.cache.base import SequenceState
+from ftc_runtime.cache.base import RecurrentCheckpoint, SequenceState
 from ftc_runtime.decode.step_buffers import Captures, StepBuffers
 
 EAGER_FUNCTIONS = ("decode_attention", "route")  # not given to torch.compile (see __init__)
@@ -100,6 +106,7 @@ class DecodeGraphs(ABC):
                 self.fns = eager
         self.f = self.fns  # the functions of the step being run (uncompiled above width 1)
         self.captures: dict[int, Captures] = {}  # by width
+        self.row_states: list[tuple] | None = None  # the current pass's state after each row (`_row_states`)
         self.step_done = torch.cuda.Event(blocking=True)  # a whole-step graph's end, waited for asleep
         self.timeline: StepTimeline | None = None  # a whole step's phases, where measured
 
@@ -165,12 +172,43 @@ class DecodeGraphs(ABC):
             cache.reserve(cache.length + 1)
         return self._whole_step(tokens, caches)
 
-    def _whole_step(self, tokens: list[int], caches: list[SequenceState]) -> torch.Tensor:
+    def pass_ready(self, n: int, cache: SequenceState, checkpoint_at: tuple[int, ...]) -> bool:
+        """Whether `step_pass` can run n tokens of `cache`'s sequence as one graph: within the
+        expert backend's whole-step calls, and (a state rewound by replay, which a pass cuts at
+        each checkpoint) no checkpoint but after the last token."""
+        cut = cache.rewinds_by_replay and any(at != n - 1 for at in checkpoint_at)
+        return self.model.experts.device_step_ready(n) and not cut
+
+    def step_pass(self, tokens: list[int], cache: SequenceState, checkpoint_at: tuple[int, ...] = (),
+                  hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [n, vocab] fp32 of `tokens` run after the cache's tokens, as the model's forward
+        of a chunk gives them (`pass_ready`): one whole-step graph whose rows are the tokens at
+        consecutive positions of the one sequence. The recurrent state after each token in
+        `checkpoint_at` goes into `cache.checkpoints` (copies); the final hidden states [n, ...]
+        are appended to `hidden` where given (`final_hidden`)."""
+        start, n = cache.length, len(tokens)
+        cache.reserve(start + n)
+        logits = self._whole_step(tokens, [cache] * n, list(range(start, start + n)))
+        for at in checkpoint_at:
+            rows, length = self.row_states, start + at + 1
+            cache.checkpoints[length] = (cache.take() if rows is None else
+                                         RecurrentCheckpoint(length, tuple(s.clone() for s in rows[at])))
+        if hidden is not None:
+            hidden.append(self.final_hidden())
+        return logits
+
+    def final_hidden(self) -> torch.Tensor:
+        """The last step's final hidden states (after the final norm, [n, hidden]): what a
+        multi-token-prediction layer drafts from, as the model's forward hands it out."""
+        return self.model.final_norm(self.io.x)
+
+    def _whole_step(self, tokens: list[int], caches: list[SequenceState],
+                    positions: list[int] | None = None) -> torch.Tensor:
         m = self.model
         m.experts.begin_device_step(m.spec.moe.top_k)  # may renew the backend's generation: first
         try:
             captures = self._select(caches)
-            self.io.set_inputs(tokens, [c.length for c in caches])
+            self.io.set_inputs(tokens, [c.length for c in caches] if positions is None else positions)
             self._run(captures, ("step", 0), lambda: self._device_step(caches))
         finally:
             m.experts.end_device_step()
@@ -199,10 +237,19 @@ class DecodeGraphs(ABC):
         storage = (*(c.generation for c in caches), self.model.experts.generation)
         captures = self.captures.get(n)
         if captures is None or captures.storage != storage:
-            if n > 1:
-                self.captures = {w: c for w, c in self.captures.items() if w == 1}
-            captures = self.captures[n] = Captures(storage)
+            if n > 1:  # the graphs of other sequences go; a pass's other widths on these stay
+                self.captures = {w: c for w, c in self.captures.items() if w == 1 or set(c.storage) == set(storage)}
+            passing = n > 1 and all(c is caches[0] for c in caches)
+            rows = self._row_states(caches[0], n) if passing else None
+            captures = self.captures[n] = Captures(storage, row_states=rows)
+        self.row_states = captures.row_states
         return captures
+
+    def _row_states(self, cache: SequenceState, n: int) -> list[tuple] | None:
+        """Buffers for the recurrent state after each row of a pass of n rows on `cache` (which
+        the family's layer fills in its graph), None where the family has no recurrent state to
+        rewind to a row."""
+        return None
 
     def _device_step(self, caches: list[SequenceState]) -> None:
         """The whole step with its MoE layers on the device (`run_staged_on_device`): one graph."""

@@ -179,11 +179,28 @@ class OffloadedExperts(ExpertBackend):
             if moe_layer == self.pass_layers - 1:
                 self._stream = None  # the chunk's last MoE layer
             return out
+        if not self._prompt_pass and self.device_step_ready(ids.shape[0]):
+            return self._device_call(moe_layer, x, ids, weights, first_position)
         if self._observes(ids.shape[0]):  # with a hook, its choice (which the launch makes again)
             self.recurrence.observe(ids if self.routing is None else self.routed(
                 moe_layer, first_position, ids.cpu().numpy().astype(np.int64), weights.float().cpu().numpy())[0])
         self.stage(x, ids, weights)
         return self.forward_staged(moe_layer, ids.shape[0], ids.shape[1], first_position)
+
+    def _device_call(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     first_position: int) -> torch.Tensor:
+        """A decode call outside the step's graph (a multi-token-prediction layer's) on the device
+        plan, as a step's layer runs there: the host path would take the CPU's pool back from the
+        doorbell, and the next step would make the device step, and so its graphs, anew."""
+        t, k = ids.shape
+        self.begin_device_step(k)
+        try:
+            self.stage(x.float().contiguous(), ids, weights.float())
+            positions = torch.arange(first_position, first_position + t, device=self.device)
+            self.run_staged_on_device(moe_layer, k, positions, alone=True)
+        finally:
+            self.end_device_step()
+        return self.token_outputs(t)[0].clone()
 
     def _observes(self, n_tokens: int) -> bool:
         """Whether the recurrence meter counts this call's routes: a prompt pass's, long enough."""
@@ -231,17 +248,17 @@ class OffloadedExperts(ExpertBackend):
         self.device_path.active = False
 
     def run_staged_on_device(self, moe_layer: int, k: int, position: torch.Tensor,
-                             timeline: DeviceTimeline | None = None) -> None:
+                             timeline: DeviceTimeline | None = None, alone: bool = False) -> None:
         """The decode call `stage` queued (t tokens, one per sequence, at `position`: int64 [t] on
         the device), carried out on the device alone (`DeviceStep`): no host work, so that the
         step's graph holds it; its output lands in `token_outputs(t)[0]`. `timeline`: its phases
-        marked."""
+        marked. `alone`: a call outside a step's run of layers (its first and its last)."""
         x, ids, weights = self.device_path.kept
         if self.routing is not None:  # a `DeviceRoutingHook` (device_step_ready)
             ids, weights = self.routing.route_on_device(moe_layer, position, ids, weights)
         out = self.token_outputs(x.shape[0])[0]
         self.device_path.step.run(moe_layer * self.num_experts, x, ids, weights, out, timeline,
-                                  first=moe_layer == 0, last=moe_layer == self.pass_layers - 1)
+                                  first=alone or moe_layer == 0, last=alone or moe_layer == self.pass_layers - 1)
 
     def launch_staged(self, moe_layer: int, t: int, k: int, first_position: int = 0) -> None:
         """Plans the staged call and starts both parts; `finish_staged` returns them."""

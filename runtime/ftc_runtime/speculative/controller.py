@@ -8,7 +8,9 @@ E(k) / t(k + 1), and drafts none unless that beats a plain step by more than run
 - p: the maximum-likelihood rate of the passes so far (a pass that kept a of k drafts: a accepted,
   one rejected if a < k), their counts decaying so that it follows the text (code copied from the
   prompt, then prose).
-- t(n): a moving average per pass size, a plain step's measured first; a size not yet run is
+- t(n): a moving average per pass size, a plain step's measured first, from the third pass of
+  that size on (on a GPU the first runs eagerly and the second captures the size's CUDA graph,
+  each many times a replay's time: counted, they would stop the drafting); a size not yet timed is
   interpolated between the sizes that have run, flat past them (with only a plain step known,
   optimism tries the largest pass next, after which two sizes bound the rest).
 - A sequence that drafts nothing measures no p: now and then one pass drafts a token again (a
@@ -26,6 +28,7 @@ AVERAGE = 0.2  # weight of a new pass's seconds in its size's moving average
 # so that their time beyond plain steps' is PROBE_COST of the plain steps' between them.
 PROBE_COST = 0.005
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 16, 1024
+WARM_PASSES = 2  # passes of each size not timed: a GPU's eager first run and its graph's capture
 
 
 class DraftController:
@@ -35,6 +38,7 @@ class DraftController:
         self.k_max = k_max
         self.accepted, self.rejected = prior_rate, 1.0 - prior_rate  # a prior worth one draft
         self.seconds: dict[int, float] = {}  # pass size n (tokens) → moving average
+        self.runs: dict[int, int] = {}  # pass size n → passes run
         self.plain_since_probe = 0
 
     @property
@@ -74,8 +78,10 @@ class DraftController:
     def record(self, drafts: int, kept: int, seconds: float) -> None:
         """A pass that verified `drafts` drafts (0: a plain step), kept `kept` of them, in `seconds`."""
         n = drafts + 1
-        old = self.seconds.get(n)
-        self.seconds[n] = seconds if old is None else (1 - AVERAGE) * old + AVERAGE * seconds
+        self.runs[n] = self.runs.get(n, 0) + 1
+        if self.runs[n] > WARM_PASSES:
+            old = self.seconds.get(n)
+            self.seconds[n] = seconds if old is None else (1 - AVERAGE) * old + AVERAGE * seconds
         if drafts == 0:
             self.plain_since_probe += 1
             return

@@ -2,7 +2,13 @@
 acceptance (`ftc bench decode --draft-oracle P`). With random weights no drafter's acceptance means
 anything: the oracle knows the greedy answer and drafts its next tokens, each replaced by another
 token with probability 1 - P. The figures it gives are the system's cost at acceptance P, not a
-drafter's: they are labelled so wherever they are reported."""
+drafter's: they are labelled so wherever they are reported.
+
+The sequence then follows the known answer itself (`AnswerSampler`): with random weights the top
+logits are near ties, which the bf16 rounding of a pass of several tokens, unlike that of a
+one-token step, would often break the other way; past the first such token the answer's drafts
+would be wrong whatever P. Every pass still runs and verifies its drafts as it would, and with P
+the chance that a draft is the next token, the acceptance is P's."""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ftc_runtime.sampling import Sampler, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,25 @@ class DraftOracle:
 
     def __str__(self) -> str:
         return f"oracle (P = {self.accuracy:g})"
+
+    def sampler(self, prompt_ids: Iterable[int]) -> AnswerSampler:
+        return AnswerSampler(self.answer, prompt_ids)
+
+
+class AnswerSampler(Sampler):
+    """Greedy along the known answer: the token it picks at each position is the answer's, the
+    logits' argmax past its end (`forced`, which the acceptance rule takes as the target's own)."""
+
+    def __init__(self, answer: tuple[int, ...], prompt_ids: Iterable[int] = ()):
+        super().__init__(SamplingParams(0.0), list(prompt_ids))
+        self.answer, self.picked = answer, 0
+
+    def forced(self) -> int | None:
+        return self.answer[self.picked] if self.picked < len(self.answer) else None
+
+    def record(self, token: int) -> None:
+        self.picked += 1
+        super().record(token)
 
 
 class OracleDrafter:

@@ -126,6 +126,10 @@ class HyperDecodeGraphs(DecodeGraphs):
         io.mlp.copy_(on_device)
         io.x.copy_(self.f["hc_expand"](io.x, io.mlp + io.shared, *self._mix))
 
+    def final_hidden(self) -> torch.Tensor:
+        """The streams before the head's collapse, [n, streams · hidden] (the model's `hidden`)."""
+        return self.io.x.flatten(1).clone()
+
     def _head(self) -> None:
         self._join_previous(self.model.spec.num_layers)
         self.io.logits.copy_(self.model.head(self.io.x))

@@ -11,7 +11,9 @@ With `fused_body`, a sequence's linear layer runs as four kernels of its own, a 
 layer as four and a MoE block with a shared expert as two (`_fused_linear`, `_fused_attention`,
 `_fused_moe_block`), on the model's fused projections.
 A sequence's linear-layer state never moves (`DeltaNetState.assign`), so graphs captured on a
-cache stay valid until its KV storage moves.
+cache stay valid until its KV storage moves. In a verification pass (the rows one sequence's
+tokens) each row's state is also copied into the pass's `row_states`, which a rejected draft
+rewinds to.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class HybridDecodeGraphs(DecodeGraphs):
                 f["shared_expert"](h, *m.shared_expert_weights(i))
         for i in [i for i in range(m.spec.num_layers) if not m.is_moe(i)][:1]:
             f["dense_mlp"](h, *m.dense_mlp_weights(i))
+
+    def _row_states(self, cache: SequenceCache, n: int) -> list[tuple[DeltaNetState, ...]]:
+        return [tuple(state.clone() for state in cache.linear) for _ in range(n)]
 
     def _layer(self, i: int, caches: list[SequenceCache]) -> None:
         m, io = self.model, self.io
@@ -164,6 +169,8 @@ class HybridDecodeGraphs(DecodeGraphs):
             q, k, v, g, beta, _, conv = f["project"](h[r:r + 1], *w.projections(), state.conv, shape.heads)
             out, recurrent, _ = delta_rule(q, k, v, g, beta, state.recurrent)
             state.assign(DeltaNetState(conv, recurrent))
+            if self.row_states is not None:  # a verification pass: the state after this row, kept
+                self.row_states[r][j].assign(state)
             return out
 
         return f["finish"](self.per_sequence(recurrence, caches), h, *w.outputs(), shape.eps)
