@@ -364,3 +364,47 @@ def test_an_offloaded_prompt_streams_the_models_layers_and_not_the_heads(tmp_pat
     moe_layers = len(engine.spec.moe_layers)
     assert experts.pool.header.num_moe_layers == moe_layers + 1
     assert experts.stats.stream_layers == moe_layers and experts._stream is None, f"seed={seed}"
+
+
+class _RecordingMtp:
+    """A fake model whose MTP layer records the rows and positions of each call."""
+
+    def __init__(self):
+        self.calls: list[tuple[torch.Tensor, list[int], int]] = []
+
+    def new_mtp_cache(self):
+        from ftc_runtime.cache.kv import KVCache
+        from ftc_runtime.cache.sequence import SequenceCache
+
+        return SequenceCache(KVCache(1, 1, 4, torch.float32, torch.device("cpu")))
+
+    def mtp_forward(self, hidden, ids, cache, start):
+        self.calls.append((hidden, ids.tolist(), start))
+        cache.length += hidden.shape[0]
+        return torch.zeros(hidden.shape[0], 8), hidden
+
+
+def test_the_mtp_layer_runs_decode_passes_in_calls_the_device_plan_takes(seed):
+    """A prompt chunk's hidden states run in one call; the decode passes' since the last drafts
+    (a controller that drafted nothing for a while) in calls of at most PLANNED_TOKENS rows, in
+    order, each with the tokens after its positions."""
+    from ftc_runtime.experts.device.device_plan import PLANNED_TOKENS
+
+    rng = random.Random(seed)
+    sizes = [rng.randrange(PLANNED_TOKENS + 1, 64)] + [rng.randrange(1, 6) for _ in range(rng.randrange(5, 30))]
+    model, prompt = _RecordingMtp(), [rng.randrange(100) for _ in range(sizes[0] + 1)]
+    drafter = MtpDrafter(model, prompt, 0)
+    rows = torch.randn(sum(sizes), 4)
+    begin = 0
+    for n in sizes:
+        drafter.observe(rows[begin:begin + n])
+        begin += n
+        if begin > sizes[0]:
+            for _ in range(n):
+                drafter.add(rng.randrange(100))
+    drafter.propose(1)
+    calls = model.calls
+    assert calls[0][0].shape[0] == sizes[0] and all(c[0].shape[0] <= PLANNED_TOKENS for c in calls[1:]), f"seed={seed}"
+    assert torch.equal(torch.cat([c[0] for c in calls]), rows), f"seed={seed}"
+    assert [t for c in calls for t in c[1]] == drafter.tokens[1:sum(sizes) + 1], f"seed={seed}"
+    assert [c[2] for c in calls] == [sum(c[0].shape[0] for c in calls[:i]) for i in range(len(calls))]

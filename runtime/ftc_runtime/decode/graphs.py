@@ -77,8 +77,8 @@ class DecodeGraphs(ABC):
     streams = 0  # residual streams per row (hyper-connections); 0: one row of hidden_size
 
     def __init__(self, model, compile_fns: bool, fused_body: bool = True):
-        if model.device.type != "cuda":
-            raise ValueError("DecodeGraphs needs a CUDA device")
+        # Made for a CUDA device (`decode_graphs_for`); a step's body also runs on the CPU, uncaptured,
+        # where tests hold it to the model's forward.
         self.model = model
         self.fused_body = fused_body  # the family's fused kernels at width 1, where it has them
         self._buffers = {1: StepBuffers.make(model, 1, self.streams)}
@@ -107,7 +107,8 @@ class DecodeGraphs(ABC):
         self.f = self.fns  # the functions of the step being run (uncompiled above width 1)
         self.captures: dict[int, Captures] = {}  # by width
         self.row_states: list[tuple] | None = None  # the current pass's state after each row (`_row_states`)
-        self.step_done = torch.cuda.Event(blocking=True)  # a whole-step graph's end, waited for asleep
+        self._pass_rows: tuple[int, list[tuple]] = (-1, [])  # a sequence's generation, its passes' row states
+        self.step_done: torch.cuda.Event | None = None  # a whole-step graph's end, waited for asleep
         self.timeline: StepTimeline | None = None  # a whole step's phases, where measured
 
     def set_timeline(self, timeline: StepTimeline | None) -> None:
@@ -218,6 +219,8 @@ class DecodeGraphs(ABC):
         logits = self.io.logits.clone()
         # The thread sleeps until the step is done, rather than spinning in the caller's next
         # sync on a core that the CPU experts and the doorbell thread need meanwhile.
+        if self.step_done is None:
+            self.step_done = torch.cuda.Event(blocking=True)
         self.step_done.record()
         self.step_done.synchronize()
         if self.timeline is not None:
@@ -246,9 +249,22 @@ class DecodeGraphs(ABC):
         return captures
 
     def _row_states(self, cache: SequenceState, n: int) -> list[tuple] | None:
-        """Buffers for the recurrent state after each row of a pass of n rows on `cache` (which
-        the family's layer fills in its graph), None where the family has no recurrent state to
-        rewind to a row."""
+        """Buffers for the recurrent state after each row of a pass of n rows on `cache`, which
+        the family's layer fills in its graph (None where it keeps none, `_row_state`): one list
+        per sequence, grown to the widest pass, which the graphs of every width share."""
+        if self._pass_rows[0] != cache.generation:
+            self._pass_rows = (cache.generation, [])
+        rows = self._pass_rows[1]
+        while len(rows) < n:
+            state = self._row_state(cache)
+            if state is None:
+                return None
+            rows.append(state)
+        return rows
+
+    def _row_state(self, cache: SequenceState) -> tuple | None:
+        """A buffer for the recurrent state of `cache` after one row of a pass, None where the
+        family has no recurrent state to rewind to a row."""
         return None
 
     def _device_step(self, caches: list[SequenceState]) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ftc_runtime.experts.device.device_plan import PLANNED_TOKENS
+
 
 class MtpDrafter:
     reads_hidden = True
@@ -41,14 +43,18 @@ class MtpDrafter:
     def propose(self, k: int) -> list[int]:
         if k < 1 or not self.pending:
             return []
-        hidden, self.pending = torch.cat(self.pending), []
         first = self.start + self.cache.length
-        after = self.tokens[first + 1:first + 1 + hidden.shape[0]]  # the token after each position
-        if len(after) != hidden.shape[0]:
-            raise RuntimeError(f"MTP drafter: hidden states up to position {first + hidden.shape[0] - 1}, "
+        rows = sum(h.shape[0] for h in self.pending)
+        after = self.tokens[first + 1:first + 1 + rows]  # the token after each position
+        if len(after) != rows:
+            raise RuntimeError(f"MTP drafter: hidden states up to position {first + rows - 1}, "
                                f"tokens up to {len(self.tokens) - 1}")
-        logits, out = self.model.mtp_forward(hidden, self._ids(after), self.cache, first)
-        kept, position = self.cache.length, first + hidden.shape[0]
+        done = 0
+        for hidden in self._calls():
+            t = hidden.shape[0]
+            logits, out = self.model.mtp_forward(hidden, self._ids(after[done:done + t]), self.cache, first + done)
+            done += t
+        kept, position = self.cache.length, first + rows
         further = k > 1  # further drafts run positions that are cut off again
         mark = self.cache.mark() if further and self.cache.rewinds_by_replay else None  # cut back by rewinding
         drafts = [int(logits[-1].argmax())]
@@ -61,6 +67,20 @@ class MtpDrafter:
         elif further:
             self.cache.truncate(kept)
         return drafts
+
+    def _calls(self) -> list[torch.Tensor]:
+        """The pending hidden states as the layer's calls: a prompt chunk's in one (as the prompt
+        ran, on the expert backend's host path), the decode passes' since the last drafts joined
+        into calls of at most PLANNED_TOKENS rows, which the backend runs on its device plan (a
+        longer one would take the host path, and the next step would capture its graphs anew)."""
+        calls, run = [], []
+        for hidden in self.pending:
+            if run and sum(h.shape[0] for h in run) + hidden.shape[0] > PLANNED_TOKENS:
+                calls.append(torch.cat(run))
+                run = []
+            run.append(hidden)
+        self.pending = []
+        return [*calls, torch.cat(run)]
 
     def _ids(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, dtype=torch.long)

@@ -60,8 +60,8 @@ class HybridDecodeGraphs(DecodeGraphs):
         for i in [i for i in range(m.spec.num_layers) if not m.is_moe(i)][:1]:
             f["dense_mlp"](h, *m.dense_mlp_weights(i))
 
-    def _row_states(self, cache: SequenceCache, n: int) -> list[tuple[DeltaNetState, ...]]:
-        return [tuple(state.clone() for state in cache.linear) for _ in range(n)]
+    def _row_state(self, cache: SequenceCache) -> tuple[DeltaNetState, ...]:
+        return tuple(state.clone() for state in cache.linear)
 
     def _layer(self, i: int, caches: list[SequenceCache]) -> None:
         m, io = self.model, self.io
