@@ -19,19 +19,16 @@ from pathlib import Path
 import torch
 
 from ftc_runtime.decode.graphs import DecodeGraphs
-from ftc_runtime.decode.step_buffers import StepBuffers
 from ftc_runtime.engine import Engine
 from ftc_runtime.models import family
 
 
 def layer_graphs(engine: Engine) -> tuple[DecodeGraphs, list, torch.Tensor]:
-    """The family's decode layer on the CPU: DecodeGraphs' machinery wants a GPU, its layer does
-    not. The experts' staging is recorded instead of run; their output, as a device step leaves
-    it (no host part), is the row returned."""
+    """The family's decode layer on the CPU, uncaptured (its functions uncompiled). The experts'
+    staging is recorded instead of run; their output, as a device step leaves it (no host part),
+    is the row returned."""
     model = engine.model
-    graphs = object.__new__(family(engine.spec.family).decode_graphs)
-    graphs.model, graphs.io = model, StepBuffers.make(model, 1)
-    graphs.f = graphs.fns = graphs.functions()
+    graphs = family(engine.spec.family).decode_graphs(model, compile_fns=False)
     staged: list = []
     model.experts.stage = lambda h, ids, w: staged.append((h.clone(), ids.clone(), w.clone()))
     moe_out = torch.zeros(1, model.spec.hidden_size)

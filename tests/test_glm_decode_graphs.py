@@ -14,7 +14,6 @@ import torch
 
 from ftc.compile.pipeline import CompileOptions, compile_engine
 from ftc_runtime import Engine
-from ftc_runtime.decode.step_buffers import StepBuffers
 from ftc_runtime.models.glm_moe_dsa.decode import LatentDecodeGraphs
 
 from families import rel
@@ -35,9 +34,7 @@ class EmulatedStep:
 
     def __init__(self, engine: Engine):
         m = self.model = engine.model
-        graphs = self.graphs = object.__new__(LatentDecodeGraphs)
-        graphs.model, graphs.io, graphs._seen, graphs.fused_body = m, StepBuffers.make(m, 1), {}, False
-        graphs.f = graphs.fns = graphs.functions()
+        self.graphs = LatentDecodeGraphs(m, compile_fns=False, fused_body=False)
         self.out = torch.zeros(1, m.spec.hidden_size)
         self.layer = 0
         forward = m.experts.forward
