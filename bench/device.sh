@@ -18,9 +18,11 @@
 #                               OUT_DIR/pdl.txt and OUT_DIR/pdl0.json, pdl1.json
 #   speculate                   decode of 256 tokens (a sequence's first passes of each size run eagerly and
 #                               capture their graphs) without drafts and with --draft-oracle 0.6, 0.8 and 0.9
-#                               (--speculate auto: the controller picks each pass's drafts), adaptive, on qwen3.6-35b-a3b bf16 at
-#                               32 GiB and NVFP4 at 8 GiB (uniform) and qwen3-30b-a3b MXFP4 at 8 GiB (the trace):
-#                               OUT_DIR/speculate.txt and OUT_DIR/speculate-MODEL-FORMAT-BUDGET.json
+#                               (--speculate auto: the controller picks each pass's drafts), adaptive, on qwen3.6-35b-a3b
+#                               bf16 at 32 GiB and NVFP4 at 8 GiB (uniform), qwen3-30b-a3b MXFP4 at 8 GiB (the trace)
+#                               and DeepSeek-V4-Flash cut to 20 layers with its MTP layer (MXFP4, FP8 projections,
+#                               16 GiB, uniform): OUT_DIR/speculate.txt and OUT_DIR/speculate-ROW.json
+#   speculate:ROW               one of those (ROW: one of $drafted_rows below)
 #   anchor                      llama.cpp's MXFP4 decode at -ncmoe 30 on the same machine (needs .anchors/,
 #                               see ../shared/anchors/README.md), into OUT_DIR/anchor
 #
@@ -69,6 +71,18 @@ drafted() {  # NAME SPEC BUDGET [ftc bench matrix options...]: adaptive without 
     | tee -a "$out/speculate.txt"
 }
 
+drafted_rows="qwen3.6-35b-a3b-bf16-32GiB qwen3.6-35b-a3b-nvfp4-8GiB qwen3-30b-a3b-mxfp4-8GiB deepseek-v4-flash-20-16GiB"
+drafted_row() {  # NAME: one engine of the speculative table
+  case $1 in
+    qwen3.6-35b-a3b-bf16-32GiB) drafted "$1" $q36 32GiB --uniform ;;
+    qwen3.6-35b-a3b-nvfp4-8GiB) drafted "$1" $q36 8GiB --uniform --override expert_format=nvfp4 ;;
+    qwen3-30b-a3b-mxfp4-8GiB) drafted "$1" $q30 8GiB --routing-trace $trace --override expert_format=mxfp4 ;;
+    deepseek-v4-flash-20-16GiB) drafted "$1" model_specs/deepseek-v4-flash.yaml 16GiB --uniform \
+      --override num_layers=20 --override dense_format=fp8 ;;
+    *) echo "unknown speculate row: $1 (one of: $drafted_rows)" >&2; return 2 ;;
+  esac
+}
+
 while [ $# -gt 0 ]; do
   stage=$1
   shift
@@ -85,9 +99,9 @@ while [ $# -gt 0 ]; do
     matrix:*)
       row "${stage#matrix:}" ;;
     speculate)
-      drafted qwen3.6-35b-a3b-bf16-32GiB $q36 32GiB --uniform
-      drafted qwen3.6-35b-a3b-nvfp4-8GiB $q36 8GiB --uniform --override expert_format=nvfp4
-      drafted qwen3-30b-a3b-mxfp4-8GiB $q30 8GiB --routing-trace $trace --override expert_format=mxfp4 ;;
+      for name in $drafted_rows; do drafted_row "$name"; done ;;
+    speculate:*)
+      drafted_row "${stage#speculate:}" ;;
     pdl)
       for pdl in 0 1; do
         FTC_PDL=$pdl ftc bench matrix $q30 --random-weights --target h200 --vram-budget 32GiB --miss-policy adaptive \
@@ -96,7 +110,7 @@ while [ $# -gt 0 ]; do
     anchor)
       bash .anchors/llama_anchor.sh "$out/anchor" mxfp4 "30" 2>&1 | tail -20 ;;
     *)
-      echo "unknown stage: $stage (gpu-tests, matrix, matrix:ROW, speculate, pdl, anchor)" >&2
+      echo "unknown stage: $stage (gpu-tests, matrix, matrix:ROW, speculate, speculate:ROW, pdl, anchor)" >&2
       exit 2 ;;
   esac
 done
