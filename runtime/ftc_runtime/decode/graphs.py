@@ -24,7 +24,7 @@ A speculative verification pass (`step_pass`: one sequence's next token and its 
 same whole-step graph of width n over n rows of the one sequence, at consecutive positions: each
 row's attention writes its key and value and attends up to its own position, each row's recurrence
 steps the state the row before it left (a hybrid family snapshots that state after each row into
-the capture's `row_states`, which a rejected draft rewinds to), so the rows run as a causal chunk.
+the sequence's `row_states`, which a rejected draft rewinds to), so the rows run as a causal chunk.
 Graphs are captured in the second step on a set of storages (the first runs the same code
 eagerly, which warms up every kernel), and again whenever a storage moves (a new sequence, growth
 by doubling, another set of sequences in a batch) or the expert backend's slots or mailbox do (its
@@ -242,10 +242,9 @@ class DecodeGraphs(ABC):
         if captures is None or captures.storage != storage:
             if n > 1:  # the graphs of other sequences go; a pass's other widths on these stay
                 self.captures = {w: c for w, c in self.captures.items() if w == 1 or set(c.storage) == set(storage)}
-            passing = n > 1 and all(c is caches[0] for c in caches)
-            rows = self._row_states(caches[0], n) if passing else None
-            captures = self.captures[n] = Captures(storage, row_states=rows)
-        self.row_states = captures.row_states
+            captures = self.captures[n] = Captures(storage)
+        passing = n > 1 and all(c is caches[0] for c in caches)
+        self.row_states = self._row_states(caches[0], n) if passing else None
         return captures
 
     def _row_states(self, cache: SequenceState, n: int) -> list[tuple] | None:

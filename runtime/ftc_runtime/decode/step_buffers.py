@@ -65,11 +65,9 @@ class StepBuffers:
 class Captures:
     """The graphs of one step width, captured on `storage` (the sequences' KV generations and the
     expert backend's generation, whose addresses they hold), in their own memory pool; `warm`: a
-    step ran eagerly on this storage, so the next one captures. A verification pass's graphs
-    write the state after each of its rows into `row_states` (a hybrid family's)."""
+    step ran eagerly on this storage, so the next one captures."""
 
     storage: tuple[int, ...]
     pool: tuple = field(default_factory=torch.cuda.graph_pool_handle)
     graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = field(default_factory=dict)
     warm: bool = False
-    row_states: list[tuple] | None = None  # a verification pass's recurrent state after each row
