@@ -71,7 +71,7 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
         raise ValueError(f"new_tokens = {new_tokens}: decode benchmarks need at least {warmup + 2}")
     decode_s, warmup_s, host_cpu_s, gen = _timed_decode(engine, prompt, new_tokens, sampling, warmup)
     s = experts.stats
-    split_bias = experts.split_bias
+    split_bias, split_trials = experts.split_bias, experts.split_trials
     timeline = _device_timeline(engine, prompt, sampling, warmup)
     steps = new_tokens - 1 - warmup
     planner = experts.planner
@@ -81,7 +81,8 @@ def bench_decode(engine_dir: Path, offload: OffloadConfig, trace: RoutingTrace |
     measured = decode_s / steps
     return {
         "engine": engine.spec.name, "routing": routing, "temperature": temperature, "device": str(experts.device),
-        "miss_policy": planner.policy, "split_bias": split_bias, "cache_policy": experts.cache.policy,
+        "miss_policy": planner.policy, "split_bias": split_bias, "split_trials": split_trials,
+        "cache_policy": experts.cache.policy,
         "b_p": planner.b_p, "b_h": planner.b_h,
         "rates_while_both_run": planner.rates(), "measured_concurrency": planner.measured_concurrency,
         "slots": experts.cache.n_slots, "pool_experts": engine.pool.header.num_rows,

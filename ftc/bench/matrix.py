@@ -76,7 +76,8 @@ def matrix_table(result: dict) -> Table:
     table = Table(title=f"{result['engine']}: decode on {first['device']}, {first['slots']} expert slots, "
                         f"{first['prompt_tokens']} prompt tokens, {first['decode_tokens']} timed steps",
                   caption="bound: the bandwidth bound in ms/token; m: misses per MoE call; q: of them filled "
-                          "into the device cache, the rest computed on the CPU")
+                          "into the device cache, the rest computed on the CPU; (cpu alone): the adaptive split's "
+                          "trials found the CPU alone faster than its split")
     drafting = any("speculation" in run for run in result["runs"])
     for column in ("routing", "policy", *(("drafts",) if drafting else ())):
         table.add_column(column, no_wrap=True)
@@ -91,7 +92,9 @@ def matrix_table(result: dict) -> Table:
 def _row(run: dict, names: dict[str, str], drafting: bool) -> list[str]:
     e, over = run["experts"], run["measured_over_bound"]
     s = run.get("speculation")
-    row = [names.get(run["routing"], run["routing"]), run["miss_policy"], *((run["speculate"],) if drafting else ()),
+    trials = run.get("split_trials")
+    policy = run["miss_policy"] + (" (cpu alone)" if trials and trials["arm"] == "cpu" else "")
+    row = [names.get(run["routing"], run["routing"]), policy, *((run["speculate"],) if drafting else ()),
            f"{run['decode_tok_s']:.2f}", f"{run['ms_per_token']:.2f}", f"{run['bound_ms_per_token']:.2f}",
            "-" if over is None else f"{over:.2f}", f"{e['miss_rate']:.3f}", f"{e['mean_m']:.2f}", f"{e['mean_q']:.2f}"]
     if drafting:

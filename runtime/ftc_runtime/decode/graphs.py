@@ -28,7 +28,9 @@ the sequence's `row_states`, which a rejected draft rewinds to), so the rows run
 Graphs are captured in the second step on a set of storages (the first runs the same code
 eagerly, which warms up every kernel), and again whenever a storage moves (a new sequence, growth
 by doubling, another set of sequences in a batch) or the expert backend's slots or mailbox do (its
-`generation`); a pass's widths on one sequence keep their graphs beside each other. Widths above
+`generation`); a pass's widths on one sequence keep their graphs beside each other. A whole step
+replayed from its graph is timed, from its begin to its end on the device, for the expert backend
+(`step_timed`: the adaptive split's trials against the CPU alone). Widths above
 1 run the functions uncompiled: each width would compile them again.
 The family's functions are fused by torch.compile first, at load (FTC_TORCH_COMPILE=0 turns it
 off; a compiler failure falls back to the same functions uncompiled); docs/performance.md has
@@ -205,10 +207,11 @@ class DecodeGraphs(ABC):
 
     def _whole_step(self, tokens: list[int], caches: list[SequenceState],
                     positions: list[int] | None = None) -> torch.Tensor:
-        m = self.model
+        m, t0 = self.model, time.perf_counter()
         m.experts.begin_device_step(m.spec.moe.top_k)  # may renew the backend's generation: first
         try:
             captures = self._select(caches)
+            replayed = ("step", 0) in captures.graphs  # an eager or capturing step is no measure of one
             self.io.set_inputs(tokens, [c.length for c in caches] if positions is None else positions)
             self._run(captures, ("step", 0), lambda: self._device_step(caches))
         finally:
@@ -223,6 +226,8 @@ class DecodeGraphs(ABC):
             self.step_done = torch.cuda.Event(blocking=True)
         self.step_done.record()
         self.step_done.synchronize()
+        if replayed:
+            m.experts.step_timed(len(tokens), time.perf_counter() - t0)
         if self.timeline is not None:
             self.timeline.collect()
         return logits

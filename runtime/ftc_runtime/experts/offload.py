@@ -247,6 +247,17 @@ class OffloadedExperts(ExpertBackend):
     def end_device_step(self) -> None:
         self.device_path.active = False
 
+    def step_timed(self, width: int, seconds: float) -> None:
+        """A device step of `width` tokens, replayed from its graph, took `seconds` from its begin
+        to its end: the adaptive split's trials against the CPU alone take it (`SplitTrials`)."""
+        self.device_path.step_timed(width, seconds)
+
+    @property
+    def split_trials(self) -> dict | None:
+        """What the split's trials chose (`SplitTrials.summary`); None where no round ran."""
+        trials = self.device_path.tables.trials
+        return trials.summary() if trials.rounds else None
+
     def run_staged_on_device(self, moe_layer: int, k: int, position: torch.Tensor,
                              timeline: DeviceTimeline | None = None, alone: bool = False) -> None:
         """The decode call `stage` queued (t tokens, one per sequence, at `position`: int64 [t] on

@@ -188,6 +188,10 @@ class DevicePath:
         self.step_ran = self.active = True
         return renewed
 
+    def step_timed(self, width: int, seconds: float) -> None:
+        """A device step's measured time, for the split's trials (`DeviceTables.step_timed`)."""
+        self.tables.step_timed(width, seconds)
+
     def fold_into(self, stats: OffloadStats) -> None:
         """Adds the device steps' counts since the last fold to `stats` (reads the device)."""
         if self.step_ran:

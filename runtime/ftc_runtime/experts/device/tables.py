@@ -2,7 +2,8 @@
 beside the host's `ExpertCache`, and which of the two is current. Planned calls update the device's
 copy on the device, so between safe points it is ahead of the host's; the host cache is brought up
 to date when read, and the device's copy takes the host's state again at the next planned call
-after a read (whoever read it may have changed it)."""
+after a read (whoever read it may have changed it). Where the adaptive rule competes with the CPU
+alone (`SplitTrials`), the rule's q table holds the arm that runs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from ftc_runtime.experts.cache import ExpertCache
 from ftc_runtime.experts.device.device_plan import CacheTables, PlanRule
+from ftc_runtime.experts.device.split_trials import SplitTrials
 from ftc_runtime.experts.miss_planner import MissPlanner
 from ftc_runtime.experts.slots import SlotStore
 
@@ -23,6 +25,8 @@ class DeviceTables:
         self.current: tuple[CacheTables, PlanRule] | None = None
         self._newer = False  # the device's tables hold state that the host cache lacks
         self._host_touched = True  # the host cache may have changed since they took its state
+        self.trials = SplitTrials()  # kept across rules: the machine's rates do not change with them
+        self._arm_tables: tuple[torch.Tensor, ...] | None = None  # the rule's q table of each arm, where they compete
 
     @property
     def split_bias(self) -> float:
@@ -48,11 +52,31 @@ class DeviceTables:
                 recent = planner.recent_steps(self.store.header.num_moe_layers)
                 rule = PlanRule.of(planner, max_unique, recent, cache.policy == "lru", device)
                 self.current = (CacheTables.of(cache, device), rule)
+                self._arm_tables = _competing(rule)
+                if self._arm_tables is not None:
+                    rule.q_for_m.copy_(self._arm_tables[self.trials.arm])
         elif self._host_touched:
             self.current[0].load(cache)
         self._host_touched, self._newer = False, True
         return self.current
 
+    def step_timed(self, width: int, seconds: float) -> None:
+        """A decode step of `width` tokens took `seconds` (replayed from its graph, nothing else
+        in flight): the trials take it, and the rule's q table the arm of the next step."""
+        if self._arm_tables is None:
+            return
+        arm = self.trials.arm
+        if self.trials.timed(width, seconds) != arm:
+            self.current[1].q_for_m.copy_(self._arm_tables[self.trials.arm])
+
     def forget(self) -> None:
         """The slots were rebuilt (after `host_cache`): the next planned call makes new tables."""
-        self.current, self._newer = None, False
+        self.current, self._newer, self._arm_tables = None, False, None
+
+
+def _competing(rule: PlanRule) -> tuple[torch.Tensor, ...] | None:
+    """The q tables of `SplitTrials`' arms (the rule's own, none filled), where they compete: an
+    adaptive rule without recency fills that splits some m; else None."""
+    if rule.tune_step == 0 or rule.recent_steps or not bool(rule.q_for_m.any()):
+        return None
+    return rule.q_for_m.clone(), torch.zeros_like(rule.q_for_m)
