@@ -405,3 +405,37 @@ def test_gather_fills_copy_the_plans_rows_from_the_mapped_pool(seed):
         want[fill_slots[:n_fill]] = pool[fill_rows[:n_fill]]
         gather_fills(MappedHost(address), slots, plan)
         assert torch.equal(slots.cpu(), want), (n_fill, stride)
+
+
+@pytest.mark.parametrize("path", ["native", "general", "device"])
+def test_fills_without_recurring_routing_leave_the_cache_as_it_was(cpu_engine, path, seed):
+    """Adaptive without the recency rule: a fill serves its call only. Over many calls of random
+    routing, whatever the split fills, the slots whose expert changed are never more than one
+    call's fills: each call's victims are the last call's fill slots (and empty slots), so the
+    experts that were resident before stay resident. With the recency rule the same calls replace
+    more of them. Each path (the native one-token plan, the general host path, the device plan in
+    torch) on its own cache."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    e, k, layers = cpu_engine.spec.moe.num_experts, cpu_engine.spec.moe.top_k, len(cpu_engine.spec.moe_layers)
+    changed = {}
+    for recent in (0, 4):
+        planner = MissPlanner("adaptive", 20.0, 40.0, 18.0, 30.0, recent_tokens=recent)
+        off = OffloadedExperts(cpu_engine.model.experts.pool, cpu_engine.model.experts.kernel, torch.device("cpu"),
+                               e * layers // 2, planner, device_plan=path == "device")
+        off.native_token_plan = path == "native"
+        held = rng.sample(range(e * layers), off.n_slots)
+        off.cache.install(np.arange(off.n_slots), np.array(held))
+        off.cache.last_used[:] = np.arange(off.n_slots)
+        before = off.cache.id_of.copy()
+        fills = 0
+        for _ in range(200):
+            layer = rng.randrange(layers)
+            ids = torch.tensor([rng.sample(range(e), k)])
+            hidden = torch.randn(1, cpu_engine.spec.hidden_size, generator=g)
+            was = off.stats.fills
+            off.forward(layer, hidden, ids, torch.rand(1, k, generator=g))
+            fills += off.stats.fills - was
+        changed[recent] = int((off.cache.id_of != before).sum())
+        assert fills > k, f"seed={seed}: {path}, recent {recent}: {fills} fills"
+    assert changed[0] <= k < changed[4], f"seed={seed}: {path}: {changed}"

@@ -72,6 +72,7 @@ struct TokenPlanArgs {
   int32_t* counts;  // hits, fills, CPU experts
   int64_t* cpu_step;  // ExpertCache.cpu_step: FTW row → the step it was last computed on the CPU
   int64_t recent_steps;  // misses computed on the CPU this recently are filled first, all of them
+  int64_t keep_fills;  // 0: a fill serves this call only, its slot stamped as an empty one's (MissPlanner.keeps_fills)
 };
 
 // One token's plan for the MoE layer whose first FTW row is base_id; `step` stamps the slots it
@@ -169,8 +170,11 @@ int ftc_plan_token(const TokenPlanArgs* a, int64_t base_id, int64_t step, int al
     pair_slot[p] = static_cast<int32_t>(victims[j]);
     pair_w[p] = miss_w[j];
   }
+  // Without keep_fills a fill serves this token only, and a slot that did so stays the next victim
+  // when a hit reads it: its last use stays -1, as an empty slot's.
   for (int j = 0; j < p; ++j) {
-    a->last_used[pair_slot[j]] = step;
+    const bool passing = !a->keep_fills && (j >= n_hit || a->last_used[pair_slot[j]] < 0);
+    a->last_used[pair_slot[j]] = passing ? -1 : step;
     pair_tok[j] = 0;
   }
   for (; p < k; ++p) {

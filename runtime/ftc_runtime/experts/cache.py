@@ -30,7 +30,8 @@ class ExpertCache:
         self.n_slots = n_slots
         self.slot_of = np.full(num_ids, -1, dtype=np.int64)  # id → slot, -1 when not resident
         self.id_of = np.full(n_slots, -1, dtype=np.int64)  # slot → id, -1 when empty
-        self.last_used = np.full(n_slots, -1, dtype=np.int64)  # step of last use; empty slots: -1
+        self.last_used = np.full(n_slots, -1, dtype=np.int64)  # step of last use; empty slots (and a fill that
+        # served its call only, `MissPlanner.keeps_fills`): -1
         self.step = 0
         # id → the step its expert was last computed on the CPU (a miss the split kept off the GPU)
         self.cpu_step = np.full(num_ids, NEVER, dtype=np.int64)

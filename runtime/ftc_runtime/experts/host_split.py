@@ -150,8 +150,12 @@ class HostSplit:
             self.kernel.start(self.store.pool.experts, host[:, :hidden].contiguous(), cpu_out, *r.tensors(split.cpu))
         cache.install(split.victims, r.ids[split.fill])
         on_device = np.concatenate([split.hit, split.fill])
-        device_slots = np.concatenate([split.slots[split.hit], split.victims])
+        hit_slots = split.slots[split.hit]
+        device_slots = np.concatenate([hit_slots, split.victims])
+        stay = None if planner.keeps_fills else np.concatenate([split.victims, hit_slots[cache.last_used[hit_slots] < 0]])
         cache.touch(device_slots)
+        if stay is not None:  # fills that serve this call only, and hits on such slots, stay the next victims
+            cache.last_used[stay] = -1
         count_split(stats, planner, self.store.header.expert_stride, split.hit.size, split.fill.size, split.cpu.size)
         plan_s = time.perf_counter() - t0
         stats.host_s["plan"] += plan_s

@@ -31,7 +31,12 @@ class MissPlanner:
     So adaptive also fills every miss that the CPU computed within the last `recent_tokens` tokens
     (q = max(q, those), filled first). Without locality few misses recur that soon, and each such
     fill evicts an expert as likely to come back as the one it brings: `OffloadedExperts` sets the
-    window to 0 where a prompt's routing recurs no more than random routing does (`RecurrenceMeter`)."""
+    window to 0 where a prompt's routing recurs no more than random routing does (`RecurrenceMeter`).
+    Then a fill only serves its own call (`keeps_fills` False): its slot goes back to the front of
+    the victims' order, as an empty slot's, and the next fill takes it again, so the cache keeps
+    what the prompt left. A streamed prompt leaves whole layers (`ExpertCache.scan_victims`), whose
+    calls have no misses, and the other layers' misses go to the CPU in fewer, larger jobs, which
+    its kernel runs faster than as many experts spread over every layer."""
 
     policy: MissPolicy = "adaptive"
     b_p: float = 1.0  # pinned host→GPU GB/s for one expert
@@ -84,6 +89,12 @@ class MissPlanner:
         """The q at which copies and CPU experts end together while both run, within [1, m]."""
         copy, cpu = self.rates()
         return min(m, max(1, math.floor(m * copy / (copy + cpu) + 0.5)))  # round half up, not to even
+
+    @property
+    def keeps_fills(self) -> bool:
+        """Whether a fill stays cached for later calls; False: it only serves its call (adaptive
+        without the recency rule: routing that does not recur)."""
+        return self.policy != "adaptive" or self.recent_tokens > 0
 
     def fills_for(self, m: int, recent: int) -> int:
         """q for m misses of which `recent` were computed on the CPU within `recent_tokens` tokens."""

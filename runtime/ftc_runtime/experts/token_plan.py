@@ -28,7 +28,7 @@ class TokenPlanArgs(ctypes.Structure):
         ("pool", _p), ("workspace", _p), ("experts", _p), ("expert_stride", _i64), ("hidden", _i64), ("k", _i64),
         ("staged", _p), ("slot_of", _p), ("id_of", _p), ("last_used", _p), ("n_slots", _i64), ("fills_for_m", _p),
         ("cpu_out", _p), ("cpu_ids", _p), ("cpu_offsets", _p), ("cpu_tok", _p), ("cpu_w", _p), ("pairs", _p),
-        ("fills", _p), ("counts", _p), ("cpu_step", _p), ("recent_steps", _i64))]
+        ("fills", _p), ("counts", _p), ("cpu_step", _p), ("recent_steps", _i64), ("keep_fills", _i64))]
 
 
 class TokenPlanner:
@@ -37,7 +37,7 @@ class TokenPlanner:
     Both must keep their addresses for the planner's life. `pinned`: the pair list lives in pinned
     memory, so that a captured host→device copy can read it. `recent_steps`: misses the CPU
     computed within that many cache steps are filled first, and at least all of them
-    (`MissPlanner.fills_for`); 0: off."""
+    (`MissPlanner.fills_for`); 0: off. Fills stay cached where the planner `keeps_fills`."""
 
     def __init__(self, kernel: CpuExpertKernel, experts: torch.Tensor, cache: ExpertCache,
                  planner: MissPlanner, k: int, staged: torch.Tensor, cpu_out: torch.Tensor, pinned: bool,
@@ -64,7 +64,8 @@ class TokenPlanner:
             kernel.pool_handle, self._workspace.data_ptr(), experts.data_ptr(), experts.stride(0), hidden, k,
             staged.data_ptr(), _addr(cache.slot_of), _addr(cache.id_of), _addr(cache.last_used), cache.n_slots,
             _addr(self.fills_for_m), cpu_out.data_ptr(), _addr(ids), _addr(offsets), _addr(tok), _addr(w),
-            self.pairs.data_ptr(), _addr(self.fills), _addr(self.counts), _addr(cache.cpu_step), recent_steps)
+            self.pairs.data_ptr(), _addr(self.fills), _addr(self.counts), _addr(cache.cpu_step), recent_steps,
+            int(planner.keeps_fills))
         self._ref = ctypes.byref(self._args)
 
     def plan(self, base_id: int, allow_fills: bool) -> int:

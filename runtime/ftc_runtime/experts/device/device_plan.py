@@ -108,13 +108,14 @@ class PlanRule:
     allow_fills: bool
     bias: torch.Tensor  # fp32 [1]
     tune_step: float = 0.0
+    keep_fills: bool = True  # False: a fill serves its call only (`MissPlanner.keeps_fills`)
 
     @classmethod
     def of(cls, planner: MissPlanner, max_unique: int, recent_steps: int, allow_fills: bool,
            device: torch.device | str) -> PlanRule:
         table = torch.tensor([planner.fills(m) for m in range(max_unique + 1)], dtype=torch.int64, device=device)
         return cls(table, recent_steps, allow_fills, torch.zeros(1, dtype=torch.float32, device=device),
-                   TUNE_STEP if planner.policy == "adaptive" and allow_fills else 0.0)
+                   TUNE_STEP if planner.policy == "adaptive" and allow_fills else 0.0, planner.keeps_fills)
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,10 @@ def plan_layer(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.Tensor, 
     in_job = ar < cpu_offsets[-1]
     cpu_tok = torch.where(in_job, cpu_entry // k, 0)
     cpu_w = torch.where(in_job, weights.reshape(-1).float()[cpu_entry], 0.0)
-    _update(t, u.rows, is_cpu, fill_rows, fill_slots, ar < n_fill, where_u)
+    stamp = t.step.expand(n)
+    if not rule.keep_fills:  # fills serve this call only; hits on such slots leave them the next victims
+        stamp = torch.where(is_fill | (hit & (t.last_used[slot.clamp(min=0)] < 0)), -1, stamp)
+    _update(t, u.rows, is_cpu, fill_rows, fill_slots, ar < n_fill, where_u, stamp)
     counts = torch.stack([hit.sum(), n_fill, n_cpu, torch.where(splits, q_split, -1) if rule.allow_fills
                           else n_fill.new_full((), -1)])
     pair_slot = where_u[u.of_entry]
@@ -235,9 +239,10 @@ def plan_layer(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.Tensor, 
 
 
 def _update(t: CacheTables, rows: torch.Tensor, is_cpu: torch.Tensor, fill_rows: torch.Tensor,
-            fill_slots: torch.Tensor, filling: torch.Tensor, where_u: torch.Tensor) -> None:
+            fill_slots: torch.Tensor, filling: torch.Tensor, where_u: torch.Tensor, stamp: torch.Tensor) -> None:
     """The host cache's update, masked: CPU experts stamped, fills installed over their victims,
-    every slot the call reads stamped as used, the step advanced."""
+    every slot the call reads stamped with `stamp` (per unique expert: the step, or -1 for a fill
+    that serves this call only), the step advanced."""
     ns, sink_row = t.n_slots, t.num_ids
     step = t.step.expand(rows.numel())
     t.cpu_step.scatter_(0, torch.where(is_cpu, rows, sink_row), step)
@@ -245,7 +250,7 @@ def _update(t: CacheTables, rows: torch.Tensor, is_cpu: torch.Tensor, fill_rows:
     t.slot_of.scatter_(0, torch.where(old >= 0, old, sink_row), -1)
     t.id_of.scatter_(0, torch.where(filling, fill_slots, ns), fill_rows)
     t.slot_of.scatter_(0, torch.where(filling, fill_rows, sink_row), fill_slots)
-    t.last_used.scatter_(0, torch.where(where_u >= 0, where_u, ns), step)
+    t.last_used.scatter_(0, torch.where(where_u >= 0, where_u, ns), stamp)
     t.slot_of[-1:] = -1
     t.id_of[-1:] = -1
     t.last_used[-1:] = -1

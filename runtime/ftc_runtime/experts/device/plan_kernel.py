@@ -50,7 +50,7 @@ def _victims(cands, n_cands, n_slots, slot, hit, NP: tl.constexpr, CANDS: tl.con
 
 @triton.jit
 def _plan(ids, ids_stride, weights, weights_stride, base_id, n, k, slot_of, id_of, last_used, cpu_step, step_ptr,
-          q_for_m, bias, recent_steps, allow_fills, cands, n_cands, n_slots, pair_slot, fill_rows, fill_slots, cpu_ids,
+          q_for_m, bias, recent_steps, allow_fills, keep_fills, cands, n_cands, n_slots, pair_slot, fill_rows, fill_slots, cpu_ids,
           cpu_offsets, cpu_tok, cpu_w, counts, pairs, phase_pairs, NP: tl.constexpr, CANDS: tl.constexpr):
     e = tl.arange(0, NP)
     valid = e < n
@@ -116,7 +116,11 @@ def _plan(ids, ids_stride, weights, weights_stride, base_id, n, k, slot_of, id_o
     tl.store(counts + 1, n_fill)
     tl.store(counts + 2, n_cpu)
     tl.store(counts + 3, tl.where((allow_fills != 0) & splits, q_split, -1))
-    _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_fill, is_cpu, victim, where_first)
+    # Fills that serve this call only (keep_fills 0), and hits on such slots, stay the next victims.
+    passing = is_fill | (hit & (tl.load(last_used + slot, mask=hit, other=0) < 0))
+    stamp = tl.where(passing & (keep_fills == 0), -1, step)
+    _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_fill, is_cpu, victim, where_first,
+            stamp)
 
 
 @triton.jit
@@ -131,14 +135,15 @@ def _store_phase_pairs(phase_pairs, n, e, k, valid, weight, where_all, entry_hit
 
 
 @triton.jit
-def _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_fill, is_cpu, victim, where_first):
+def _update(slot_of, id_of, last_used, cpu_step, step_ptr, step, row, first, is_fill, is_cpu, victim, where_first,
+            stamp):
     tl.debug_barrier()  # every lookup of this call is done before the tables change
     tl.store(cpu_step + row, step, mask=is_cpu)
     old = tl.load(id_of + victim, mask=is_fill, other=-1)
     tl.store(slot_of + old, -1, mask=is_fill & (old >= 0))
     tl.store(id_of + victim, row, mask=is_fill)
     tl.store(slot_of + row, victim, mask=is_fill)
-    tl.store(last_used + where_first, step, mask=first & (where_first >= 0))
+    tl.store(last_used + where_first, stamp, mask=first & (where_first >= 0))
     tl.debug_barrier()
     tl.store(step_ptr, step + 1)
 
@@ -183,7 +188,7 @@ def plan_layer_triton(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.T
                       for i, shape in enumerate(shapes)))
     _plan[(1,)](ids, ids.stride(0), weights, weights.stride(0), base_id, n, k,
                 t.slot_of, t.id_of, t.last_used, t.cpu_step, t.step, rule.q_for_m, rule.bias, rule.recent_steps,
-                int(rule.allow_fills), cands, blocks * np2, max(t.n_slots, 1), out.pair_slot, out.fill_rows,
+                int(rule.allow_fills), int(rule.keep_fills), cands, blocks * np2, max(t.n_slots, 1), out.pair_slot, out.fill_rows,
                 out.fill_slots, out.cpu_ids, out.cpu_offsets, out.cpu_tok, out.cpu_w, out.counts, out.pairs,
                 out.phase_pairs, NP=np2, CANDS=max(np2, triton.next_power_of_2(blocks * np2)),
                 num_warps=max(4, min(32, np2 // 4)))

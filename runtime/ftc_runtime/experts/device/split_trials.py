@@ -9,10 +9,11 @@ the fixed `cpu` policy. So the rule runs against the CPU alone in short alternat
 decode steps (a round), and the faster by the steps' measured times runs until the next round;
 a round that confirms the choice doubles the time until the next one.
 
-The two compete only where their steps cost what they measure: without recurring routing the
-cache holds as many of a step's experts whichever side computed the last misses, so a block's
-time does not depend on the blocks before it. Where routing recurs, fills made now are hits later,
-which a block cannot measure, and the model's rule with its recency fills runs alone.
+The two compete only where their steps cost what they measure: without recurring routing a fill
+serves its own call only (`MissPlanner.keeps_fills`), so the cache holds the same experts whichever
+arm ran before, and a block's time does not depend on the blocks before it. Where routing recurs,
+fills made now are hits later, which a block cannot measure, and the model's rule with its recency
+fills runs alone.
 """
 
 from __future__ import annotations
