@@ -152,7 +152,8 @@ class HostSplit:
         on_device = np.concatenate([split.hit, split.fill])
         hit_slots = split.slots[split.hit]
         device_slots = np.concatenate([hit_slots, split.victims])
-        stay = None if planner.keeps_fills else np.concatenate([split.victims, hit_slots[cache.last_used[hit_slots] < 0]])
+        stay = None if planner.keeps_fills else \
+            np.concatenate([split.victims, hit_slots[cache.last_used[hit_slots] < 0]])
         cache.touch(device_slots)
         if stay is not None:  # fills that serve this call only, and hits on such slots, stay the next victims
             cache.last_used[stay] = -1

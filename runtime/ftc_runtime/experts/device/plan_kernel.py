@@ -50,8 +50,9 @@ def _victims(cands, n_cands, n_slots, slot, hit, NP: tl.constexpr, CANDS: tl.con
 
 @triton.jit
 def _plan(ids, ids_stride, weights, weights_stride, base_id, n, k, slot_of, id_of, last_used, cpu_step, step_ptr,
-          q_for_m, bias, recent_steps, allow_fills, keep_fills, cands, n_cands, n_slots, pair_slot, fill_rows, fill_slots, cpu_ids,
-          cpu_offsets, cpu_tok, cpu_w, counts, pairs, phase_pairs, NP: tl.constexpr, CANDS: tl.constexpr):
+          q_for_m, bias, recent_steps, allow_fills, keep_fills, cands, n_cands, n_slots, pair_slot, fill_rows,
+          fill_slots, cpu_ids, cpu_offsets, cpu_tok, cpu_w, counts, pairs, phase_pairs, NP: tl.constexpr,
+          CANDS: tl.constexpr):
     e = tl.arange(0, NP)
     valid = e < n
     # entry e is token e // k's j = e % k: its id and weight read in place (rows `*_stride` apart)
@@ -188,8 +189,8 @@ def plan_layer_triton(t: CacheTables, rule: PlanRule, base_id: int, ids: torch.T
                       for i, shape in enumerate(shapes)))
     _plan[(1,)](ids, ids.stride(0), weights, weights.stride(0), base_id, n, k,
                 t.slot_of, t.id_of, t.last_used, t.cpu_step, t.step, rule.q_for_m, rule.bias, rule.recent_steps,
-                int(rule.allow_fills), int(rule.keep_fills), cands, blocks * np2, max(t.n_slots, 1), out.pair_slot, out.fill_rows,
-                out.fill_slots, out.cpu_ids, out.cpu_offsets, out.cpu_tok, out.cpu_w, out.counts, out.pairs,
-                out.phase_pairs, NP=np2, CANDS=max(np2, triton.next_power_of_2(blocks * np2)),
+                int(rule.allow_fills), int(rule.keep_fills), cands, blocks * np2, max(t.n_slots, 1), out.pair_slot,
+                out.fill_rows, out.fill_slots, out.cpu_ids, out.cpu_offsets, out.cpu_tok, out.cpu_w, out.counts,
+                out.pairs, out.phase_pairs, NP=np2, CANDS=max(np2, triton.next_power_of_2(blocks * np2)),
                 num_warps=max(4, min(32, np2 // 4)))
     return out
