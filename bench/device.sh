@@ -7,7 +7,8 @@
 #   gpu-tests [-- PYTEST_ARGS]  every GPU test (pytest -m gpu tests), its log in OUT_DIR/pytest_gpu.txt;
 #                               arguments after -- narrow it (e.g. -- -k deepseek)
 #   matrix                      decode tok/s of each engine of the README's table under the miss policies
-#                               adaptive, gpu and cpu (`ftc bench matrix`: one expert pool per engine, drawn
+#                               adaptive, gpu and cpu, twice (the second time in reverse order; the table
+#                               gives each one's median run), (`ftc bench matrix`: one expert pool per engine, drawn
 #                               in memory; qwen3-30b-a3b bf16 at 32 GiB and MXFP4 at 8 GiB with the bundled
 #                               trace and uniform routing, qwen3.6-35b-a3b bf16 at 32 GiB and NVFP4 at 8 GiB
 #                               uniform): the tables into OUT_DIR/matrix.txt, each engine's runs (what
@@ -49,7 +50,7 @@ matrix() {  # NAME SPEC BUDGET [ftc bench matrix options...]
   local name=$1 spec=$2 budget=$3
   shift 3
   ftc bench matrix "$spec" --random-weights --target h200 --vram-budget "$budget" --miss-policy adaptive,gpu,cpu \
-    -o "$out/matrix-$name.json" "$@" 2>&1 | tee -a "$out/matrix.txt"
+    --repeats 2 -o "$out/matrix-$name.json" "$@" 2>&1 | tee -a "$out/matrix.txt"
 }
 
 rows="qwen3-30b-a3b-bf16-32GiB qwen3-30b-a3b-mxfp4-8GiB qwen3.6-35b-a3b-bf16-32GiB qwen3.6-35b-a3b-nvfp4-8GiB"

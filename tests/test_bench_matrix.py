@@ -53,7 +53,7 @@ def test_bench_matrix_runs_bench_decode_per_policy_and_routing(engine, tmp_path)
     alone = json.loads(ftc("bench", "decode", engine, *SHORT, "--miss-policy", policy, "--synthetic-locality", "0",
                            "--zipf", "0"))
     run = runs[policies.index(policy)]
-    assert run.keys() == alone.keys()
+    assert run.keys() == alone.keys() | {"repeat"} and run["repeat"] == 0
     split = ("calls", "unique", "hits", "fills", "cpu")
     assert {k: run["experts"][k] for k in split} == {k: alone["experts"][k] for k in split}
     # the table: a row per run, in order, with its tok/s
@@ -61,6 +61,23 @@ def test_bench_matrix_runs_bench_decode_per_policy_and_routing(engine, tmp_path)
     assert len(rows) == len(runs), table
     for row, r in zip(rows, runs, strict=True):
         assert r["miss_policy"] in row and f"{r['decode_tok_s']:.2f}" in row, (row, r)
+
+
+def test_bench_matrix_repeats_the_policies_in_turn_and_gives_each_ones_median(engine, tmp_path):
+    """--repeats 3: the policies run in order, then reversed, then in order again; the table's row
+    of each policy has the tok/s of its median run, then every run's."""
+    policies = random.sample(["adaptive", "gpu", "cpu", "half"], 2)
+    out = tmp_path / "matrix.json"
+    table = ftc("bench", "matrix", engine, *SHORT, "--miss-policy", ",".join(policies), "--uniform", "--repeats", "3",
+                "-o", out)
+    runs = json.loads(out.read_text())["runs"]
+    order = policies + policies[::-1] + policies
+    assert [(r["miss_policy"], r["repeat"]) for r in runs] == [(p, i // 2) for i, p in enumerate(order)]
+    rows = [line for line in table.splitlines() if "uniform" in line]
+    assert len(rows) == len(policies), table
+    for row, policy in zip(rows, policies, strict=True):
+        each = [r["decode_tok_s"] for r in runs if r["miss_policy"] == policy]
+        assert policy in row and f"{sorted(each)[1]:.2f} ({', '.join(f'{x:.2f}' for x in each)})" in row, (row, each)
 
 
 def test_bench_matrix_refuses_bad_policies_and_routings_before_it_runs(engine):

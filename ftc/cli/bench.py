@@ -222,6 +222,8 @@ def matrix(
                                                      "routing and policy also with drafts from the known greedy "
                                                      "answer, each wrong with probability 1 - P (`bench decode "
                                                      "--draft-oracle`), beside the run without drafts.")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Run each routing's policies this many times, in reverse "
+                                         "order every other time; the table gives each one's median run.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON object instead of the table.")] = False,
     output: OutputArg = None,
     random_weights: RandomWeightsArg = False,
@@ -263,7 +265,7 @@ def matrix(
                           f"{run['decode_tok_s']} tok/s, {run['ms_per_token']} ms/token", markup=False,
                           highlight=False)
 
-            result = bench_matrix(path, offloads, routings, prompt_tokens, new_tokens, pool, progress, drafts)
+            result = bench_matrix(path, offloads, routings, prompt_tokens, new_tokens, pool, progress, drafts, repeats)
         text = _report(result, output)
     if as_json:
         print(text)
