@@ -227,6 +227,28 @@ def test_cli_run_speculates_to_the_same_tokens(engine_dir, seed):
 # -- rollback --------------------------------------------------------------------------------------
 
 
+def test_a_speculative_sequence_counts_its_pass_states_in_its_vram_need(family_dir, seed):
+    """A speculative pass of k + 1 tokens leaves two copies of the recurrent state per token (its
+    row buffers and the copies a rejection rewinds to): the bytes a speculative sequence asks the
+    VRAM split for (`kv_need`, `bytes_for`) exceed a plain one's by that, counted here from the
+    state's own tensors; a family without recurrent state, or that rewinds by replay (DeepSeek-V4),
+    asks for nothing more."""
+    engine = load(family_dir, "cpu", None)
+    k = random.Random(seed).randrange(1, 5)
+    prompt = repeating_prompt(random.Random(seed))
+    plain, drafted = (Sequence(prompt, 8, SamplingParams(0.0), frozenset(), speculation=s)
+                      for s in (None, Speculation("ngram", k)))
+    for seq in (plain, drafted):
+        seq.start(engine)
+    (cache, n), (plain_cache, plain_n) = drafted.kv_need(), plain.kv_need()
+    assert n == plain_n == len(prompt), f"seed={seed}"  # the prompt is read first
+    hybrid = "qwen3.6" in family_dir.name  # Gated DeltaNet layers: a convolution's inputs and a recurrent state
+    state = sum(t.numel() * t.element_size() for s in cache.linear for t in (s.conv, s.recurrent)) if hybrid else 0
+    assert (state > 0) == hybrid, f"seed={seed}: {family_dir.name}"
+    want = 2 * (k + 1) * state
+    assert cache.bytes_for(n) - plain_cache.bytes_for(n) == want, f"seed={seed}: {family_dir.name}, k={k}"
+
+
 def test_a_truncated_cache_decodes_as_if_the_drafts_never_ran(family_dir, seed):
     """After a pass of a token and 4 drafts, the cache cut back to the token and j drafts (each j)
     gives the next token the logits of a cache that ran those alone; a recurrent state rewinds to

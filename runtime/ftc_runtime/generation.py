@@ -95,6 +95,7 @@ class Sequence:
         longest cached prefix."""
         oracle = self.speculation.oracle if self.speculation is not None else None
         self.cache = runner.model.new_cache()
+        self.cache.pass_tokens = 1 + self.speculation.k if self.speculation is not None else 0
         self.sampler = Sampler(self.sampling, self.prompt_ids) if oracle is None else oracle.sampler(self.prompt_ids)
         self.seq = list(self.prompt_ids)
         self.prefix = runner.prefix_cache

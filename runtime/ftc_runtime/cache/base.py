@@ -50,6 +50,7 @@ class SequenceState(Protocol):
     # False: a speculative pass's rejected drafts are cut off by `truncate`; True: the state offers
     # `mark()` and `rewind(mark)` instead, and the kept tokens run again after the rewind.
     rewinds_by_replay: bool
+    pass_tokens: int  # the most tokens of one speculative pass, whose state copies `bytes_for` counts
 
     @property
     def length(self) -> int: ...

@@ -25,6 +25,9 @@ class SequenceCache:
         self.linear = linear or []  # indexed by recurrent layer
         # Checkpoints taken inside prompt chunks (`forward(checkpoint_at=...)`), by length.
         self.checkpoints: dict[int, RecurrentCheckpoint] = {}
+        # The most tokens of one speculative pass (0: none): each leaves a copy of the recurrent
+        # state behind it, in the pass's row buffers and in the copies a rejection rewinds to.
+        self.pass_tokens = 0
 
     @property
     def length(self) -> int:
@@ -53,8 +56,10 @@ class SequenceCache:
         self.length += 1
 
     def bytes_for(self, n: int) -> int:
-        """Device bytes once the sequence holds n tokens: its KV cache and its recurrent state."""
-        return self.kv.bytes_for(n) + sum(s.nbytes for s in self.linear)
+        """Device bytes once the sequence holds n tokens: its KV cache and its recurrent state,
+        and two copies of that state per token of a speculative pass (`pass_tokens`)."""
+        state = sum(s.nbytes for s in self.linear)
+        return self.kv.bytes_for(n) + state * (1 + (0 if self.rewinds_by_replay else 2 * self.pass_tokens))
 
     def take(self) -> RecurrentCheckpoint:
         """The recurrent layers' state at the current token, copied on its device."""
