@@ -93,7 +93,10 @@ while [ $# -gt 0 ]; do
       if [ "${1:-}" = "--" ]; then shift; args=("$@"); set --; fi
       # -v: each test's outcome as it ends, so that a log cut off by the call's limit still names a failure
       # (the machine lacks uvicorn: the two modules of CPU-only serving tests that import it fail to collect)
-      python3 -m pytest -v -p no:cacheprovider --continue-on-collection-errors -m gpu tests "${args[@]}" 2>&1 \
+      # (tests/failures_as_they_happen.py prints each failure's report as it ends, so a log cut off by the
+      # call's limit still says why)
+      PYTHONPATH=tests${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -v -p no:cacheprovider -p failures_as_they_happen \
+        --continue-on-collection-errors -m gpu tests "${args[@]}" 2>&1 \
         | tee "$out/pytest_gpu.txt" | grep -v " PASSED\| SKIPPED" | tail -40 ;;
     matrix)
       for name in $rows; do row "$name"; done ;;
