@@ -73,12 +73,13 @@ class MtpDrafter:
         ran, on the expert backend's host path), the decode passes' since the last drafts joined
         into calls of at most PLANNED_TOKENS rows, which the backend runs on its device plan (a
         longer one would take the host path, and the next step would capture its graphs anew)."""
-        calls, run = [], []
+        calls, run, rows = [], [], 0
         for hidden in self.pending:
-            if run and sum(h.shape[0] for h in run) + hidden.shape[0] > PLANNED_TOKENS:
+            if run and rows + hidden.shape[0] > PLANNED_TOKENS:
                 calls.append(torch.cat(run))
-                run = []
+                run, rows = [], 0
             run.append(hidden)
+            rows += hidden.shape[0]
         self.pending = []
         return [*calls, torch.cat(run)]
 
